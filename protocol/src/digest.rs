@@ -1,0 +1,197 @@
+//! The canonical spec digest: the single definition of "same configuration".
+//!
+//! A spec is any JSON value. Its canonical form is compact JSON with object
+//! keys sorted by their UTF-8 bytes, no insignificant whitespace, strings
+//! escaped as JSON requires, and numbers written in their shortest form, with
+//! integral floats inside ±2^53 written as integers (so `1.0` and `1` are the
+//! same number). The digest is `sha256:` followed by the lowercase hex SHA-256
+//! of the canonical form. Key order and formatting therefore never change the
+//! digest, while array order and every value do.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest as _, Sha256};
+
+/// Floats with an integral value up to this magnitude are written as integers.
+const MAX_EXACT_INTEGER_IN_F64: f64 = 9_007_199_254_740_992.0;
+
+/// `sha256:<64 hex digits>` of a spec's canonical JSON.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SpecDigest(String);
+
+impl SpecDigest {
+    /// Digest of `spec` in its canonical form.
+    pub fn of(spec: &Value) -> Self {
+        let hash = Sha256::digest(canonical_json(spec).as_bytes());
+        Self(format!("sha256:{}", hex::encode(hash)))
+    }
+
+    /// Wraps a digest read back from storage. The caller vouches that it was
+    /// produced by [`SpecDigest::of`].
+    pub fn from_stored(stored: String) -> Self {
+        Self(stored)
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for SpecDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for SpecDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The first 12 hex digits are plenty to tell digests apart in logs.
+        let short = self.0.get(..19).unwrap_or(&self.0);
+        write!(f, "SpecDigest({short}…)")
+    }
+}
+
+/// The canonical JSON text of `value` (see the module docs for the rules).
+pub fn canonical_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_canonical(value, &mut out);
+    out
+}
+
+fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => write_number(n, out),
+        Value::String(s) => write_string(s, out),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            out.push('{');
+            for (i, (key, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_string(key, out);
+                out.push(':');
+                write_canonical(item, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+fn write_number(n: &serde_json::Number, out: &mut String) {
+    if n.is_f64() {
+        if let Some(f) = n.as_f64() {
+            if f.fract() == 0.0 && f.abs() <= MAX_EXACT_INTEGER_IN_F64 {
+                // Exact: |f| ≤ 2^53 and integral, so the cast loses nothing.
+                out.push_str(&(f as i64).to_string());
+                return;
+            }
+        }
+    }
+    out.push_str(&n.to_string());
+}
+
+fn write_string(s: &str, out: &mut String) {
+    // serde_json's string escaping is the JSON standard's; serialising a str
+    // cannot fail.
+    match serde_json::to_string(s) {
+        Ok(escaped) => out.push_str(&escaped),
+        Err(_) => unreachable!("serialising a &str to JSON is infallible"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn digest_of(text: &str) -> SpecDigest {
+        SpecDigest::of(&serde_json::from_str(text).unwrap())
+    }
+
+    #[test]
+    fn key_order_and_whitespace_do_not_change_the_digest() {
+        assert_eq!(
+            digest_of(r#"{"a":1,"b":[1,2]}"#),
+            digest_of(r#"{ "b" : [1,2], "a" : 1 }"#)
+        );
+    }
+
+    #[test]
+    fn array_order_changes_the_digest() {
+        assert_ne!(
+            digest_of(r#"{"a":1,"b":[1,2]}"#),
+            digest_of(r#"{"a":1,"b":[2,1]}"#)
+        );
+    }
+
+    #[test]
+    fn canonical_form_sorts_nested_keys_and_drops_whitespace() {
+        let spec = json!({"z": {"y": 1, "b": [true, null]}, "a": "x\"y"});
+        assert_eq!(
+            canonical_json(&spec),
+            r#"{"a":"x\"y","z":{"b":[true,null],"y":1}}"#
+        );
+    }
+
+    #[test]
+    fn integral_floats_equal_integers_but_fractions_do_not() {
+        assert_eq!(digest_of(r#"{"n":1.0}"#), digest_of(r#"{"n":1}"#));
+        assert_eq!(digest_of(r#"{"n":1e2}"#), digest_of(r#"{"n":100}"#));
+        assert_ne!(digest_of(r#"{"n":1.5}"#), digest_of(r#"{"n":1}"#));
+    }
+
+    #[test]
+    fn digest_has_the_documented_shape() {
+        let d = digest_of("{}");
+        assert!(d.as_str().starts_with("sha256:"));
+        assert_eq!(d.as_str().len(), "sha256:".len() + 64);
+    }
+
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            "[a-z\"\\\\ ]{0,8}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map("[a-z]{1,4}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn canonical_form_parses_back_to_the_same_value(v in arb_json()) {
+            let reparsed: Value = serde_json::from_str(&canonical_json(&v)).unwrap();
+            prop_assert_eq!(reparsed, v);
+        }
+
+        #[test]
+        fn pretty_printing_never_changes_the_digest(v in arb_json()) {
+            let pretty = serde_json::to_string_pretty(&v).unwrap();
+            prop_assert_eq!(digest_of(&pretty), SpecDigest::of(&v));
+        }
+    }
+}

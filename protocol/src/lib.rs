@@ -1,0 +1,18 @@
+//! idem wire contract v1, shared by the server and every device: topic layout,
+//! payload types, device-id rules and the canonical spec digest.
+//!
+//! This crate is pure: serde only, no IO, no async runtime. `docs/PROTOCOL.md`
+//! is the normative prose copy of what is encoded here.
+
+pub mod device_id;
+pub mod digest;
+pub mod payload;
+pub mod topic;
+
+pub use device_id::{DeviceId, InvalidDeviceId};
+pub use digest::{canonical_json, SpecDigest};
+pub use payload::{
+    DecodeError, Desired, Health, Rejection, Reported, Status, DEFAULT_MAX_PAYLOAD_BYTES,
+    GET_PAYLOAD,
+};
+pub use topic::{Channel, ParsedTopic, TopicError, TopicRoot, DEFAULT_TOPIC_ROOT};
