@@ -1,1 +1,21 @@
-//! placeholder
+//! idem-server: reconciles each device's reported state (MQTT) with the
+//! desired state (PostgreSQL), pushing only where they differ and recording
+//! one outcome per device per run.
+//!
+//! `app::run(config, listener, pool, token)` is the whole server; the binary
+//! only parses configuration and handles signals.
+
+pub mod api;
+pub mod app;
+pub mod config;
+pub mod events;
+pub mod fleet;
+pub mod ingest;
+pub mod metrics;
+pub mod mqtt;
+pub mod reconcile;
+pub mod store;
+
+pub use app::{run, AppState, ServerError};
+pub use config::{Config, ValidConfig};
+pub use store::MIGRATOR;

@@ -1,1 +1,21 @@
-//! placeholder
+//! Harness for idem's end-to-end tests: starts and owns the real services the
+//! tests talk to — a private Mosquitto, fresh databases on the shared
+//! PostgreSQL, and throwaway PostgreSQL clusters for fault tests.
+//!
+//! It holds no product logic and mocks nothing idem sells. Every fixture is
+//! safe to use from many tests running in parallel in one test binary: ports
+//! are picked free at run time and names are unique. A missing service is an
+//! error that says what to install, never a silent skip.
+
+pub mod broker;
+pub mod database;
+pub mod postgres;
+pub mod scenario;
+pub mod server;
+mod support;
+
+pub use broker::{raise_fd_limit, PrivateMosquitto};
+pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};
+pub use postgres::PrivatePostgres;
+pub use scenario::Scenario;
+pub use server::{DesiredWatcher, ServerSettings, TestServer};

@@ -1,0 +1,278 @@
+//! Command-line interface of `device-sim`: argument definitions (every flag
+//! has an `IDEM_SIM_*` variable), validation with fix-it messages, and the
+//! dispatch to one module per subcommand. Binary-only: errors are anyhow here.
+
+mod run;
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use idem_device_sim::{
+    default_desired_spec, BrokerAddr, FleetConfig, FleetPlan, Plan, DEFAULT_REJECT_MESSAGE,
+};
+use idem_protocol::TopicRoot;
+use serde_json::Value;
+
+/// Virtual MQTT devices speaking the idem protocol: thousands of them, one
+/// connection each, with a known mix of drifted, rejecting and silent devices.
+#[derive(Debug, Parser)]
+#[command(name = "device-sim", version)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct GlobalArgs {
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `idem_device_sim=debug`.
+    #[arg(
+        long,
+        env = "IDEM_SIM_LOG",
+        default_value = "warn,idem_device_sim=info",
+        global = true
+    )]
+    pub log: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start the fleet and keep it connected and answering until Ctrl-C,
+    /// printing periodic stats.
+    Run(run::RunArgs),
+}
+
+/// Runs the chosen subcommand.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run(args) => run::run(args).await,
+    }
+}
+
+pub fn init_tracing(global: &GlobalArgs) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&global.log).unwrap_or_else(|error| {
+        eprintln!(
+            "device-sim: invalid --log / IDEM_SIM_LOG filter {:?} ({error}); using `warn`",
+            global.log
+        );
+        tracing_subscriber::EnvFilter::new("warn")
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// The simulated fleet: size, broker, naming and the mix of device states and
+/// behaviours. Shared by every subcommand that starts devices.
+#[derive(Debug, Clone, Args)]
+pub struct FleetArgs {
+    /// Number of simulated devices (one MQTT connection each).
+    #[arg(long, env = "IDEM_SIM_DEVICES", default_value_t = 10_000)]
+    pub devices: usize,
+
+    /// MQTT broker, `mqtt://host:port` (plain TCP).
+    #[arg(long, env = "IDEM_SIM_BROKER", default_value = "mqtt://127.0.0.1:1883")]
+    pub broker: BrokerAddr,
+
+    /// Topic root shared with the server.
+    #[arg(long, env = "IDEM_SIM_TOPIC_ROOT", default_value = idem_protocol::DEFAULT_TOPIC_ROOT)]
+    pub topic_root: TopicRoot,
+
+    /// Device ids are this prefix plus a zero-padded index (`sim-00042`).
+    #[arg(long, env = "IDEM_SIM_ID_PREFIX", default_value = "sim-")]
+    pub id_prefix: String,
+
+    /// Devices that start on a spec other than the desired one (and accept the push).
+    #[arg(long, env = "IDEM_SIM_DRIFTED", default_value_t = 0)]
+    pub drifted: usize,
+
+    /// Devices that start off-spec and reject every push.
+    #[arg(long, env = "IDEM_SIM_REJECT", default_value_t = 0)]
+    pub reject: usize,
+
+    /// Reason rejecting devices give.
+    #[arg(long, env = "IDEM_SIM_REJECT_MESSAGE", default_value = DEFAULT_REJECT_MESSAGE)]
+    pub reject_message: String,
+
+    /// Devices that never report nor answer (the server must time them out).
+    #[arg(long, env = "IDEM_SIM_SILENT", default_value_t = 0)]
+    pub silent: usize,
+
+    /// Devices that start off-spec, report, but ignore pushes.
+    #[arg(long, env = "IDEM_SIM_IGNORE_PUSHES", default_value_t = 0)]
+    pub ignore_pushes: usize,
+
+    /// Seed choosing which devices drift, reject, … (same seed, same devices).
+    #[arg(long, env = "IDEM_SIM_SEED", default_value_t = 1)]
+    pub seed: u64,
+
+    /// Desired spec (JSON) the non-drifted devices run; drifted ones run it
+    /// with another "version".
+    #[arg(long, env = "IDEM_SIM_DESIRED_SPEC", value_parser = parse_json)]
+    pub desired_spec: Option<Value>,
+
+    /// Generation reported by devices already on the desired spec.
+    #[arg(long, env = "IDEM_SIM_INITIAL_GENERATION", default_value_t = 1)]
+    pub initial_generation: u64,
+
+    /// Delay before a device answers a push, in ms: `N` or a range `MIN-MAX`.
+    #[arg(long, env = "IDEM_SIM_APPLY_LATENCY_MS", default_value = "0", value_parser = parse_latency)]
+    pub apply_latency_ms: (Duration, Duration),
+
+    /// New connections per second while starting; 0 = as fast as possible.
+    #[arg(long, env = "IDEM_SIM_CONNECT_RATE", default_value_t = 0)]
+    pub connect_rate: u32,
+
+    /// MQTT keep-alive in seconds (0 = off).
+    #[arg(long, env = "IDEM_SIM_KEEP_ALIVE_SECS", default_value_t = 60)]
+    pub keep_alive_secs: u64,
+
+    /// Send a report every N seconds per device (heartbeat); 0 = off.
+    #[arg(long, env = "IDEM_SIM_REPORT_INTERVAL_SECS", default_value_t = 0)]
+    pub report_interval_secs: u64,
+
+    /// MQTT client id prefix; default is `{topic-root}/`, so the client id
+    /// is `{topic-root}/{device-id}`.
+    #[arg(long, env = "IDEM_SIM_CLIENT_ID_PREFIX")]
+    pub client_id_prefix: Option<String>,
+}
+
+impl FleetArgs {
+    /// The plan (device configs + ground truth) these arguments describe.
+    pub fn plan(&self) -> anyhow::Result<Plan> {
+        FleetPlan::new(self.id_prefix.clone(), self.devices)
+            .desired_spec(self.desired_spec.clone().unwrap_or_else(default_desired_spec))
+            .drifted(self.drifted)
+            .rejecting(self.reject)
+            .reject_message(self.reject_message.clone())
+            .silent(self.silent)
+            .ignoring_pushes(self.ignore_pushes)
+            .seed(self.seed)
+            .initial_generation(Some(self.initial_generation))
+            .apply_latency(self.apply_latency_ms.0, self.apply_latency_ms.1)
+            .build()
+            .context("invalid fleet (check --devices, --drifted, --reject, --silent, --ignore-pushes, --id-prefix)")
+    }
+
+    /// The fleet configuration for `plan`'s devices.
+    pub fn fleet_config(&self, plan: &Plan) -> anyhow::Result<FleetConfig> {
+        let mut config = FleetConfig::new(
+            self.broker.clone(),
+            self.topic_root.clone(),
+            plan.devices.clone(),
+        );
+        config.keep_alive = Duration::from_secs(self.keep_alive_secs);
+        config.connect_rate = self.connect_rate;
+        config.report_interval =
+            (self.report_interval_secs > 0).then(|| Duration::from_secs(self.report_interval_secs));
+        config.client_id_prefix = self.client_id_prefix.clone();
+        config.validate().context("invalid fleet configuration")?;
+        Ok(config)
+    }
+}
+
+fn parse_json(raw: &str) -> Result<Value, String> {
+    serde_json::from_str(raw).map_err(|e| format!("not valid JSON: {e}"))
+}
+
+/// `"50"` → 50..=50 ms, `"10-200"` → 10..=200 ms.
+fn parse_latency(raw: &str) -> Result<(Duration, Duration), String> {
+    let ms = |s: &str| {
+        s.trim()
+            .parse::<u64>()
+            .map(Duration::from_millis)
+            .map_err(|_| format!("{s:?} is not a whole number of milliseconds"))
+    };
+    let (min, max) = match raw.split_once('-') {
+        Some((min, max)) => (ms(min)?, ms(max)?),
+        None => {
+            let v = ms(raw)?;
+            (v, v)
+        }
+    };
+    if min > max {
+        return Err(format!("range {raw:?} is inverted; write MIN-MAX"));
+    }
+    Ok((min, max))
+}
+
+/// Raises this process's open-file soft limit to the hard limit: every device
+/// is one socket. Returns the limit now in effect.
+pub fn raise_fd_limit(devices: usize) -> u64 {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => {
+            if limit < devices as u64 + 64 {
+                tracing::warn!(
+                    limit,
+                    devices,
+                    "open-file limit is below the device count; raise it (e.g. `ulimit -n 65536`) or use fewer devices"
+                );
+            }
+            limit
+        }
+        Err(error) => {
+            tracing::warn!(%error, "could not raise the open-file limit");
+            0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_flag_has_an_idem_sim_environment_variable() {
+        let cmd = Cli::command();
+        for sub in cmd.get_subcommands() {
+            for arg in sub.get_arguments() {
+                if arg.get_id() == "help" || arg.get_id() == "version" {
+                    continue;
+                }
+                let env = arg.get_env().and_then(|e| e.to_str()).unwrap_or("");
+                assert!(
+                    env.starts_with("IDEM_SIM_"),
+                    "--{} has no IDEM_SIM_* variable",
+                    arg.get_id()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn latency_accepts_a_value_or_a_range() {
+        let ms = Duration::from_millis;
+        assert_eq!(parse_latency("50"), Ok((ms(50), ms(50))));
+        assert_eq!(parse_latency("10-200"), Ok((ms(10), ms(200))));
+        assert!(parse_latency("200-10").is_err());
+        assert!(parse_latency("fast").is_err());
+    }
+
+    #[test]
+    fn run_defaults_describe_a_10000_device_fleet_on_the_local_broker() {
+        let cli = Cli::try_parse_from(["device-sim", "run", "--drifted", "4"]).unwrap();
+        let Command::Run(args) = cli.command;
+        assert_eq!(args.fleet.devices, 10_000);
+        assert_eq!(args.fleet.broker, BrokerAddr::new("127.0.0.1", 1883));
+        let plan = args.fleet.plan().unwrap();
+        assert_eq!(
+            plan.expected_counts().summary(),
+            "9,996 already converged, 4 provisioned, 0 failed"
+        );
+    }
+
+    #[test]
+    fn a_bad_broker_url_is_refused_with_a_hint() {
+        let err = Cli::try_parse_from(["device-sim", "run", "--broker", "mqtts://x"]).unwrap_err();
+        assert!(err.to_string().contains("plain TCP"), "{err}");
+    }
+}

@@ -1,0 +1,391 @@
+//! Fleet and per-device configuration: broker address, MQTT client tuning,
+//! connection ramp and reconnect backoff. Plain data plus validation; nothing
+//! here connects to anything.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use idem_protocol::{DeviceId, Health, TopicRoot};
+use serde_json::Value;
+
+use crate::behaviour::DeviceBehaviour;
+use crate::error::SimError;
+
+/// Default MQTT port when a broker URL names none.
+pub const DEFAULT_MQTT_PORT: u16 = 1883;
+
+/// Where the broker listens. Plain TCP only: the simulator does not do TLS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerAddr {
+    pub host: String,
+    pub port: u16,
+}
+
+impl BrokerAddr {
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        Self {
+            host: host.into(),
+            port,
+        }
+    }
+
+    /// Parses `mqtt://host[:port]`, `tcp://host[:port]` or a bare `host[:port]`
+    /// (IPv6 hosts in brackets: `mqtt://[::1]:1883`).
+    pub fn parse(url: &str) -> Result<Self, SimError> {
+        let bad = |reason: &str| SimError::InvalidBrokerUrl {
+            url: url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let rest = match url.split_once("://") {
+            Some(("mqtt" | "tcp", rest)) => rest,
+            Some(("mqtts" | "ssl" | "ws" | "wss", _)) => {
+                return Err(bad("only plain TCP (mqtt:// or tcp://) is supported"))
+            }
+            Some((scheme, _)) => return Err(bad(&format!("unknown scheme {scheme:?}"))),
+            None => url,
+        };
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.contains(['/', '?', '@']) {
+            return Err(bad(
+                "paths, query strings and credentials are not supported",
+            ));
+        }
+        let (host, port) = if let Some(bracketed) = rest.strip_prefix('[') {
+            let (host, after) = bracketed
+                .split_once(']')
+                .ok_or_else(|| bad("unclosed '[' in IPv6 host"))?;
+            let port = match after.strip_prefix(':') {
+                Some(port) => Some(port),
+                None if after.is_empty() => None,
+                None => return Err(bad("unexpected text after IPv6 host")),
+            };
+            (host, port)
+        } else {
+            match rest.rsplit_once(':') {
+                Some((host, port)) => (host, Some(port)),
+                None => (rest, None),
+            }
+        };
+        if host.is_empty() {
+            return Err(bad("host is empty"));
+        }
+        let port = match port {
+            None => DEFAULT_MQTT_PORT,
+            Some(p) => p
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| bad("port must be a number from 1 to 65535"))?,
+        };
+        Ok(Self::new(host, port))
+    }
+}
+
+impl FromStr for BrokerAddr {
+    type Err = SimError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl fmt::Display for BrokerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "mqtt://[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "mqtt://{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// One simulated device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimDevice {
+    pub id: DeviceId,
+    /// The spec the device runs when the simulator starts.
+    pub spec: Value,
+    /// The desired generation it last applied before the simulator started.
+    pub generation: Option<u64>,
+    pub behaviour: DeviceBehaviour,
+    /// Delay between receiving a `desired` message and answering it.
+    pub apply_latency: Duration,
+    /// Health reported with every report.
+    pub health: Health,
+    /// Overrides [`DeviceBehaviour::reports_on_connect_by_default`].
+    pub report_on_connect: Option<bool>,
+    /// Start disconnected; [`crate::Fleet::bring_online`] connects it.
+    pub start_offline: bool,
+}
+
+impl SimDevice {
+    /// An accepting, healthy device running `spec` with no applied generation.
+    pub fn new(id: DeviceId, spec: Value) -> Self {
+        Self {
+            id,
+            spec,
+            generation: None,
+            behaviour: DeviceBehaviour::Accept,
+            apply_latency: Duration::ZERO,
+            health: Health::Healthy,
+            report_on_connect: None,
+            start_offline: false,
+        }
+    }
+
+    pub fn with_generation(mut self, generation: Option<u64>) -> Self {
+        self.generation = generation;
+        self
+    }
+
+    pub fn with_behaviour(mut self, behaviour: DeviceBehaviour) -> Self {
+        self.behaviour = behaviour;
+        self
+    }
+
+    pub fn with_apply_latency(mut self, latency: Duration) -> Self {
+        self.apply_latency = latency;
+        self
+    }
+
+    pub fn with_health(mut self, health: Health) -> Self {
+        self.health = health;
+        self
+    }
+
+    pub fn with_report_on_connect(mut self, report: bool) -> Self {
+        self.report_on_connect = Some(report);
+        self
+    }
+
+    pub fn starting_offline(mut self) -> Self {
+        self.start_offline = true;
+        self
+    }
+
+    /// Whether this device reports right after each (re)connect.
+    pub fn reports_on_connect(&self) -> bool {
+        self.report_on_connect
+            .unwrap_or_else(|| self.behaviour.reports_on_connect_by_default())
+    }
+}
+
+/// Capped exponential reconnect backoff with jitter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// Delay after the first failure.
+    pub initial: Duration,
+    /// Upper bound for any delay.
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_millis(250),
+            max: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Backoff {
+    /// Delay before reconnect attempt number `failures` (1 = after the first
+    /// failure): `initial * 2^(failures-1)` capped at `max`, scaled by
+    /// `jitter` ∈ [0, 1] into the range [50 %, 100 %] of that value so that
+    /// thousands of devices dropped together do not reconnect in lockstep.
+    pub fn delay(&self, failures: u32, jitter: f64) -> Duration {
+        let exp = failures.saturating_sub(1).min(31);
+        let base = self.initial.saturating_mul(1u32 << exp).min(self.max);
+        let jitter = if jitter.is_finite() {
+            jitter.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        base.mul_f64(0.5 + 0.5 * jitter)
+    }
+}
+
+/// Everything [`crate::Fleet::start`] needs.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    pub broker: BrokerAddr,
+    pub topic_root: TopicRoot,
+    /// MQTT client id = prefix + device id. `None` uses `"{topic_root}/"`, so a
+    /// client id names exactly one device on the wire and a restarted
+    /// simulator takes over its predecessor's connections.
+    pub client_id_prefix: Option<String>,
+    pub keep_alive: Duration,
+    /// New connections per second during the start-up ramp; 0 = no limit.
+    /// Reconnects after errors use `backoff` instead.
+    pub connect_rate: u32,
+    pub backoff: Backoff,
+    /// TCP connect + CONNACK timeout per attempt.
+    pub connect_timeout: Duration,
+    /// Periodic report (heartbeat) interval; `None` = report only on connect,
+    /// `get`, pushes and local changes.
+    pub report_interval: Option<Duration>,
+    /// Why small: the request channel is pre-allocated per client; 10,000
+    /// clients must fit in memory.
+    pub request_channel_capacity: usize,
+    /// Outgoing QoS 1 messages awaiting PUBACK per client.
+    pub inflight: u16,
+    /// Largest MQTT packet accepted or sent; above the protocol's 64 KiB
+    /// payload limit plus topic and header.
+    pub max_packet_size: usize,
+    pub devices: Vec<SimDevice>,
+}
+
+impl FleetConfig {
+    /// Defaults: keep-alive 60 s, no connect-rate limit, backoff 250 ms..30 s,
+    /// connect timeout 10 s, no heartbeats, channel 10, inflight 10, packets up
+    /// to 72 KiB.
+    pub fn new(broker: BrokerAddr, topic_root: TopicRoot, devices: Vec<SimDevice>) -> Self {
+        Self {
+            broker,
+            topic_root,
+            client_id_prefix: None,
+            keep_alive: Duration::from_secs(60),
+            connect_rate: 0,
+            backoff: Backoff::default(),
+            connect_timeout: Duration::from_secs(10),
+            report_interval: None,
+            request_channel_capacity: 10,
+            inflight: 10,
+            max_packet_size: 72 * 1024,
+            devices,
+        }
+    }
+
+    /// The client-id prefix in effect (see [`FleetConfig::client_id_prefix`]).
+    pub fn effective_client_id_prefix(&self) -> String {
+        self.client_id_prefix
+            .clone()
+            .unwrap_or_else(|| format!("{}/", self.topic_root))
+    }
+
+    /// Checks what rumqttc would otherwise panic on, and duplicate ids.
+    pub fn validate(&self) -> Result<(), SimError> {
+        if !self.keep_alive.is_zero() && self.keep_alive < Duration::from_secs(1) {
+            return Err(SimError::InvalidKeepAlive(self.keep_alive));
+        }
+        if self.inflight == 0 {
+            return Err(SimError::ZeroInflight);
+        }
+        let mut seen = std::collections::HashSet::with_capacity(self.devices.len());
+        for d in &self.devices {
+            if !seen.insert(d.id.as_str()) {
+                return Err(SimError::DuplicateDevice(d.id.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How [`crate::Fleet::take_offline`] disconnects a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OfflineMode {
+    /// Publish retained `offline`, then send MQTT DISCONNECT (no Last Will).
+    Clean,
+    /// Drop the TCP connection without DISCONNECT: the broker publishes the
+    /// Last Will (`offline`), like a device losing power.
+    Abrupt,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn broker_urls_parse_with_and_without_scheme_and_port() {
+        let cases = [
+            ("mqtt://127.0.0.1:1883", "127.0.0.1", 1883),
+            ("tcp://broker.local:2883/", "broker.local", 2883),
+            ("mqtt://broker", "broker", 1883),
+            ("localhost:1999", "localhost", 1999),
+            ("mqtt://[::1]:1884", "::1", 1884),
+            ("[::1]", "::1", 1883),
+        ];
+        for (url, host, port) in cases {
+            assert_eq!(
+                BrokerAddr::parse(url).unwrap(),
+                BrokerAddr::new(host, port),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
+    fn unsupported_or_malformed_broker_urls_are_refused() {
+        for url in [
+            "mqtts://x:8883",
+            "http://x",
+            "mqtt://",
+            "mqtt://x:0",
+            "mqtt://x:99999",
+            "mqtt://x:1883/path",
+            "mqtt://u:p@x",
+            "mqtt://[::1",
+        ] {
+            assert!(BrokerAddr::parse(url).is_err(), "{url} should be refused");
+        }
+    }
+
+    #[test]
+    fn broker_addresses_display_as_urls() {
+        assert_eq!(
+            BrokerAddr::new("127.0.0.1", 1883).to_string(),
+            "mqtt://127.0.0.1:1883"
+        );
+        assert_eq!(BrokerAddr::new("::1", 1).to_string(), "mqtt://[::1]:1");
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_jitter_stays_within_half() {
+        let b = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(1),
+        };
+        assert_eq!(b.delay(1, 1.0), Duration::from_millis(100));
+        assert_eq!(b.delay(2, 1.0), Duration::from_millis(200));
+        assert_eq!(b.delay(4, 1.0), Duration::from_millis(800));
+        assert_eq!(b.delay(5, 1.0), Duration::from_secs(1));
+        assert_eq!(b.delay(500, 1.0), Duration::from_secs(1));
+        assert_eq!(b.delay(1, 0.0), Duration::from_millis(50));
+        assert_eq!(b.delay(1, f64::NAN), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn a_fleet_with_duplicate_ids_or_bad_keep_alive_is_refused() {
+        let id = DeviceId::parse("d1").unwrap();
+        let dev = SimDevice::new(id, json!({}));
+        let mut cfg = FleetConfig::new(
+            BrokerAddr::new("localhost", 1883),
+            TopicRoot::default(),
+            vec![dev.clone(), dev],
+        );
+        assert!(matches!(cfg.validate(), Err(SimError::DuplicateDevice(_))));
+        cfg.devices.truncate(1);
+        assert!(cfg.validate().is_ok());
+        cfg.keep_alive = Duration::from_millis(500);
+        assert!(matches!(cfg.validate(), Err(SimError::InvalidKeepAlive(_))));
+    }
+
+    #[test]
+    fn the_default_client_id_is_the_topic_root_and_device_id() {
+        let cfg = FleetConfig::new(
+            BrokerAddr::new("localhost", 1883),
+            TopicRoot::new("t/1").unwrap(),
+            vec![],
+        );
+        assert_eq!(cfg.effective_client_id_prefix(), "t/1/");
+    }
+
+    #[test]
+    fn silent_devices_do_not_report_on_connect_unless_told_to() {
+        let id = DeviceId::parse("d1").unwrap();
+        let silent = SimDevice::new(id, json!({})).with_behaviour(DeviceBehaviour::Silent);
+        assert!(!silent.reports_on_connect());
+        assert!(silent.with_report_on_connect(true).reports_on_connect());
+    }
+}

@@ -1,0 +1,53 @@
+//! Typed errors of the simulator library: configuration, planning and fleet
+//! control. Nothing here performs IO.
+
+use std::time::Duration;
+
+use idem_protocol::{DeviceId, InvalidDeviceId};
+
+/// Why a fleet could not be started or controlled.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("invalid broker URL {url:?}: {reason} (expected e.g. mqtt://127.0.0.1:1883)")]
+    InvalidBrokerUrl { url: String, reason: String },
+    #[error("device {0} appears more than once in the fleet; device ids must be unique")]
+    DuplicateDevice(DeviceId),
+    #[error("no device {0} in this fleet")]
+    UnknownDevice(DeviceId),
+    #[error("device {0} has stopped (the fleet is shutting down)")]
+    DeviceStopped(DeviceId),
+    #[error("Fleet::start must be called from inside a tokio runtime")]
+    NoRuntime,
+    #[error("keep-alive must be zero (off) or at least one second, got {0:?}")]
+    InvalidKeepAlive(Duration),
+    #[error("MQTT inflight window must be at least 1")]
+    ZeroInflight,
+    #[error(
+        "timed out after {timeout:?} waiting for {wanted} connected devices; {connected} connected"
+    )]
+    ConnectTimeout {
+        timeout: Duration,
+        wanted: usize,
+        connected: usize,
+    },
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+}
+
+/// Why a [`crate::FleetPlan`] cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error(
+        "the plan asks for {requested} special devices (drifted + rejecting + silent + ignoring) \
+         but the fleet has only {devices}; lower those counts or raise the device count"
+    )]
+    TooManySpecial { requested: usize, devices: usize },
+    #[error("id prefix {prefix:?} does not give valid device ids ({source}); use letters, digits, '_', '.' or '-'")]
+    InvalidPrefix {
+        prefix: String,
+        #[source]
+        source: InvalidDeviceId,
+    },
+    #[error("apply latency range is inverted: min {min:?} > max {max:?}")]
+    InvertedLatency { min: Duration, max: Duration },
+}

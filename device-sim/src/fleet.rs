@@ -1,0 +1,351 @@
+//! The running fleet: starts one task per device, exposes per-device
+//! snapshots and fleet-wide counters, and controls devices (local spec
+//! changes, offline/online, shutdown). Owns the shared state the device tasks
+//! write; never holds a lock across `.await`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use idem_protocol::{Channel, DeviceId, Health, Rejection, TopicRoot};
+use rumqttc::{LastWill, MqttOptions, NetworkOptions, QoS};
+use serde_json::Value;
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::behaviour::{seq_base_now, DeviceState};
+use crate::config::{FleetConfig, OfflineMode};
+use crate::device_task::{Command, DeviceTask, Topics};
+use crate::error::SimError;
+
+/// State shared between one device task and the [`Fleet`] handle.
+pub(crate) struct DeviceShared {
+    pub(crate) id: DeviceId,
+    pub(crate) state: Mutex<DeviceState>,
+    /// True between CONNACK and the next connection loss or disconnect.
+    pub(crate) connected: AtomicBool,
+}
+
+impl DeviceShared {
+    /// Locks the state; a poisoned lock still holds consistent plain data.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, DeviceState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Fleet-wide counters, updated by device tasks without locks.
+#[derive(Default)]
+pub(crate) struct FleetCounters {
+    pub(crate) connected: AtomicUsize,
+    pub(crate) connections: AtomicU64,
+    pub(crate) connection_errors: AtomicU64,
+    pub(crate) reports_sent: AtomicU64,
+    pub(crate) desired_received: AtomicU64,
+    pub(crate) get_received: AtomicU64,
+    pub(crate) rejections: AtomicU64,
+    pub(crate) invalid_messages: AtomicU64,
+    /// Woken on every connect/disconnect, for [`Fleet::wait_connected`].
+    pub(crate) connected_changed: Notify,
+}
+
+impl FleetCounters {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A point-in-time copy of the fleet-wide counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FleetStats {
+    pub devices: usize,
+    /// Devices connected right now (CONNACK received, not yet lost).
+    pub connected: usize,
+    /// Successful connects, including reconnects.
+    pub connections: u64,
+    /// Failed connects and dropped connections.
+    pub connection_errors: u64,
+    /// Reports handed to the MQTT clients.
+    pub reports_sent: u64,
+    pub desired_received: u64,
+    pub get_received: u64,
+    pub rejections: u64,
+    /// `desired` payloads that could not be decoded (ignored).
+    pub invalid_messages: u64,
+}
+
+/// A point-in-time copy of one device's state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceSnapshot {
+    pub id: DeviceId,
+    pub connected: bool,
+    pub spec: Value,
+    pub generation: Option<u64>,
+    pub health: Health,
+    /// `seq` of the last report built.
+    pub seq: u64,
+    pub reports_sent: u64,
+    pub desired_received: u64,
+    pub get_received: u64,
+    pub rejections: u64,
+    pub last_rejection: Option<Rejection>,
+}
+
+struct DeviceHandle {
+    shared: Arc<DeviceShared>,
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+/// A running simulated fleet. Dropping it cancels every device (without
+/// waiting); [`Fleet::shutdown`] disconnects them cleanly and waits.
+pub struct Fleet {
+    topic_root: TopicRoot,
+    devices: Vec<DeviceHandle>,
+    index: HashMap<DeviceId, usize>,
+    counters: Arc<FleetCounters>,
+    token: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("topic_root", &self.topic_root)
+            .field("devices", &self.devices.len())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Fleet {
+    /// Validates `config` and spawns one task per device on the current tokio
+    /// runtime. Returns at once; devices connect in the background, paced by
+    /// `config.connect_rate`.
+    pub fn start(config: FleetConfig) -> Result<Fleet, SimError> {
+        config.validate()?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| SimError::NoRuntime)?;
+        let client_prefix = config.effective_client_id_prefix();
+        let counters = Arc::new(FleetCounters::default());
+        let token = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let seq_base = seq_base_now();
+        let t0 = Instant::now();
+        let mut network = NetworkOptions::new();
+        network.set_connection_timeout(config.connect_timeout.as_secs().max(1));
+
+        let mut devices = Vec::with_capacity(config.devices.len());
+        let mut index = HashMap::with_capacity(config.devices.len());
+        for (i, device) in config.devices.into_iter().enumerate() {
+            let topics = Topics::new(&config.topic_root, &device.id);
+            let mut options = MqttOptions::new(
+                format!("{client_prefix}{}", device.id),
+                config.broker.host.clone(),
+                config.broker.port,
+            );
+            options
+                .set_keep_alive(config.keep_alive)
+                .set_clean_session(true)
+                .set_inflight(config.inflight)
+                .set_request_channel_capacity(config.request_channel_capacity)
+                .set_max_packet_size(config.max_packet_size, config.max_packet_size)
+                .set_last_will(LastWill::new(
+                    config.topic_root.topic(&device.id, Channel::Status),
+                    "offline",
+                    QoS::AtLeastOnce,
+                    true,
+                ));
+            let start_at = match config.connect_rate {
+                0 => t0,
+                rate => t0 + Duration::from_secs_f64(i as f64 / f64::from(rate)),
+            };
+            let shared = Arc::new(DeviceShared {
+                id: device.id.clone(),
+                state: Mutex::new(DeviceState::new(
+                    device.spec.clone(),
+                    device.generation,
+                    device.health,
+                    seq_base,
+                )),
+                connected: AtomicBool::new(false),
+            });
+            let (commands, commands_rx) = mpsc::unbounded_channel();
+            let task = DeviceTask {
+                shared: Arc::clone(&shared),
+                counters: Arc::clone(&counters),
+                reports_on_connect: device.reports_on_connect(),
+                behaviour: device.behaviour,
+                apply_latency: device.apply_latency,
+                start_offline: device.start_offline,
+                topics,
+                options,
+                network: network.clone(),
+                backoff: config.backoff,
+                report_interval: config.report_interval,
+                start_at,
+                token: token.clone(),
+                commands: commands_rx,
+            };
+            tracker.spawn_on(task.run(), &runtime);
+            index.insert(device.id, i);
+            devices.push(DeviceHandle { shared, commands });
+        }
+        tracker.close();
+        Ok(Fleet {
+            topic_root: config.topic_root,
+            devices,
+            index,
+            counters,
+            token,
+            tracker,
+        })
+    }
+
+    pub fn topic_root(&self) -> &TopicRoot {
+        &self.topic_root
+    }
+
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// Device ids in configuration order.
+    pub fn device_ids(&self) -> impl Iterator<Item = &DeviceId> + '_ {
+        self.devices.iter().map(|d| &d.shared.id)
+    }
+
+    /// Devices connected right now (after CONNACK).
+    pub fn connected_count(&self) -> usize {
+        self.counters.connected.load(Ordering::Relaxed)
+    }
+
+    /// Waits until at least `n` devices are connected at once.
+    pub async fn wait_connected(&self, n: usize, timeout: Duration) -> Result<(), SimError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let changed = self.counters.connected_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.connected_count() >= n {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return Err(SimError::ConnectTimeout {
+                    timeout,
+                    wanted: n,
+                    connected: self.connected_count(),
+                });
+            }
+        }
+    }
+
+    /// Fleet-wide counters.
+    pub fn stats(&self) -> FleetStats {
+        let c = &self.counters;
+        FleetStats {
+            devices: self.devices.len(),
+            connected: c.connected.load(Ordering::Relaxed),
+            connections: c.connections.load(Ordering::Relaxed),
+            connection_errors: c.connection_errors.load(Ordering::Relaxed),
+            reports_sent: c.reports_sent.load(Ordering::Relaxed),
+            desired_received: c.desired_received.load(Ordering::Relaxed),
+            get_received: c.get_received.load(Ordering::Relaxed),
+            rejections: c.rejections.load(Ordering::Relaxed),
+            invalid_messages: c.invalid_messages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// One device's current state, or `None` for an unknown id.
+    pub fn state(&self, id: &DeviceId) -> Option<DeviceSnapshot> {
+        self.handle(id).ok().map(|h| snapshot(&h.shared))
+    }
+
+    /// Every device's current state, in configuration order.
+    pub fn states(&self) -> Vec<DeviceSnapshot> {
+        self.devices.iter().map(|h| snapshot(&h.shared)).collect()
+    }
+
+    /// Changes the spec a device runs (keeping its applied generation), as if
+    /// someone reconfigured it locally, and makes it report (unless it is
+    /// silent; an offline device reports when it next connects).
+    pub fn set_local_spec(&self, id: &DeviceId, spec: Value) -> Result<(), SimError> {
+        let handle = self.handle(id)?;
+        handle.shared.lock().spec = spec;
+        send(handle, id, Command::Report)
+    }
+
+    /// Changes the health a device reports, and makes it report.
+    pub fn set_health(&self, id: &DeviceId, health: Health) -> Result<(), SimError> {
+        let handle = self.handle(id)?;
+        handle.shared.lock().health = health;
+        send(handle, id, Command::Report)
+    }
+
+    /// Makes a device report its current state now (if connected and not
+    /// silent).
+    pub fn request_report(&self, id: &DeviceId) -> Result<(), SimError> {
+        send(self.handle(id)?, id, Command::Report)
+    }
+
+    /// Disconnects a device until [`Fleet::bring_online`].
+    pub fn take_offline(&self, id: &DeviceId, mode: OfflineMode) -> Result<(), SimError> {
+        send(self.handle(id)?, id, Command::Offline(mode))
+    }
+
+    /// Reconnects a device taken offline (or started offline).
+    pub fn bring_online(&self, id: &DeviceId) -> Result<(), SimError> {
+        send(self.handle(id)?, id, Command::Online)
+    }
+
+    /// Disconnects every device cleanly (retained `offline`, then DISCONNECT,
+    /// at most ~2 s per device, all in parallel), waits for all tasks and
+    /// returns the final counters.
+    pub async fn shutdown(self) -> FleetStats {
+        self.token.cancel();
+        self.tracker.wait().await;
+        self.stats()
+    }
+
+    fn handle(&self, id: &DeviceId) -> Result<&DeviceHandle, SimError> {
+        self.index
+            .get(id)
+            .and_then(|i| self.devices.get(*i))
+            .ok_or_else(|| SimError::UnknownDevice(id.clone()))
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
+fn send(handle: &DeviceHandle, id: &DeviceId, command: Command) -> Result<(), SimError> {
+    handle
+        .commands
+        .send(command)
+        .map_err(|_| SimError::DeviceStopped(id.clone()))
+}
+
+fn snapshot(shared: &DeviceShared) -> DeviceSnapshot {
+    let connected = shared.connected.load(Ordering::Relaxed);
+    let state = shared.lock();
+    DeviceSnapshot {
+        id: shared.id.clone(),
+        connected,
+        spec: state.spec.clone(),
+        generation: state.generation,
+        health: state.health,
+        seq: state.seq,
+        reports_sent: state.reports_sent,
+        desired_received: state.desired_received,
+        get_received: state.get_received,
+        rejections: state.rejections,
+        last_rejection: state.last_rejection.clone(),
+    }
+}

@@ -1,0 +1,790 @@
+//! HTTP API (axum, JSON): the operator's surface. Handlers validate input,
+//! call the store and hand runs to the engine; they hold no reconciliation
+//! logic. Errors are `{"error": {"code", "message"}}` with a fitting status.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::{Json, Router};
+use idem_protocol::{DeviceId, SpecDigest};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::app::AppState;
+use crate::events::{self, EventDraft, EventType};
+use crate::fleet::DesiredState;
+use crate::reconcile::engine::EngineCommand;
+use crate::reconcile::OutcomeKind;
+use crate::store::devices::{DeviceFilter, DeviceRow, Registration};
+use crate::store::runs::RunRow;
+use crate::store::{self, StoreError};
+
+/// Most items one list page returns.
+const MAX_PAGE: i64 = 1_000;
+const DEFAULT_PAGE: i64 = 100;
+/// Unknown ids named in an error message, at most.
+const MAX_IDS_IN_ERROR: usize = 20;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/devices", post(register_devices).get(list_devices))
+        .route("/v1/devices/{id}", put(upsert_device).get(get_device))
+        .route("/v1/devices/{id}/desired", put(set_device_desired))
+        .route("/v1/desired", post(set_desired_bulk))
+        .route("/v1/runs", post(start_manual_run).get(list_runs))
+        .route("/v1/runs/{id}", get(get_run))
+        .route("/v1/runs/{id}/outcomes", get(run_outcomes))
+        .route("/v1/fleet", get(fleet_summary))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+// ---------- errors and JSON extraction ----------
+
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+    fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code, message)
+    }
+    fn not_found(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, code, message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        tracing::error!(error = %e, "request failed on the database");
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database_unavailable",
+            e.to_string(),
+        )
+    }
+}
+
+impl From<events::EventError> for ApiError {
+    fn from(e: events::EventError) -> Self {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+    }
+}
+
+fn db_error(context: &'static str) -> impl FnOnce(sqlx::Error) -> ApiError {
+    move |source| ApiError::from(StoreError::Db { context, source })
+}
+
+/// `Json<T>` whose rejections are our JSON errors.
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(ApiJson(value)),
+            Err(rejection) => Err(json_rejection(rejection)),
+        }
+    }
+}
+
+// JsonRejection is #[non_exhaustive], so a catch-all arm is required here.
+#[allow(clippy::wildcard_enum_match_arm)]
+fn json_rejection(rejection: JsonRejection) -> ApiError {
+    match rejection {
+        JsonRejection::MissingJsonContentType(_) => ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "send the body as JSON with `Content-Type: application/json`",
+        ),
+        JsonRejection::JsonSyntaxError(e) => ApiError::bad_request("invalid_json", e.body_text()),
+        JsonRejection::JsonDataError(e) => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_body",
+            e.body_text(),
+        ),
+        other => ApiError::bad_request("invalid_body", other.body_text()),
+    }
+}
+
+fn parse_id(raw: &str) -> Result<DeviceId, ApiError> {
+    DeviceId::parse(raw)
+        .map_err(|e| ApiError::bad_request("invalid_device_id", format!("{raw:?}: {e}")))
+}
+
+fn parse_labels(labels: Option<Value>) -> Result<Option<Value>, ApiError> {
+    match labels {
+        None => Ok(None),
+        Some(Value::Object(map)) => {
+            if let Some((k, _)) = map.iter().find(|(_, v)| !v.is_string()) {
+                return Err(ApiError::bad_request(
+                    "invalid_labels",
+                    format!("label {k:?} must have a string value"),
+                ));
+            }
+            Ok(Some(Value::Object(map)))
+        }
+        Some(_) => Err(ApiError::bad_request(
+            "invalid_labels",
+            "labels must be an object of string values",
+        )),
+    }
+}
+
+// ---------- devices ----------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceRegistration {
+    id: String,
+    labels: Option<Value>,
+    spec: Option<Value>,
+}
+
+async fn register_devices(
+    State(state): State<Arc<AppState>>,
+    ApiJson(body): ApiJson<Vec<DeviceRegistration>>,
+) -> Result<Json<Value>, ApiError> {
+    let mut seen = HashSet::with_capacity(body.len());
+    let mut registrations = Vec::with_capacity(body.len());
+    let mut specs: BTreeMap<SpecDigest, (Value, Vec<String>)> = BTreeMap::new();
+    let mut ids = Vec::with_capacity(body.len());
+    for item in body {
+        let id = parse_id(&item.id)?;
+        if !seen.insert(id.clone()) {
+            return Err(ApiError::bad_request(
+                "duplicate_device_id",
+                format!("{id} appears more than once"),
+            ));
+        }
+        if let Some(spec) = item.spec {
+            specs
+                .entry(SpecDigest::of(&spec))
+                .or_insert_with(|| (spec, Vec::new()))
+                .1
+                .push(id.to_string());
+        }
+        registrations.push(Registration {
+            id: id.to_string(),
+            labels: parse_labels(item.labels)?,
+        });
+        ids.push(id);
+    }
+    let mut tx = state
+        .pool
+        .begin()
+        .await
+        .map_err(db_error("starting a transaction"))?;
+    let counts = store::devices::register(&mut tx, &registrations).await?;
+    let mut desired_changes = Vec::new();
+    for (digest, (spec, group)) in &specs {
+        let written = store::devices::set_desired(&mut tx, group, spec, digest.as_str()).await?;
+        let spec = Arc::new(spec.clone());
+        desired_changes.extend(
+            written
+                .into_iter()
+                .map(|w| (w, digest.clone(), spec.clone())),
+        );
+    }
+    tx.commit()
+        .await
+        .map_err(db_error("committing registrations"))?;
+    state.fleet.register(ids);
+    let desired_changed = desired_changes.len();
+    for (write, digest, spec) in desired_changes {
+        if let Ok(id) = DeviceId::parse(&write.id) {
+            let generation = store::to_u64(write.desired_generation);
+            state.fleet.set_desired(
+                &id,
+                DesiredState {
+                    generation,
+                    digest,
+                    spec,
+                },
+            );
+        }
+    }
+    Ok(Json(json!({
+        "created": counts.created,
+        "updated": counts.updated,
+        "unchanged": counts.unchanged,
+        "desired_changed": desired_changed,
+    })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceUpsert {
+    labels: Option<Value>,
+}
+
+async fn upsert_device(
+    State(state): State<Arc<AppState>>,
+    Path(raw_id): Path<String>,
+    ApiJson(body): ApiJson<DeviceUpsert>,
+) -> Result<Response, ApiError> {
+    let id = parse_id(&raw_id)?;
+    let registration = Registration {
+        id: id.to_string(),
+        labels: parse_labels(body.labels)?,
+    };
+    let mut tx = state
+        .pool
+        .begin()
+        .await
+        .map_err(db_error("starting a transaction"))?;
+    let counts = store::devices::register(&mut tx, &[registration]).await?;
+    tx.commit()
+        .await
+        .map_err(db_error("committing a registration"))?;
+    state.fleet.register([id.clone()]);
+    let status = if counts.created > 0 {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    let row = store::devices::get(&state.pool, id.as_str()).await?;
+    Ok((status, Json(row.map(device_json))).into_response())
+}
+
+async fn get_device(
+    State(state): State<Arc<AppState>>,
+    Path(raw_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let id = parse_id(&raw_id)?;
+    match store::devices::get(&state.pool, id.as_str()).await? {
+        Some(row) => Ok(Json(device_json(row))),
+        None => Err(ApiError::not_found(
+            "unknown_device",
+            format!("device {id} is not registered"),
+        )),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct DeviceListQuery {
+    status: Option<String>,
+    /// `key:value`; may be given once.
+    label: Option<String>,
+    after: Option<String>,
+    limit: Option<i64>,
+}
+
+const STATUSES: [&str; 7] = [
+    "unknown",
+    "converged",
+    "drifted",
+    "provisioning",
+    "failed",
+    "offline",
+    "quarantined",
+];
+
+async fn list_devices(
+    State(state): State<Arc<AppState>>,
+    Query(query): Query<DeviceListQuery>,
+) -> Result<Json<Value>, ApiError> {
+    if let Some(status) = &query.status {
+        if !STATUSES.contains(&status.as_str()) {
+            return Err(ApiError::bad_request(
+                "invalid_status",
+                format!("status must be one of {STATUSES:?}"),
+            ));
+        }
+    }
+    let labels = match &query.label {
+        None => None,
+        Some(pair) => match pair.split_once(':') {
+            Some((k, v)) if !k.is_empty() => Some(json!({ k: v })),
+            _ => {
+                return Err(ApiError::bad_request(
+                    "invalid_label",
+                    "label filter must be `key:value`",
+                ))
+            }
+        },
+    };
+    let limit = page_limit(query.limit)?;
+    let filter = DeviceFilter {
+        status: query.status,
+        labels,
+        after: query.after,
+        limit,
+    };
+    let rows = store::devices::list(&state.pool, &filter).await?;
+    let next = (rows.len() as i64 == limit)
+        .then(|| rows.last().map(|r| r.id.clone()))
+        .flatten();
+    let devices: Vec<Value> = rows.into_iter().map(device_json).collect();
+    Ok(Json(json!({ "devices": devices, "next_after": next })))
+}
+
+fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
+    match limit {
+        None => Ok(DEFAULT_PAGE),
+        Some(n) if (1..=MAX_PAGE).contains(&n) => Ok(n),
+        Some(n) => Err(ApiError::bad_request(
+            "invalid_limit",
+            format!("limit must be 1..={MAX_PAGE}, got {n}"),
+        )),
+    }
+}
+
+fn device_json(row: DeviceRow) -> Value {
+    let desired = row.desired_spec.map(|spec| {
+        json!({
+            "generation": row.desired_generation,
+            "spec": spec,
+            "digest": row.desired_digest,
+            "updated_at": row.desired_at,
+        })
+    });
+    let reported = row.reported_spec.map(|spec| {
+        let error = match (row.reported_error_generation, &row.reported_error) {
+            (Some(generation), Some(message)) => {
+                json!({"generation": generation, "message": message})
+            }
+            _ => Value::Null,
+        };
+        json!({
+            "seq": row.reported_seq,
+            "generation": row.reported_generation,
+            "spec": spec,
+            "digest": row.reported_digest,
+            "health": row.reported_health,
+            "error": error,
+            "at": row.reported_at,
+        })
+    });
+    let last_outcome = row.last_outcome.map(|outcome| {
+        json!({"outcome": outcome, "reason": row.last_outcome_reason, "run_id": row.last_run_id})
+    });
+    json!({
+        "id": row.id,
+        "labels": row.labels,
+        "status": row.status,
+        "online": row.online,
+        "desired": desired,
+        "reported": reported,
+        "in_sync": match (&row.desired_digest, &row.reported_digest) {
+            (Some(d), Some(r)) => Value::Bool(d == r),
+            _ => Value::Null,
+        },
+        "attempts": row.attempts,
+        "next_attempt_at": row.next_attempt_at,
+        "last_error": row.last_error,
+        "last_outcome": last_outcome,
+        "updated_at": row.updated_at,
+    })
+}
+
+// ---------- desired state and runs ----------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceDesired {
+    spec: Value,
+    #[serde(default)]
+    force: bool,
+}
+
+async fn set_device_desired(
+    State(state): State<Arc<AppState>>,
+    Path(raw_id): Path<String>,
+    ApiJson(body): ApiJson<DeviceDesired>,
+) -> Result<Json<Value>, ApiError> {
+    let id = parse_id(&raw_id)?;
+    if !state.fleet.contains(&id) {
+        return Err(ApiError::not_found(
+            "unknown_device",
+            format!("device {id} is not registered"),
+        ));
+    }
+    let run = create_run(
+        &state,
+        vec![id.clone()],
+        "desired",
+        body.force,
+        Some(body.spec),
+    )
+    .await?;
+    let generation = state
+        .fleet
+        .get(&id)
+        .and_then(|e| e.desired.map(|d| d.generation));
+    Ok(Json(json!({ "generation": generation, "run_id": run })))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Selector {
+    labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Targeting {
+    devices: Option<Vec<String>>,
+    selector: Option<Selector>,
+    #[serde(default)]
+    all: bool,
+    spec: Option<Value>,
+    #[serde(default)]
+    force: bool,
+}
+
+async fn set_desired_bulk(
+    State(state): State<Arc<AppState>>,
+    ApiJson(mut body): ApiJson<Targeting>,
+) -> Result<Json<Value>, ApiError> {
+    let Some(spec) = body.spec.take() else {
+        return Err(ApiError::bad_request(
+            "missing_spec",
+            "`spec` is required; to re-check without a change use POST /v1/runs",
+        ));
+    };
+    let targets = resolve_targets(&state, &body).await?;
+    let count = targets.len();
+    let run = create_run(&state, targets, "desired", body.force, Some(spec)).await?;
+    Ok(Json(json!({ "run_id": run, "targets": count })))
+}
+
+async fn start_manual_run(
+    State(state): State<Arc<AppState>>,
+    ApiJson(body): ApiJson<Targeting>,
+) -> Result<Json<Value>, ApiError> {
+    if body.spec.is_some() {
+        return Err(ApiError::bad_request(
+            "unexpected_spec",
+            "POST /v1/runs re-checks without a change; set a spec with POST /v1/desired",
+        ));
+    }
+    let targets = resolve_targets(&state, &body).await?;
+    let count = targets.len();
+    let run = create_run(&state, targets, "manual", body.force, None).await?;
+    Ok(Json(json!({ "run_id": run, "targets": count })))
+}
+
+/// Exactly one of `devices`, `selector`, `all`; every named device must exist.
+async fn resolve_targets(state: &AppState, body: &Targeting) -> Result<Vec<DeviceId>, ApiError> {
+    let ways = usize::from(body.devices.is_some())
+        + usize::from(body.selector.is_some())
+        + usize::from(body.all);
+    if ways != 1 {
+        return Err(ApiError::bad_request(
+            "invalid_targets",
+            "give exactly one of `devices` (a list of ids), `selector` ({\"labels\": {...}}) or `all: true`",
+        ));
+    }
+    if let Some(raw) = &body.devices {
+        if raw.is_empty() {
+            return Err(ApiError::bad_request("empty_targets", "`devices` is empty"));
+        }
+        let mut seen = HashSet::with_capacity(raw.len());
+        let mut ids = Vec::with_capacity(raw.len());
+        for r in raw {
+            let id = parse_id(r)?;
+            if seen.insert(id.clone()) {
+                ids.push(id);
+            }
+        }
+        let unknown: Vec<&str> = ids
+            .iter()
+            .filter(|id| !state.fleet.contains(id))
+            .map(DeviceId::as_str)
+            .collect();
+        if !unknown.is_empty() {
+            let shown: Vec<&str> = unknown.iter().take(MAX_IDS_IN_ERROR).copied().collect();
+            return Err(ApiError::not_found(
+                "unknown_device",
+                format!(
+                    "{} device(s) are not registered: {}",
+                    unknown.len(),
+                    shown.join(", ")
+                ),
+            ));
+        }
+        return Ok(ids);
+    }
+    let rows = if let Some(selector) = &body.selector {
+        if selector.labels.is_empty() {
+            return Err(ApiError::bad_request(
+                "empty_selector",
+                "selector.labels is empty; name at least one label, or use `all: true`",
+            ));
+        }
+        let labels = serde_json::to_value(&selector.labels).unwrap_or_default();
+        store::devices::ids_matching_labels(&state.pool, &labels).await?
+    } else {
+        store::devices::ids_matching_labels(&state.pool, &json!({})).await?
+    };
+    if rows.is_empty() {
+        return Err(ApiError::not_found(
+            "no_matching_devices",
+            "no registered device matches the selector",
+        ));
+    }
+    Ok(rows
+        .iter()
+        .filter_map(|r| DeviceId::parse(r).ok())
+        .collect())
+}
+
+/// Commits a run (with the desired change, if any, and its `run.started`
+/// event) and hands it to the engine. Returns the run id.
+async fn create_run(
+    state: &AppState,
+    targets: Vec<DeviceId>,
+    trigger: &'static str,
+    force: bool,
+    spec: Option<Value>,
+) -> Result<Uuid, ApiError> {
+    let run_id = Uuid::now_v7();
+    let target_ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
+    let mut tx = state
+        .pool
+        .begin()
+        .await
+        .map_err(db_error("starting a transaction"))?;
+    let mut desired_changes = Vec::new();
+    let digest_and_spec = spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
+    if let Some((digest, spec)) = &digest_and_spec {
+        desired_changes =
+            store::devices::set_desired(&mut tx, &target_ids, spec, digest.as_str()).await?;
+    }
+    store::runs::create(&mut tx, run_id, trigger, force, &target_ids).await?;
+    let draft = EventDraft {
+        event_type: EventType::RunStarted,
+        subject: run_id.to_string(),
+        run_id: Some(run_id),
+        generation: None,
+        data: json!({"trigger": trigger, "target_count": target_ids.len(), "force": force}),
+    };
+    let first = store::events::reserve_sequences(&mut tx, 1).await?;
+    let rows = events::finalize(vec![draft], first, &state.event_source, chrono::Utc::now())?;
+    store::events::insert(&mut tx, &rows).await?;
+    tx.commit().await.map_err(db_error("committing a run"))?;
+    if let Some((digest, spec)) = digest_and_spec {
+        for write in desired_changes {
+            if let Ok(id) = DeviceId::parse(&write.id) {
+                let generation = store::to_u64(write.desired_generation);
+                state.fleet.set_desired(
+                    &id,
+                    DesiredState {
+                        generation,
+                        digest: digest.clone(),
+                        spec: spec.clone(),
+                    },
+                );
+            }
+        }
+    }
+    let command = EngineCommand::StartRun {
+        run_id,
+        trigger: trigger.to_owned(),
+        targets,
+        force,
+        decided: 0,
+    };
+    state.engine.send(command).await.map_err(|_| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "the server is shutting down; the run resumes at next start",
+        )
+    })?;
+    Ok(run_id)
+}
+
+#[derive(Debug, Deserialize)]
+struct RunListQuery {
+    limit: Option<i64>,
+    before: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+async fn list_runs(
+    State(state): State<Arc<AppState>>,
+    Query(query): Query<RunListQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let limit = page_limit(query.limit)?;
+    let rows = store::runs::list(&state.pool, query.before, limit).await?;
+    let runs: Vec<Value> = rows.into_iter().map(run_json).collect();
+    Ok(Json(json!({ "runs": runs })))
+}
+
+fn parse_run_id(raw: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(raw).map_err(|_| {
+        ApiError::bad_request("invalid_run_id", format!("{raw:?} is not a run id (UUID)"))
+    })
+}
+
+async fn get_run(
+    State(state): State<Arc<AppState>>,
+    Path(raw): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let id = parse_run_id(&raw)?;
+    match store::runs::get(&state.pool, id).await? {
+        Some(row) => Ok(Json(run_json(row))),
+        None => Err(ApiError::not_found(
+            "unknown_run",
+            format!("run {id} does not exist"),
+        )),
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct RunView {
+    id: Uuid,
+    trigger: String,
+    state: String,
+    force: bool,
+    target_count: i32,
+    counts: crate::reconcile::OutcomeCounts,
+    summary: String,
+    started_at: chrono::DateTime<chrono::Utc>,
+    finished_at: Option<chrono::DateTime<chrono::Utc>>,
+    duration_ms: Option<i64>,
+}
+
+fn run_json(row: RunRow) -> Value {
+    let counts = row.counts();
+    let view = RunView {
+        id: row.id,
+        summary: counts.summary(),
+        counts,
+        duration_ms: row
+            .finished_at
+            .map(|f| (f - row.started_at).num_milliseconds()),
+        trigger: row.trigger,
+        state: row.state,
+        force: row.force,
+        target_count: row.target_count,
+        started_at: row.started_at,
+        finished_at: row.finished_at,
+    };
+    serde_json::to_value(view).unwrap_or_default()
+}
+
+#[derive(Debug, Deserialize)]
+struct OutcomeQuery {
+    outcome: Option<String>,
+    after: Option<String>,
+    limit: Option<i64>,
+}
+
+async fn run_outcomes(
+    State(state): State<Arc<AppState>>,
+    Path(raw): Path<String>,
+    Query(query): Query<OutcomeQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let id = parse_run_id(&raw)?;
+    if let Some(o) = &query.outcome {
+        if OutcomeKind::parse(o).is_none() {
+            let names: Vec<&str> = OutcomeKind::ALL.iter().map(|k| k.as_str()).collect();
+            return Err(ApiError::bad_request(
+                "invalid_outcome",
+                format!("outcome must be one of {names:?}"),
+            ));
+        }
+    }
+    if store::runs::get(&state.pool, id).await?.is_none() {
+        return Err(ApiError::not_found(
+            "unknown_run",
+            format!("run {id} does not exist"),
+        ));
+    }
+    let limit = page_limit(query.limit)?;
+    let rows = store::runs::outcomes(
+        &state.pool,
+        id,
+        query.outcome.as_deref(),
+        query.after.as_deref(),
+        limit,
+    )
+    .await?;
+    let next = (rows.len() as i64 == limit)
+        .then(|| rows.last().map(|r| r.device_id.clone()))
+        .flatten();
+    Ok(Json(json!({ "outcomes": rows, "next_after": next })))
+}
+
+async fn fleet_summary(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let counts = store::devices::count_by_status(&state.pool).await?;
+    let mut by_status: BTreeMap<&str, i64> = STATUSES.iter().map(|s| (*s, 0)).collect();
+    let mut total = 0;
+    for (status, n) in &counts {
+        if let Some(slot) = by_status.get_mut(status.as_str()) {
+            *slot = *n;
+        }
+        total += n;
+    }
+    Ok(Json(json!({ "devices": total, "by_status": by_status })))
+}
+
+// ---------- operations ----------
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    let database = store::ping(&state.pool).await.is_ok();
+    let mqtt = state.mqtt.is_ready();
+    let status = if database && mqtt {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"ready": database && mqtt, "database": database, "mqtt": mqtt})),
+    )
+        .into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found("not_found", "no such endpoint; see README.md for the API")
+}

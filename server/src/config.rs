@@ -1,0 +1,244 @@
+//! Server configuration: every flag has an `IDEM_*` environment variable, and
+//! `validate` fails fast with a message that says how to fix the value.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use idem_protocol::{TopicRoot, DEFAULT_MAX_PAYLOAD_BYTES};
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "idem-server",
+    version,
+    about = "idem fleet reconciliation server"
+)]
+pub struct Config {
+    /// PostgreSQL connection URL (the database must exist; migrations run at start-up).
+    #[arg(
+        long,
+        env = "IDEM_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/idem"
+    )]
+    pub database_url: String,
+
+    /// MQTT broker URL, `mqtt://host:port`.
+    #[arg(long, env = "IDEM_MQTT_URL", default_value = "mqtt://127.0.0.1:1883")]
+    pub mqtt_url: String,
+
+    /// Topic root shared with the devices.
+    #[arg(long, env = "IDEM_TOPIC_ROOT", default_value = idem_protocol::DEFAULT_TOPIC_ROOT)]
+    pub topic_root: String,
+
+    /// Address of the HTTP API.
+    #[arg(long, env = "IDEM_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub http_addr: SocketAddr,
+
+    /// How long a device has to confirm a push (or answer a `get`) before it
+    /// is `failed` with a timeout, e.g. `30s`, `500ms`, `2m`.
+    #[arg(long, env = "IDEM_PUSH_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub push_timeout: Duration,
+
+    /// Name of this server instance: CloudEvents `source` is `/idem/{instance}`
+    /// and the MQTT client id is `idem-{instance}`.
+    #[arg(long, env = "IDEM_INSTANCE", default_value = "idem-1")]
+    pub instance: String,
+
+    /// Largest accepted report payload, in bytes.
+    #[arg(long, env = "IDEM_MAX_PAYLOAD_BYTES", default_value_t = DEFAULT_MAX_PAYLOAD_BYTES)]
+    pub max_payload_bytes: usize,
+
+    /// Accept reports from device ids that were never registered, registering them.
+    #[arg(long, env = "IDEM_AUTO_REGISTER", default_value_t = false)]
+    pub auto_register: bool,
+
+    /// Most connections in the database pool.
+    #[arg(long, env = "IDEM_DB_MAX_CONNECTIONS", default_value_t = 8)]
+    pub db_max_connections: u32,
+}
+
+/// A configuration value that cannot work, with the fix in the message.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("IDEM_MQTT_URL / --mqtt-url {0:?} is not `mqtt://host:port` (example: mqtt://127.0.0.1:1883)")]
+    MqttUrl(String),
+    #[error("IDEM_TOPIC_ROOT / --topic-root {0:?} is invalid: use levels like `idem/v1`, without leading or trailing '/', '+', '#'")]
+    TopicRoot(String),
+    #[error("IDEM_DATABASE_URL / --database-url must start with postgres:// or postgresql:// (got {0:?})")]
+    DatabaseUrl(String),
+    #[error("IDEM_PUSH_TIMEOUT / --push-timeout must be at least 10ms (got {0:?})")]
+    PushTimeout(Duration),
+    #[error(
+        "IDEM_INSTANCE / --instance {0:?} must be 1-64 characters of letters, digits, '-' or '_'"
+    )]
+    Instance(String),
+    #[error(
+        "IDEM_MAX_PAYLOAD_BYTES / --max-payload-bytes must be between 256 and 268435455 (got {0})"
+    )]
+    MaxPayload(usize),
+    #[error("IDEM_DB_MAX_CONNECTIONS / --db-max-connections must be at least 2 (got {0})")]
+    DbConnections(u32),
+}
+
+/// Broker address parsed from `mqtt://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerAddr {
+    pub host: String,
+    pub port: u16,
+}
+
+impl Config {
+    /// Checks every value and returns the parsed pieces the server needs.
+    pub fn validate(&self) -> Result<ValidConfig, ConfigError> {
+        let broker = parse_mqtt_url(&self.mqtt_url)
+            .ok_or_else(|| ConfigError::MqttUrl(self.mqtt_url.clone()))?;
+        let topic_root = TopicRoot::new(self.topic_root.clone())
+            .map_err(|_| ConfigError::TopicRoot(self.topic_root.clone()))?;
+        if !(self.database_url.starts_with("postgres://")
+            || self.database_url.starts_with("postgresql://"))
+        {
+            return Err(ConfigError::DatabaseUrl(self.database_url.clone()));
+        }
+        if self.push_timeout < Duration::from_millis(10) {
+            return Err(ConfigError::PushTimeout(self.push_timeout));
+        }
+        let instance_ok = !self.instance.is_empty()
+            && self.instance.len() <= 64
+            && self
+                .instance
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !instance_ok {
+            return Err(ConfigError::Instance(self.instance.clone()));
+        }
+        if !(256..=268_435_455).contains(&self.max_payload_bytes) {
+            return Err(ConfigError::MaxPayload(self.max_payload_bytes));
+        }
+        if self.db_max_connections < 2 {
+            return Err(ConfigError::DbConnections(self.db_max_connections));
+        }
+        Ok(ValidConfig {
+            config: self.clone(),
+            broker,
+            topic_root,
+        })
+    }
+
+    /// A configuration with every default, for embedding and tests.
+    pub fn defaults() -> Self {
+        // Parsing only the program name cannot fail: every field has a default.
+        Config::try_parse_from(["idem-server"])
+            .unwrap_or_else(|e| unreachable!("defaults parse: {e}"))
+    }
+}
+
+/// A configuration that passed `validate`.
+#[derive(Debug, Clone)]
+pub struct ValidConfig {
+    pub config: Config,
+    pub broker: BrokerAddr,
+    pub topic_root: TopicRoot,
+}
+
+pub fn parse_mqtt_url(url: &str) -> Option<BrokerAddr> {
+    let rest = url
+        .strip_prefix("mqtt://")
+        .or_else(|| url.strip_prefix("tcp://"))?;
+    let rest = rest.trim_end_matches('/');
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((host, port)) => (host, port.parse().ok()?),
+        None => (rest, 1883),
+    };
+    if host.is_empty() || host.contains('/') {
+        return None;
+    }
+    Some(BrokerAddr {
+        host: host.to_owned(),
+        port,
+    })
+}
+
+/// Parses `250ms`, `30s`, `5m`, `1h` (a bare number means seconds).
+pub fn parse_duration(raw: &str) -> Result<Duration, String> {
+    let raw = raw.trim();
+    let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
+    let (number, unit) = raw.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{raw:?} is not a duration; write e.g. 500ms, 30s, 5m or 1h"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "" | "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        "h" => Ok(Duration::from_secs(n * 3600)),
+        other => Err(format!(
+            "unknown duration unit {other:?} in {raw:?}; use ms, s, m or h"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_valid() {
+        let valid = Config::defaults().validate().unwrap();
+        assert_eq!(
+            valid.broker,
+            BrokerAddr {
+                host: "127.0.0.1".into(),
+                port: 1883
+            }
+        );
+        assert_eq!(valid.topic_root.as_str(), "idem/v1");
+    }
+
+    #[test]
+    fn durations_accept_the_documented_units() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert!(parse_duration("5 minutes")
+            .unwrap_err()
+            .contains("unknown duration unit"));
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn bad_values_fail_with_a_message_naming_the_variable() {
+        let mut config = Config::defaults();
+        config.mqtt_url = "http://broker".into();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("IDEM_MQTT_URL"), "{err}");
+
+        let mut config = Config::defaults();
+        config.topic_root = "idem/#".into();
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("IDEM_TOPIC_ROOT"));
+
+        let mut config = Config::defaults();
+        config.database_url = "mysql://x".into();
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("IDEM_DATABASE_URL"));
+    }
+
+    #[test]
+    fn mqtt_urls_default_to_port_1883() {
+        assert_eq!(
+            parse_mqtt_url("mqtt://broker.local"),
+            Some(BrokerAddr {
+                host: "broker.local".into(),
+                port: 1883
+            })
+        );
+        assert_eq!(parse_mqtt_url("mqtt://h:notaport"), None);
+    }
+}

@@ -1,0 +1,148 @@
+//! In-memory view of every device's desired and reported state (a DashMap),
+//! so a run over 10,000 devices is a memory walk, not 10,000 queries.
+//!
+//! Postgres stays the source of truth: entries change only after the write
+//! that they mirror has committed. Never hold a guard across `.await`.
+
+use std::sync::Arc;
+
+use dashmap::DashMap;
+use idem_protocol::{DeviceId, Health, SpecDigest};
+use serde_json::Value;
+
+use crate::reconcile::decide::{self, Actual, ReportedState};
+use crate::store::devices::DeviceRow;
+use crate::store::to_u64;
+
+/// Desired state of one device, with the spec kept for pushing.
+#[derive(Debug, Clone)]
+pub struct DesiredState {
+    pub generation: u64,
+    pub digest: SpecDigest,
+    /// Shared: a bulk change gives thousands of devices the same spec.
+    pub spec: Arc<Value>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct DeviceEntry {
+    pub desired: Option<DesiredState>,
+    pub reported: Option<ReportedState>,
+    pub health: Option<Health>,
+    pub online: Option<bool>,
+}
+
+impl DeviceEntry {
+    pub fn actual(&self) -> Actual {
+        match &self.reported {
+            Some(r) => Actual::Reported(r.clone()),
+            None => Actual::NeverReported,
+        }
+    }
+
+    pub fn desired_for_decision(&self) -> Option<decide::Desired> {
+        self.desired.as_ref().map(|d| decide::Desired {
+            generation: d.generation,
+            digest: d.digest.clone(),
+        })
+    }
+
+    pub fn reported_seq(&self) -> Option<u64> {
+        self.reported.as_ref().map(|r| r.seq)
+    }
+
+    fn from_row(row: &DeviceRow) -> Self {
+        let desired = match (&row.desired_spec, &row.desired_digest) {
+            (Some(spec), Some(digest)) if row.desired_generation > 0 => Some(DesiredState {
+                generation: to_u64(row.desired_generation),
+                digest: SpecDigest::from_stored(digest.clone()),
+                spec: Arc::new(spec.clone()),
+            }),
+            _ => None,
+        };
+        let reported = match (&row.reported_digest, row.reported_seq) {
+            (Some(digest), Some(seq)) => Some(ReportedState {
+                seq: to_u64(seq),
+                digest: SpecDigest::from_stored(digest.clone()),
+                generation: row.reported_generation.map(to_u64),
+                rejection: match (row.reported_error_generation, &row.reported_error) {
+                    (Some(g), Some(msg)) => Some((to_u64(g), msg.clone())),
+                    _ => None,
+                },
+            }),
+            _ => None,
+        };
+        Self {
+            desired,
+            reported,
+            health: row.reported_health.as_deref().and_then(Health::parse),
+            online: row.online,
+        }
+    }
+}
+
+/// Every registered device, by id.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    devices: DashMap<DeviceId, DeviceEntry>,
+}
+
+impl Fleet {
+    pub fn from_rows(rows: &[DeviceRow]) -> Self {
+        let devices = DashMap::with_capacity(rows.len());
+        for row in rows {
+            // Ids in the table were validated on the way in; skip any that a
+            // hand edit made invalid rather than refusing to start.
+            if let Ok(id) = DeviceId::parse(&row.id) {
+                devices.insert(id, DeviceEntry::from_row(row));
+            }
+        }
+        Self { devices }
+    }
+
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    pub fn contains(&self, id: &DeviceId) -> bool {
+        self.devices.contains_key(id)
+    }
+
+    /// A copy of one entry (the guard is released before returning).
+    pub fn get(&self, id: &DeviceId) -> Option<DeviceEntry> {
+        self.devices.get(id).map(|e| e.value().clone())
+    }
+
+    /// Registers devices that are not known yet.
+    pub fn register(&self, ids: impl IntoIterator<Item = DeviceId>) {
+        for id in ids {
+            self.devices.entry(id).or_default();
+        }
+    }
+
+    pub fn set_desired(&self, id: &DeviceId, desired: DesiredState) {
+        if let Some(mut entry) = self.devices.get_mut(id) {
+            entry.desired = Some(desired);
+        }
+    }
+
+    /// Records an accepted report (caller ensured its seq is the highest).
+    pub fn set_reported(&self, id: &DeviceId, reported: ReportedState, health: Option<Health>) {
+        let mut entry = self.devices.entry(id.clone()).or_default();
+        entry.reported = Some(reported);
+        entry.health = health;
+    }
+
+    pub fn set_online(&self, id: &DeviceId, online: bool) {
+        if let Some(mut entry) = self.devices.get_mut(id) {
+            entry.online = Some(online);
+        }
+    }
+
+    pub fn reported_seq(&self, id: &DeviceId) -> Option<Option<u64>> {
+        self.devices.get(id).map(|e| e.reported_seq())
+    }
+}

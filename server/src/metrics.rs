@@ -1,0 +1,340 @@
+//! Prometheus metrics of one server instance: a private recorder (not the
+//! process-global one, so several servers can share a test process) and
+//! pre-registered handles, every label value initialised to 0.
+//!
+//! Never a device id as a label: per-device detail lives in Postgres and the
+//! event stream.
+
+use metrics::{
+    Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, SharedString, Unit,
+};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
+
+use crate::reconcile::outcome::OutcomeKind;
+
+const METADATA: Metadata<'static> = Metadata::new("idem", Level::INFO, Some(module_path!()));
+
+/// Why an inbound MQTT message was refused; label values of
+/// `idem_reports_rejected_total`.
+pub const REJECT_REASONS: [&str; 7] = [
+    "malformed",
+    "oversized",
+    "invalid_device_id",
+    "invalid_topic",
+    "unknown_channel",
+    "unknown_device",
+    "invalid_status",
+];
+
+/// Results of an inbound report; label values of `idem_reports_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportResult {
+    Applied,
+    Duplicate,
+    Stale,
+    Rejected,
+}
+
+impl ReportResult {
+    const ALL: [ReportResult; 4] = [
+        ReportResult::Applied,
+        ReportResult::Duplicate,
+        ReportResult::Stale,
+        ReportResult::Rejected,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReportResult::Applied => "applied",
+            ReportResult::Duplicate => "duplicate",
+            ReportResult::Stale => "stale",
+            ReportResult::Rejected => "rejected",
+        }
+    }
+}
+
+/// Handles to every series the server writes.
+pub struct Metrics {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+    outcomes: [Counter; 5],
+    reports: [Counter; 4],
+    rejects: [Counter; REJECT_REASONS.len()],
+    pub pushes: Counter,
+    pub report_requests: Counter,
+    pub runs_started: Counter,
+    pub runs_completed: Counter,
+    pub run_duration: Histogram,
+    pub convergence_latency: Histogram,
+    pub db_batch_ingest: Histogram,
+    pub db_batch_outcomes: Histogram,
+    pub mqtt_connected: Gauge,
+    pub mqtt_reconnects: Counter,
+    pub attempts_in_flight: Gauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+const SECONDS_BUCKETS: [f64; 14] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const DB_BUCKETS: [f64; 12] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+impl Metrics {
+    pub fn new() -> Self {
+        let builder = PrometheusBuilder::new();
+        // Bucket lists are non-empty constants, so these cannot fail.
+        let builder = builder
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Prefix("idem_db_".into()), &DB_BUCKETS))
+            .unwrap_or_else(|_| unreachable!("bucket lists are non-empty"));
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        let r = &recorder;
+
+        describe_counter(
+            r,
+            "idem_device_outcomes_total",
+            "Device outcomes decided, by outcome (one per device per run)",
+        );
+        describe_counter(
+            r,
+            "idem_reports_total",
+            "Inbound device reports by result (applied, duplicate, stale, rejected)",
+        );
+        describe_counter(
+            r,
+            "idem_reports_rejected_total",
+            "Inbound MQTT messages refused, by reason",
+        );
+        describe_counter(r, "idem_pushes_total", "Desired-state publishes to devices");
+        describe_counter(
+            r,
+            "idem_report_requests_total",
+            "`get` requests sent to devices that had never reported",
+        );
+        describe_counter(r, "idem_runs_started_total", "Reconciliation runs started");
+        describe_counter(
+            r,
+            "idem_runs_completed_total",
+            "Reconciliation runs completed",
+        );
+        describe_histogram(
+            r,
+            "idem_run_duration_seconds",
+            Unit::Seconds,
+            "Run duration from trigger to last outcome",
+        );
+        describe_histogram(
+            r,
+            "idem_convergence_latency_seconds",
+            Unit::Seconds,
+            "Desired-state write to device confirmation, for provisioned devices",
+        );
+        describe_histogram(
+            r,
+            "idem_db_batch_duration_seconds",
+            Unit::Seconds,
+            "Duration of one database write batch",
+        );
+        describe_gauge(
+            r,
+            "idem_mqtt_connected",
+            "1 while the server's MQTT connection is up",
+        );
+        describe_counter(
+            r,
+            "idem_mqtt_reconnects_total",
+            "MQTT connections re-established after a loss",
+        );
+        describe_gauge(
+            r,
+            "idem_attempts_in_flight",
+            "Devices with a push or report request awaiting an answer",
+        );
+
+        let outcomes = OutcomeKind::ALL
+            .map(|k| counter(r, "idem_device_outcomes_total", &[("outcome", k.as_str())]));
+        let reports = ReportResult::ALL
+            .map(|res| counter(r, "idem_reports_total", &[("result", res.as_str())]));
+        let rejects = REJECT_REASONS
+            .map(|reason| counter(r, "idem_reports_rejected_total", &[("reason", reason)]));
+        let metrics = Self {
+            outcomes,
+            reports,
+            rejects,
+            pushes: counter(r, "idem_pushes_total", &[]),
+            report_requests: counter(r, "idem_report_requests_total", &[]),
+            runs_started: counter(r, "idem_runs_started_total", &[]),
+            runs_completed: counter(r, "idem_runs_completed_total", &[]),
+            run_duration: histogram(r, "idem_run_duration_seconds", &[]),
+            convergence_latency: histogram(r, "idem_convergence_latency_seconds", &[]),
+            db_batch_ingest: histogram(r, "idem_db_batch_duration_seconds", &[("batch", "ingest")]),
+            db_batch_outcomes: histogram(
+                r,
+                "idem_db_batch_duration_seconds",
+                &[("batch", "outcomes")],
+            ),
+            mqtt_connected: gauge(r, "idem_mqtt_connected", &[]),
+            mqtt_reconnects: counter(r, "idem_mqtt_reconnects_total", &[]),
+            attempts_in_flight: gauge(r, "idem_attempts_in_flight", &[]),
+            recorder,
+            handle,
+        };
+        for c in metrics
+            .outcomes
+            .iter()
+            .chain(&metrics.reports)
+            .chain(&metrics.rejects)
+        {
+            c.increment(0);
+        }
+        metrics.pushes.increment(0);
+        metrics.report_requests.increment(0);
+        metrics.runs_started.increment(0);
+        metrics.runs_completed.increment(0);
+        metrics.mqtt_reconnects.increment(0);
+        metrics.mqtt_connected.set(0.0);
+        metrics.attempts_in_flight.set(0.0);
+        metrics
+    }
+
+    pub fn outcome(&self, kind: OutcomeKind) -> &Counter {
+        let index = match kind {
+            OutcomeKind::AlreadyConverged => 0,
+            OutcomeKind::Provisioned => 1,
+            OutcomeKind::Failed => 2,
+            OutcomeKind::Skipped => 3,
+            OutcomeKind::Superseded => 4,
+        };
+        &self.outcomes[index]
+    }
+
+    pub fn report(&self, result: ReportResult) -> &Counter {
+        let index = match result {
+            ReportResult::Applied => 0,
+            ReportResult::Duplicate => 1,
+            ReportResult::Stale => 2,
+            ReportResult::Rejected => 3,
+        };
+        &self.reports[index]
+    }
+
+    /// Counts a refused message under `reason` (one of [`REJECT_REASONS`]).
+    pub fn reject(&self, reason: &str) {
+        self.report(ReportResult::Rejected).increment(1);
+        if let Some(i) = REJECT_REASONS.iter().position(|r| *r == reason) {
+            self.rejects[i].increment(1);
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.handle.render()
+    }
+
+    pub fn run_upkeep(&self) {
+        self.handle.run_upkeep();
+    }
+
+    /// A series registered on demand (for labels not known up front).
+    pub fn counter_with(
+        &self,
+        name: &'static str,
+        labels: &[(&'static str, &'static str)],
+    ) -> Counter {
+        counter(&self.recorder, name, labels)
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn key(name: &'static str, labels: &[(&'static str, &'static str)]) -> Key {
+    let labels: Vec<Label> = labels
+        .iter()
+        .map(|(k, v)| Label::from_static_parts(k, v))
+        .collect();
+    Key::from_parts(name, labels)
+}
+
+fn counter(
+    r: &PrometheusRecorder,
+    name: &'static str,
+    labels: &[(&'static str, &'static str)],
+) -> Counter {
+    r.register_counter(&key(name, labels), &METADATA)
+}
+
+fn gauge(
+    r: &PrometheusRecorder,
+    name: &'static str,
+    labels: &[(&'static str, &'static str)],
+) -> Gauge {
+    r.register_gauge(&key(name, labels), &METADATA)
+}
+
+fn histogram(
+    r: &PrometheusRecorder,
+    name: &'static str,
+    labels: &[(&'static str, &'static str)],
+) -> Histogram {
+    r.register_histogram(&key(name, labels), &METADATA)
+}
+
+fn describe_counter(r: &PrometheusRecorder, name: &'static str, help: &'static str) {
+    r.describe_counter(name.into(), None, SharedString::const_str(help));
+}
+
+fn describe_gauge(r: &PrometheusRecorder, name: &'static str, help: &'static str) {
+    r.describe_gauge(name.into(), None, SharedString::const_str(help));
+}
+
+fn describe_histogram(r: &PrometheusRecorder, name: &'static str, unit: Unit, help: &'static str) {
+    r.describe_histogram(name.into(), Some(unit), SharedString::const_str(help));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_outcome_series_is_exposed_at_zero_before_any_run() {
+        let metrics = Metrics::new();
+        let text = metrics.render();
+        for kind in OutcomeKind::ALL {
+            let line = format!(
+                "idem_device_outcomes_total{{outcome=\"{}\"}} 0",
+                kind.as_str()
+            );
+            assert!(text.contains(&line), "missing {line} in\n{text}");
+        }
+        assert!(text.contains("idem_reports_total{result=\"duplicate\"} 0"));
+    }
+
+    #[test]
+    fn a_rejection_counts_both_the_result_and_the_reason() {
+        let metrics = Metrics::new();
+        metrics.reject("oversized");
+        let text = metrics.render();
+        assert!(
+            text.contains("idem_reports_total{result=\"rejected\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("idem_reports_rejected_total{reason=\"oversized\"} 1"),
+            "{text}"
+        );
+    }
+}

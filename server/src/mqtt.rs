@@ -1,0 +1,213 @@
+//! MQTT adapter: the connection's event loop and the publisher.
+//!
+//! The event loop is polled continuously and never awaits the database or its
+//! own client: inbound publishes go to a bounded channel, subscriptions are
+//! (re)made with `try_subscribe_many` on every ConnAck. Manual acks: the
+//! ingest acknowledges a report only after the batch holding it commits.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_protocol::{Channel, DeviceId, TopicRoot, GET_PAYLOAD};
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS, SubscribeFilter};
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ValidConfig;
+use crate::metrics::Metrics;
+
+/// Requests the client may queue before `publish` waits for the event loop.
+const REQUEST_CHANNEL_CAPACITY: usize = 10_000;
+/// Outgoing QoS 1 publishes awaiting PUBACK at once.
+const MAX_INFLIGHT: u16 = 1_000;
+
+/// Connection facts shared with readiness checks.
+#[derive(Debug, Default)]
+pub struct MqttStatus {
+    connected: AtomicBool,
+    subscribed: AtomicBool,
+}
+
+impl MqttStatus {
+    /// Connected and subscribed: reports can flow.
+    pub fn is_ready(&self) -> bool {
+        self.connected.load(Ordering::Acquire) && self.subscribed.load(Ordering::Acquire)
+    }
+}
+
+/// Builds the client and its event loop from the configuration.
+pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
+    let mut options = MqttOptions::new(
+        format!("idem-{}", config.config.instance),
+        config.broker.host.clone(),
+        config.broker.port,
+    );
+    options
+        .set_keep_alive(Duration::from_secs(30))
+        // Persistent session: reports published while we are briefly away
+        // are delivered when we return.
+        .set_clean_session(false)
+        .set_manual_acks(true)
+        .set_inflight(MAX_INFLIGHT)
+        .set_request_channel_capacity(REQUEST_CHANNEL_CAPACITY)
+        // Oversized reports must reach the ingest to be counted, not break
+        // the connection; the broker's message_size_limit bounds the rest.
+        .set_max_packet_size(
+            config
+                .config
+                .max_payload_bytes
+                .saturating_mul(4)
+                .max(1 << 20),
+            config
+                .config
+                .max_payload_bytes
+                .saturating_mul(4)
+                .max(1 << 20),
+        );
+    AsyncClient::new(options, REQUEST_CHANNEL_CAPACITY)
+}
+
+/// Polls the event loop until cancelled, forwarding every inbound publish.
+pub async fn run_event_loop(
+    mut eventloop: EventLoop,
+    client: AsyncClient,
+    root: TopicRoot,
+    inbound: mpsc::Sender<Publish>,
+    status: Arc<MqttStatus>,
+    metrics: Arc<Metrics>,
+    token: CancellationToken,
+) {
+    let filters = vec![
+        SubscribeFilter::new(root.filter(Channel::Reported), QoS::AtLeastOnce),
+        SubscribeFilter::new(root.filter(Channel::Status), QoS::AtLeastOnce),
+    ];
+    let mut ever_connected = false;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let event = tokio::select! {
+            () = token.cancelled() => break,
+            event = eventloop.poll() => event,
+        };
+        match event {
+            Ok(Event::Incoming(Packet::Publish(publish))) => {
+                tokio::select! {
+                    () = token.cancelled() => break,
+                    sent = inbound.send(publish) => if sent.is_err() { break },
+                }
+            }
+            Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                tracing::info!(
+                    session_present = ack.session_present,
+                    "connected to MQTT broker"
+                );
+                status.connected.store(true, Ordering::Release);
+                metrics.mqtt_connected.set(1.0);
+                if ever_connected {
+                    metrics.mqtt_reconnects.increment(1);
+                }
+                ever_connected = true;
+                backoff = Duration::from_millis(100);
+                if let Err(e) = client.try_subscribe_many(filters.clone()) {
+                    tracing::error!(error = %e, "could not queue subscriptions");
+                }
+            }
+            Ok(Event::Incoming(Packet::SubAck(_))) => {
+                status.subscribed.store(true, Ordering::Release);
+            }
+            Ok(Event::Incoming(_) | Event::Outgoing(_)) => {}
+            Err(e) => {
+                if status.connected.swap(false, Ordering::AcqRel) {
+                    tracing::warn!(error = %e, "MQTT connection lost; reconnecting");
+                } else {
+                    tracing::debug!(error = %e, "MQTT connect failed; retrying in {backoff:?}");
+                }
+                status.subscribed.store(false, Ordering::Release);
+                metrics.mqtt_connected.set(0.0);
+                tokio::select! {
+                    () = token.cancelled() => break,
+                    () = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+    status.connected.store(false, Ordering::Release);
+    status.subscribed.store(false, Ordering::Release);
+    metrics.mqtt_connected.set(0.0);
+}
+
+/// Publishes desired state, report requests and events.
+#[derive(Clone)]
+pub struct Publisher {
+    client: AsyncClient,
+    root: TopicRoot,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Publisher({})", self.root)
+    }
+}
+
+#[derive(Serialize)]
+struct DesiredMessage<'a> {
+    generation: u64,
+    spec: &'a Value,
+}
+
+impl Publisher {
+    pub fn new(client: AsyncClient, root: TopicRoot) -> Self {
+        Self { client, root }
+    }
+
+    /// Publishes `{generation, spec}` retained with QoS 1 on the device's
+    /// desired topic. A failure is logged: the attempt then times out.
+    pub async fn push(&self, device: &DeviceId, generation: u64, spec: &Value) {
+        let payload = match serde_json::to_vec(&DesiredMessage { generation, spec }) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(%device, error = %e, "could not encode desired state");
+                return;
+            }
+        };
+        let topic = self.root.topic(device, Channel::Desired);
+        if let Err(e) = self
+            .client
+            .publish(topic, QoS::AtLeastOnce, true, payload)
+            .await
+        {
+            tracing::error!(%device, error = %e, "could not publish desired state");
+        }
+    }
+
+    /// Asks the device to report now.
+    pub async fn ask_for_report(&self, device: &DeviceId) {
+        let topic = self.root.topic(device, Channel::Get);
+        if let Err(e) = self
+            .client
+            .publish(topic, QoS::AtLeastOnce, false, GET_PAYLOAD)
+            .await
+        {
+            tracing::error!(%device, error = %e, "could not publish report request");
+        }
+    }
+
+    /// Acknowledges an inbound publish (manual acks).
+    pub async fn ack(&self, publish: &Publish) {
+        if let Err(e) = self.client.ack(publish).await {
+            tracing::warn!(error = %e, "could not queue an MQTT ack");
+        }
+    }
+
+    pub fn root(&self) -> &TopicRoot {
+        &self.root
+    }
+
+    /// Disconnects cleanly (shutdown).
+    pub async fn disconnect(&self) {
+        let _ = self.client.disconnect().await;
+    }
+}

@@ -1,0 +1,287 @@
+//! The `Outcome` of one device in one run, its reasons, and the per-run counts
+//! and summary line built from outcomes.
+//!
+//! Every consumer matches `Outcome` exhaustively, with no `_ =>` arm, so that a
+//! new variant makes the compiler list each place that must learn about it.
+
+use std::fmt;
+
+/// What happened to one device in one run. Exactly one per device per run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Pushed, and the device confirmed the desired generation.
+    Provisioned,
+    /// The reported spec already matched: nothing was pushed.
+    AlreadyConverged,
+    /// Rejected by the device, timed out, or retries exhausted.
+    Failed(FailureReason),
+    /// Not attempted.
+    Skipped(SkipReason),
+    /// The desired state changed before this attempt finished.
+    Superseded,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailureReason {
+    /// The device refused the pushed generation, with its own message.
+    Rejected { message: String },
+    /// The device did not confirm the pushed generation in time.
+    Timeout,
+    /// The device was asked to report (`get`) and never did.
+    NoReport,
+    /// The device claims the pushed generation but reports a different spec.
+    AppliedSpecDiffers,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkipReason {
+    Offline,
+    Quarantined,
+    /// The device has no desired spec, so there is nothing to reconcile.
+    NoDesiredSpec,
+}
+
+/// The outcome without its reason: the label value used in storage,
+/// metrics and event types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OutcomeKind {
+    AlreadyConverged,
+    Provisioned,
+    Failed,
+    Skipped,
+    Superseded,
+}
+
+impl OutcomeKind {
+    /// All kinds, in summary order.
+    pub const ALL: [OutcomeKind; 5] = [
+        OutcomeKind::AlreadyConverged,
+        OutcomeKind::Provisioned,
+        OutcomeKind::Failed,
+        OutcomeKind::Skipped,
+        OutcomeKind::Superseded,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutcomeKind::AlreadyConverged => "already_converged",
+            OutcomeKind::Provisioned => "provisioned",
+            OutcomeKind::Failed => "failed",
+            OutcomeKind::Skipped => "skipped",
+            OutcomeKind::Superseded => "superseded",
+        }
+    }
+
+    pub fn parse(raw: &str) -> Option<Self> {
+        OutcomeKind::ALL.into_iter().find(|k| k.as_str() == raw)
+    }
+
+    /// Words used in the summary line.
+    fn summary_words(self) -> &'static str {
+        match self {
+            OutcomeKind::AlreadyConverged => "already converged",
+            OutcomeKind::Provisioned => "provisioned",
+            OutcomeKind::Failed => "failed",
+            OutcomeKind::Skipped => "skipped",
+            OutcomeKind::Superseded => "superseded",
+        }
+    }
+}
+
+impl fmt::Display for OutcomeKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Outcome {
+    pub fn kind(&self) -> OutcomeKind {
+        match self {
+            Outcome::Provisioned => OutcomeKind::Provisioned,
+            Outcome::AlreadyConverged => OutcomeKind::AlreadyConverged,
+            Outcome::Failed(_) => OutcomeKind::Failed,
+            Outcome::Skipped(_) => OutcomeKind::Skipped,
+            Outcome::Superseded => OutcomeKind::Superseded,
+        }
+    }
+
+    /// Human-readable reason for failures and skips; `None` otherwise.
+    pub fn reason(&self) -> Option<String> {
+        match self {
+            Outcome::Provisioned | Outcome::AlreadyConverged | Outcome::Superseded => None,
+            Outcome::Failed(reason) => Some(reason.to_string()),
+            Outcome::Skipped(reason) => Some(reason.to_string()),
+        }
+    }
+
+    /// Success for success rates: both ways of ending converged count.
+    pub fn is_success(&self) -> bool {
+        match self {
+            Outcome::Provisioned | Outcome::AlreadyConverged => true,
+            Outcome::Failed(_) | Outcome::Skipped(_) | Outcome::Superseded => false,
+        }
+    }
+}
+
+impl fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FailureReason::Rejected { message } => write!(f, "rejected by device: {message}"),
+            FailureReason::Timeout => {
+                f.write_str("timeout: device did not confirm the pushed generation in time")
+            }
+            FailureReason::NoReport => f.write_str("timeout: device never reported its state"),
+            FailureReason::AppliedSpecDiffers => {
+                f.write_str("device reported the pushed generation with a different spec")
+            }
+        }
+    }
+}
+
+impl fmt::Display for SkipReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SkipReason::Offline => "offline",
+            SkipReason::Quarantined => "quarantined",
+            SkipReason::NoDesiredSpec => "no desired spec",
+        })
+    }
+}
+
+/// Number of devices per outcome in one run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OutcomeCounts {
+    pub already_converged: u64,
+    pub provisioned: u64,
+    pub failed: u64,
+    pub skipped: u64,
+    pub superseded: u64,
+}
+
+impl OutcomeCounts {
+    pub fn add(&mut self, kind: OutcomeKind) {
+        *self.slot(kind) += 1;
+    }
+
+    pub fn get(&self, kind: OutcomeKind) -> u64 {
+        match kind {
+            OutcomeKind::AlreadyConverged => self.already_converged,
+            OutcomeKind::Provisioned => self.provisioned,
+            OutcomeKind::Failed => self.failed,
+            OutcomeKind::Skipped => self.skipped,
+            OutcomeKind::Superseded => self.superseded,
+        }
+    }
+
+    fn slot(&mut self, kind: OutcomeKind) -> &mut u64 {
+        match kind {
+            OutcomeKind::AlreadyConverged => &mut self.already_converged,
+            OutcomeKind::Provisioned => &mut self.provisioned,
+            OutcomeKind::Failed => &mut self.failed,
+            OutcomeKind::Skipped => &mut self.skipped,
+            OutcomeKind::Superseded => &mut self.superseded,
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        OutcomeKind::ALL.iter().map(|k| self.get(*k)).sum()
+    }
+
+    /// `N already converged, N provisioned, N failed`, then `, N skipped` and
+    /// `, N superseded` only when non-zero. Numbers use `,` thousands separators.
+    pub fn summary(&self) -> String {
+        let mut parts = Vec::with_capacity(5);
+        for kind in OutcomeKind::ALL {
+            let always_shown = match kind {
+                OutcomeKind::AlreadyConverged | OutcomeKind::Provisioned | OutcomeKind::Failed => {
+                    true
+                }
+                OutcomeKind::Skipped | OutcomeKind::Superseded => false,
+            };
+            let n = self.get(kind);
+            if always_shown || n > 0 {
+                parts.push(format!("{} {}", with_thousands(n), kind.summary_words()));
+            }
+        }
+        parts.join(", ")
+    }
+}
+
+/// `9996` → `9,996`.
+pub fn with_thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_names_the_three_main_outcomes_even_when_zero() {
+        let counts = OutcomeCounts {
+            already_converged: 9_996,
+            provisioned: 4,
+            ..OutcomeCounts::default()
+        };
+        assert_eq!(
+            counts.summary(),
+            "9,996 already converged, 4 provisioned, 0 failed"
+        );
+    }
+
+    #[test]
+    fn summary_adds_skipped_and_superseded_only_when_non_zero() {
+        let counts = OutcomeCounts {
+            already_converged: 1,
+            provisioned: 2,
+            failed: 3,
+            skipped: 4,
+            superseded: 0,
+        };
+        assert_eq!(
+            counts.summary(),
+            "1 already converged, 2 provisioned, 3 failed, 4 skipped"
+        );
+        let counts = OutcomeCounts {
+            superseded: 1_000_000,
+            ..OutcomeCounts::default()
+        };
+        assert_eq!(
+            counts.summary(),
+            "0 already converged, 0 provisioned, 0 failed, 1,000,000 superseded"
+        );
+    }
+
+    #[test]
+    fn thousands_separators_are_placed_every_three_digits() {
+        assert_eq!(with_thousands(0), "0");
+        assert_eq!(with_thousands(999), "999");
+        assert_eq!(with_thousands(1_000), "1,000");
+        assert_eq!(with_thousands(12_345_678), "12,345,678");
+    }
+
+    #[test]
+    fn already_converged_counts_as_success() {
+        assert!(Outcome::AlreadyConverged.is_success());
+        assert!(Outcome::Provisioned.is_success());
+        assert!(!Outcome::Failed(FailureReason::Timeout).is_success());
+        assert!(!Outcome::Skipped(SkipReason::Offline).is_success());
+        assert!(!Outcome::Superseded.is_success());
+    }
+
+    #[test]
+    fn outcome_kinds_round_trip_through_their_names() {
+        for kind in OutcomeKind::ALL {
+            assert_eq!(OutcomeKind::parse(kind.as_str()), Some(kind));
+        }
+        assert_eq!(OutcomeKind::parse("converged"), None);
+    }
+}

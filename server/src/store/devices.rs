@@ -1,0 +1,309 @@
+//! Device rows: registration, desired state, accepted reports, status.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::{PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use super::{to_i64, Context, StoreError};
+
+/// One device as stored, for loading the cache and for the API.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct DeviceRow {
+    pub id: String,
+    pub labels: Value,
+    pub desired_spec: Option<Value>,
+    pub desired_generation: i64,
+    pub desired_digest: Option<String>,
+    pub desired_at: Option<DateTime<Utc>>,
+    pub reported_spec: Option<Value>,
+    pub reported_digest: Option<String>,
+    pub reported_seq: Option<i64>,
+    pub reported_generation: Option<i64>,
+    pub reported_error_generation: Option<i64>,
+    pub reported_error: Option<String>,
+    pub reported_health: Option<String>,
+    pub reported_at: Option<DateTime<Utc>>,
+    pub status: String,
+    pub online: Option<bool>,
+    pub attempts: i32,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+    pub last_outcome: Option<String>,
+    pub last_outcome_reason: Option<String>,
+    pub last_run_id: Option<Uuid>,
+    pub updated_at: DateTime<Utc>,
+}
+
+const DEVICE_COLUMNS: &str =
+    "id, labels, desired_spec, desired_generation, desired_digest, desired_at, \
+    reported_spec, reported_digest, reported_seq, reported_generation, reported_error_generation, \
+    reported_error, reported_health, reported_at, status, online, attempts, next_attempt_at, \
+    last_error, last_outcome, last_outcome_reason, last_run_id, updated_at";
+
+pub async fn load_all(pool: &PgPool) -> Result<Vec<DeviceRow>, StoreError> {
+    sqlx::query_as(&format!("SELECT {DEVICE_COLUMNS} FROM devices"))
+        .fetch_all(pool)
+        .await
+        .context("loading all devices")
+}
+
+pub async fn get(pool: &PgPool, id: &str) -> Result<Option<DeviceRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "SELECT {DEVICE_COLUMNS} FROM devices WHERE id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(pool)
+    .await
+    .context("reading a device")
+}
+
+/// Filters for the paged device list.
+#[derive(Debug, Default, Clone)]
+pub struct DeviceFilter {
+    pub status: Option<String>,
+    /// Label subset the device must carry (`labels @> this`).
+    pub labels: Option<Value>,
+    /// Keyset cursor: ids strictly after this one.
+    pub after: Option<String>,
+    pub limit: i64,
+}
+
+pub async fn list(pool: &PgPool, filter: &DeviceFilter) -> Result<Vec<DeviceRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "SELECT {DEVICE_COLUMNS} FROM devices \
+         WHERE ($1::text IS NULL OR status = $1) \
+           AND ($2::jsonb IS NULL OR labels @> $2) \
+           AND ($3::text IS NULL OR id > $3) \
+         ORDER BY id LIMIT $4"
+    ))
+    .bind(&filter.status)
+    .bind(&filter.labels)
+    .bind(&filter.after)
+    .bind(filter.limit)
+    .fetch_all(pool)
+    .await
+    .context("listing devices")
+}
+
+/// Devices per status.
+pub async fn count_by_status(pool: &PgPool) -> Result<Vec<(String, i64)>, StoreError> {
+    sqlx::query_as("SELECT status, count(*) FROM devices GROUP BY status ORDER BY status")
+        .fetch_all(pool)
+        .await
+        .context("counting devices by status")
+}
+
+/// Ids of the devices whose labels contain every pair of `labels`.
+pub async fn ids_matching_labels(pool: &PgPool, labels: &Value) -> Result<Vec<String>, StoreError> {
+    sqlx::query_scalar("SELECT id FROM devices WHERE labels @> $1 ORDER BY id")
+        .bind(labels)
+        .fetch_all(pool)
+        .await
+        .context("selecting devices by labels")
+}
+
+/// Of `ids`, those that are registered.
+pub async fn existing_ids(pool: &PgPool, ids: &[String]) -> Result<Vec<String>, StoreError> {
+    sqlx::query_scalar("SELECT id FROM devices WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(pool)
+        .await
+        .context("checking device ids")
+}
+
+/// A device registration; `labels: None` keeps existing labels.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    pub id: String,
+    pub labels: Option<Value>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RegistrationCounts {
+    pub created: u64,
+    pub updated: u64,
+    pub unchanged: u64,
+}
+
+/// Upserts many devices in one statement; rows whose labels do not change are
+/// not written.
+pub async fn register(
+    tx: &mut Transaction<'_, Postgres>,
+    registrations: &[Registration],
+) -> Result<RegistrationCounts, StoreError> {
+    let ids: Vec<&str> = registrations.iter().map(|r| r.id.as_str()).collect();
+    let labels: Vec<Option<String>> = registrations
+        .iter()
+        .map(|r| r.labels.as_ref().map(Value::to_string))
+        .collect();
+    let created = sqlx::query(
+        "INSERT INTO devices (id, labels) \
+         SELECT r.id, COALESCE(r.labels::jsonb, '{}'::jsonb) \
+         FROM UNNEST($1::text[], $2::text[]) AS r(id, labels) \
+         ON CONFLICT (id) DO NOTHING",
+    )
+    .bind(&ids)
+    .bind(&labels)
+    .execute(&mut **tx)
+    .await
+    .context("registering new devices")?
+    .rows_affected();
+    let updated = sqlx::query(
+        "UPDATE devices d SET labels = r.labels::jsonb, updated_at = now() \
+         FROM UNNEST($1::text[], $2::text[]) AS r(id, labels) \
+         WHERE d.id = r.id AND r.labels IS NOT NULL AND d.labels IS DISTINCT FROM r.labels::jsonb",
+    )
+    .bind(&ids)
+    .bind(&labels)
+    .execute(&mut **tx)
+    .await
+    .context("updating device labels")?
+    .rows_affected();
+    let total = registrations.len() as u64;
+    Ok(RegistrationCounts {
+        created,
+        updated,
+        unchanged: total.saturating_sub(created + updated),
+    })
+}
+
+/// The new desired state of one device after a write.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct DesiredWrite {
+    pub id: String,
+    pub desired_generation: i64,
+}
+
+/// Sets the same desired spec on many devices. The generation increases only
+/// where the digest changes; unchanged rows are not written. Returns the
+/// devices that changed with their new generation.
+pub async fn set_desired(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[String],
+    spec: &Value,
+    digest: &str,
+) -> Result<Vec<DesiredWrite>, StoreError> {
+    sqlx::query_as(
+        "UPDATE devices SET desired_spec = $2, desired_digest = $3, \
+             desired_generation = desired_generation + 1, desired_at = now(), updated_at = now() \
+         WHERE id = ANY($1) AND desired_digest IS DISTINCT FROM $3 \
+         RETURNING id, desired_generation",
+    )
+    .bind(ids)
+    .bind(spec)
+    .bind(digest)
+    .fetch_all(&mut **tx)
+    .await
+    .context("writing desired state")
+}
+
+/// One accepted report, ready to store.
+#[derive(Debug, Clone)]
+pub struct ReportRow {
+    pub id: String,
+    pub seq: u64,
+    pub spec: Value,
+    pub digest: String,
+    pub generation: Option<u64>,
+    pub error_generation: Option<u64>,
+    pub error: Option<String>,
+    pub health: Option<String>,
+}
+
+/// Stores a batch of reports (at most one per device); a row whose stored
+/// seq is already as high is left alone. Returns how many rows changed.
+pub async fn apply_reports(
+    tx: &mut Transaction<'_, Postgres>,
+    reports: &[ReportRow],
+    auto_register: bool,
+) -> Result<u64, StoreError> {
+    if reports.is_empty() {
+        return Ok(0);
+    }
+    let ids: Vec<&str> = reports.iter().map(|r| r.id.as_str()).collect();
+    if auto_register {
+        sqlx::query(
+            "INSERT INTO devices (id) SELECT UNNEST($1::text[]) ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(&ids)
+        .execute(&mut **tx)
+        .await
+        .context("auto-registering reporting devices")?;
+    }
+    let seqs: Vec<i64> = reports.iter().map(|r| to_i64(r.seq)).collect();
+    let specs: Vec<String> = reports.iter().map(|r| r.spec.to_string()).collect();
+    let digests: Vec<&str> = reports.iter().map(|r| r.digest.as_str()).collect();
+    let generations: Vec<Option<i64>> = reports.iter().map(|r| r.generation.map(to_i64)).collect();
+    let error_generations: Vec<Option<i64>> = reports
+        .iter()
+        .map(|r| r.error_generation.map(to_i64))
+        .collect();
+    let errors: Vec<Option<&str>> = reports.iter().map(|r| r.error.as_deref()).collect();
+    let health: Vec<Option<&str>> = reports.iter().map(|r| r.health.as_deref()).collect();
+    let changed = sqlx::query(
+        "UPDATE devices d SET reported_spec = r.spec::jsonb, reported_digest = r.digest, reported_seq = r.seq, \
+             reported_generation = r.generation, reported_error_generation = r.error_generation, \
+             reported_error = r.error, reported_health = r.health, reported_at = now(), updated_at = now() \
+         FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::int8[], $7::text[], $8::text[]) \
+             AS r(id, seq, spec, digest, generation, error_generation, error, health) \
+         WHERE d.id = r.id AND (d.reported_seq IS NULL OR d.reported_seq < r.seq)",
+    )
+    .bind(&ids)
+    .bind(&seqs)
+    .bind(&specs)
+    .bind(&digests)
+    .bind(&generations)
+    .bind(&error_generations)
+    .bind(&errors)
+    .bind(&health)
+    .execute(&mut **tx)
+    .await
+    .context("storing reports")?
+    .rows_affected();
+    Ok(changed)
+}
+
+/// Records the devices' connection state; unchanged rows are not written.
+pub async fn set_online(
+    tx: &mut Transaction<'_, Postgres>,
+    changes: &[(String, bool)],
+) -> Result<(), StoreError> {
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&str> = changes.iter().map(|(id, _)| id.as_str()).collect();
+    let online: Vec<bool> = changes.iter().map(|(_, o)| *o).collect();
+    sqlx::query(
+        "UPDATE devices d SET online = r.online, updated_at = now() \
+         FROM UNNEST($1::text[], $2::bool[]) AS r(id, online) \
+         WHERE d.id = r.id AND d.online IS DISTINCT FROM r.online",
+    )
+    .bind(&ids)
+    .bind(&online)
+    .execute(&mut **tx)
+    .await
+    .context("storing device connection state")?;
+    Ok(())
+}
+
+/// Sets `status` on many devices; unchanged rows are not written.
+pub async fn set_status(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[String],
+    status: &str,
+) -> Result<(), StoreError> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "UPDATE devices SET status = $2, updated_at = now() \
+         WHERE id = ANY($1) AND status IS DISTINCT FROM $2",
+    )
+    .bind(ids)
+    .bind(status)
+    .execute(&mut **tx)
+    .await
+    .context("storing device status")?;
+    Ok(())
+}

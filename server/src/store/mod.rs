@@ -1,0 +1,74 @@
+//! PostgreSQL adapter: the only module that speaks SQL. Writes are batched
+//! (`UNNEST` arrays, one statement per batch) and skip no-op updates.
+//!
+//! Holds no business rules: callers decide, this module persists.
+
+pub mod devices;
+pub mod events;
+pub mod runs;
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+
+/// The schema, embedded from `migrations/` (the only schema source).
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error while {context}: {source}")]
+    Db {
+        context: &'static str,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("could not apply database migrations: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// Attaches what we were doing to a sqlx error.
+pub(crate) trait Context<T> {
+    fn context(self, context: &'static str) -> Result<T, StoreError>;
+}
+
+impl<T> Context<T> for Result<T, sqlx::Error> {
+    fn context(self, context: &'static str) -> Result<T, StoreError> {
+        self.map_err(|source| StoreError::Db { context, source })
+    }
+}
+
+/// Connects a pool; the server keeps retrying start-up elsewhere.
+pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, StoreError> {
+    let options: PgConnectOptions = url.parse().context("parsing the database URL")?;
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await
+        .context("connecting to PostgreSQL")
+}
+
+pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
+    MIGRATOR.run(pool).await?;
+    Ok(())
+}
+
+/// `SELECT 1`, for readiness.
+pub async fn ping(pool: &PgPool) -> Result<(), StoreError> {
+    sqlx::query("SELECT 1")
+        .execute(pool)
+        .await
+        .context("pinging the database")?;
+    Ok(())
+}
+
+/// u64 counters from the protocol are stored as bigint; values past i64::MAX
+/// are refused at ingest, so this saturates only on corrupt input.
+pub(crate) fn to_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn to_u64(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}

@@ -1,0 +1,243 @@
+//! Runs and their per-device targets/outcomes.
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use super::{to_i64, Context, StoreError};
+use crate::reconcile::outcome::OutcomeCounts;
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct RunRow {
+    pub id: Uuid,
+    pub trigger: String,
+    pub state: String,
+    pub force: bool,
+    pub target_count: i32,
+    pub already_converged: i32,
+    pub provisioned: i32,
+    pub failed: i32,
+    pub skipped: i32,
+    pub superseded: i32,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+impl RunRow {
+    pub fn counts(&self) -> OutcomeCounts {
+        let n = |v: i32| u64::try_from(v).unwrap_or(0);
+        OutcomeCounts {
+            already_converged: n(self.already_converged),
+            provisioned: n(self.provisioned),
+            failed: n(self.failed),
+            skipped: n(self.skipped),
+            superseded: n(self.superseded),
+        }
+    }
+}
+
+const RUN_COLUMNS: &str =
+    "id, trigger, state, force, target_count, already_converged, provisioned, \
+    failed, skipped, superseded, started_at, finished_at";
+
+pub async fn create(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    trigger: &str,
+    force: bool,
+    targets: &[String],
+) -> Result<(), StoreError> {
+    let target_count = i32::try_from(targets.len()).unwrap_or(i32::MAX);
+    sqlx::query("INSERT INTO runs (id, trigger, force, target_count) VALUES ($1, $2, $3, $4)")
+        .bind(id)
+        .bind(trigger)
+        .bind(force)
+        .bind(target_count)
+        .execute(&mut **tx)
+        .await
+        .context("creating a run")?;
+    sqlx::query("INSERT INTO run_targets (run_id, device_id) SELECT $1, UNNEST($2::text[])")
+        .bind(id)
+        .bind(targets)
+        .execute(&mut **tx)
+        .await
+        .context("recording run targets")?;
+    Ok(())
+}
+
+/// One device's outcome in one run, ready to store.
+#[derive(Debug, Clone)]
+pub struct OutcomeRow {
+    pub run_id: Uuid,
+    pub device_id: String,
+    pub outcome: &'static str,
+    pub reason: Option<String>,
+    pub generation: Option<u64>,
+    pub health: Option<String>,
+    /// The device status this outcome leaves behind; `None` keeps it.
+    pub status: Option<&'static str>,
+}
+
+/// Stores outcomes, adds them to the runs' counts and updates the devices'
+/// last outcome and status, all in the caller's transaction.
+pub async fn record_outcomes(
+    tx: &mut Transaction<'_, Postgres>,
+    rows: &[OutcomeRow],
+    per_run: &[(Uuid, OutcomeCounts)],
+) -> Result<(), StoreError> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let run_ids: Vec<Uuid> = rows.iter().map(|r| r.run_id).collect();
+    let device_ids: Vec<&str> = rows.iter().map(|r| r.device_id.as_str()).collect();
+    let outcomes: Vec<&str> = rows.iter().map(|r| r.outcome).collect();
+    let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
+    let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
+    let health: Vec<Option<&str>> = rows.iter().map(|r| r.health.as_deref()).collect();
+    let statuses: Vec<Option<&str>> = rows.iter().map(|r| r.status).collect();
+    sqlx::query(
+        "UPDATE run_targets t SET outcome = r.outcome, reason = r.reason, generation = r.generation, \
+             health = r.health, decided_at = now() \
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int8[], $6::text[]) \
+             AS r(run_id, device_id, outcome, reason, generation, health) \
+         WHERE t.run_id = r.run_id AND t.device_id = r.device_id AND t.outcome IS NULL",
+    )
+    .bind(&run_ids)
+    .bind(&device_ids)
+    .bind(&outcomes)
+    .bind(&reasons)
+    .bind(&generations)
+    .bind(&health)
+    .execute(&mut **tx)
+    .await
+    .context("storing run outcomes")?;
+    sqlx::query(
+        "UPDATE devices d SET status = COALESCE(r.status, d.status), last_outcome = r.outcome, \
+             last_outcome_reason = r.reason, last_run_id = r.run_id, \
+             last_error = CASE WHEN r.outcome = 'failed' THEN r.reason ELSE d.last_error END, \
+             updated_at = now() \
+         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[]) \
+             AS r(run_id, device_id, outcome, reason, status) \
+         WHERE d.id = r.device_id",
+    )
+    .bind(&run_ids)
+    .bind(&device_ids)
+    .bind(&outcomes)
+    .bind(&reasons)
+    .bind(&statuses)
+    .execute(&mut **tx)
+    .await
+    .context("storing device outcomes")?;
+    let ids: Vec<Uuid> = per_run.iter().map(|(id, _)| *id).collect();
+    let col = |f: fn(&OutcomeCounts) -> u64| -> Vec<i64> {
+        per_run.iter().map(|(_, c)| to_i64(f(c))).collect()
+    };
+    sqlx::query(
+        "UPDATE runs SET already_converged = already_converged + r.ac, provisioned = provisioned + r.pr, \
+             failed = failed + r.fa, skipped = skipped + r.sk, superseded = superseded + r.su \
+         FROM UNNEST($1::uuid[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[]) \
+             AS r(id, ac, pr, fa, sk, su) \
+         WHERE runs.id = r.id",
+    )
+    .bind(&ids)
+    .bind(col(|c| c.already_converged))
+    .bind(col(|c| c.provisioned))
+    .bind(col(|c| c.failed))
+    .bind(col(|c| c.skipped))
+    .bind(col(|c| c.superseded))
+    .execute(&mut **tx)
+    .await
+    .context("adding to run counts")?;
+    Ok(())
+}
+
+/// Marks runs completed; returns the completed rows.
+pub async fn complete(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[Uuid],
+) -> Result<Vec<RunRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "UPDATE runs SET state = 'completed', finished_at = now() \
+         WHERE id = ANY($1) AND state = 'running' RETURNING {RUN_COLUMNS}"
+    ))
+    .bind(ids)
+    .fetch_all(&mut **tx)
+    .await
+    .context("completing runs")
+}
+
+pub async fn get(pool: &PgPool, id: Uuid) -> Result<Option<RunRow>, StoreError> {
+    sqlx::query_as(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"))
+        .bind(id)
+        .fetch_optional(pool)
+        .await
+        .context("reading a run")
+}
+
+/// Newest first; `before` is a keyset cursor on `started_at`.
+pub async fn list(
+    pool: &PgPool,
+    before: Option<DateTime<Utc>>,
+    limit: i64,
+) -> Result<Vec<RunRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "SELECT {RUN_COLUMNS} FROM runs WHERE ($1::timestamptz IS NULL OR started_at < $1) \
+         ORDER BY started_at DESC, id LIMIT $2"
+    ))
+    .bind(before)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+    .context("listing runs")
+}
+
+/// Runs left `running` by an earlier process.
+pub async fn unfinished(pool: &PgPool) -> Result<Vec<RunRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "SELECT {RUN_COLUMNS} FROM runs WHERE state = 'running' ORDER BY started_at"
+    ))
+    .fetch_all(pool)
+    .await
+    .context("listing unfinished runs")
+}
+
+/// Targets of a run that have no outcome yet.
+pub async fn undecided_targets(pool: &PgPool, run_id: Uuid) -> Result<Vec<String>, StoreError> {
+    sqlx::query_scalar("SELECT device_id FROM run_targets WHERE run_id = $1 AND outcome IS NULL ORDER BY device_id")
+        .bind(run_id)
+        .fetch_all(pool)
+        .await
+        .context("listing undecided run targets")
+}
+
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+pub struct TargetRow {
+    pub device_id: String,
+    pub outcome: Option<String>,
+    pub reason: Option<String>,
+    pub generation: Option<i64>,
+    pub health: Option<String>,
+    pub decided_at: Option<DateTime<Utc>>,
+}
+
+/// A page of a run's per-device outcomes, by device id.
+pub async fn outcomes(
+    pool: &PgPool,
+    run_id: Uuid,
+    outcome: Option<&str>,
+    after: Option<&str>,
+    limit: i64,
+) -> Result<Vec<TargetRow>, StoreError> {
+    sqlx::query_as(
+        "SELECT device_id, outcome, reason, generation, health, decided_at FROM run_targets \
+         WHERE run_id = $1 AND ($2::text IS NULL OR outcome = $2) AND ($3::text IS NULL OR device_id > $3) \
+         ORDER BY device_id LIMIT $4",
+    )
+    .bind(run_id)
+    .bind(outcome)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+    .context("listing run outcomes")
+}

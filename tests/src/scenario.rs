@@ -1,0 +1,118 @@
+//! A whole test world in one value: private broker, fresh database, server,
+//! and a simulated fleet registered with the server. Fixtures are builders;
+//! dropping a scenario stops everything it started.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use idem_device_sim::{BrokerAddr, Fleet, FleetConfig, Plan, SimDevice};
+use serde_json::{json, Value};
+
+use crate::broker::{raise_fd_limit, PrivateMosquitto};
+use crate::database::TestDatabase;
+use crate::server::{ServerSettings, TestServer};
+
+pub struct Scenario {
+    pub server: TestServer,
+    pub db: TestDatabase,
+    pub broker: PrivateMosquitto,
+}
+
+impl Scenario {
+    /// Broker, database and server, ready.
+    pub async fn start(settings: ServerSettings) -> Result<Self> {
+        raise_fd_limit().context("raising the open-file limit")?;
+        let broker = PrivateMosquitto::start()?;
+        let db = TestDatabase::create_with(&idem_server::MIGRATOR).await?;
+        let server = TestServer::start(&db, &broker, settings).await?;
+        Ok(Self { server, db, broker })
+    }
+
+    /// Registers every device of `devices` with `desired` as its desired spec.
+    pub async fn register(&self, devices: &[SimDevice], desired: &Value) -> Result<()> {
+        let body: Vec<Value> = devices
+            .iter()
+            .map(|d| json!({"id": d.id, "spec": desired}))
+            .collect();
+        let (status, answer) = self.server.post("/v1/devices", &Value::Array(body)).await?;
+        if status != 200 {
+            bail!("registering devices answered {status}: {answer}");
+        }
+        Ok(())
+    }
+
+    /// Starts simulated devices on the scenario's broker and topic root and
+    /// waits until all are connected.
+    pub async fn start_fleet(&self, devices: Vec<SimDevice>) -> Result<Fleet> {
+        let n = devices.len();
+        let config = FleetConfig::new(
+            BrokerAddr::new(self.broker.host(), self.broker.port()),
+            self.server.topic_root.clone(),
+            devices,
+        );
+        let fleet = Fleet::start(config).context("starting the simulated fleet")?;
+        fleet
+            .wait_connected(n, Duration::from_secs(30))
+            .await
+            .context("waiting for the fleet to connect")?;
+        Ok(fleet)
+    }
+
+    /// Registers the plan's devices, starts them, and waits until `reporting`
+    /// of them have a stored report.
+    pub async fn register_and_start(&self, plan: &Plan, reporting: usize) -> Result<Fleet> {
+        self.register(&plan.devices, &plan.desired_spec).await?;
+        let fleet = self.start_fleet(plan.devices.clone()).await?;
+        self.wait_reports_stored(reporting, Duration::from_secs(30))
+            .await?;
+        Ok(fleet)
+    }
+
+    /// Waits until at least `n` devices have a stored report.
+    pub async fn wait_reports_stored(&self, n: usize, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let stored: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM devices WHERE reported_seq IS NOT NULL")
+                    .fetch_one(self.db.pool())
+                    .await
+                    .context("counting stored reports")?;
+            if usize::try_from(stored).unwrap_or(0) >= n {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("only {stored} of {n} devices have a stored report after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Starts a manual run over every device and waits for it to complete.
+    pub async fn run_all(&self, timeout: Duration) -> Result<(String, Value)> {
+        let (status, started) = self.server.post("/v1/runs", &json!({"all": true})).await?;
+        if status != 200 {
+            bail!("POST /v1/runs answered {status}: {started}");
+        }
+        let run_id = started["run_id"]
+            .as_str()
+            .context("run_id in answer")?
+            .to_owned();
+        let run = self.server.wait_run_completed(&run_id, timeout).await?;
+        Ok((run_id, run))
+    }
+
+    /// Event log entries of one run: type → count.
+    pub async fn event_counts(
+        &self,
+        run_id: &str,
+    ) -> Result<std::collections::BTreeMap<String, i64>> {
+        let run: uuid::Uuid = run_id.parse().context("run id")?;
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT type, count(*) FROM events WHERE run_id = $1 GROUP BY type")
+                .bind(run)
+                .fetch_all(self.db.pool())
+                .await
+                .context("counting events")?;
+        Ok(rows.into_iter().collect())
+    }
+}

@@ -1,0 +1,208 @@
+//! End to end against real PostgreSQL and a private Mosquitto: runs skip what
+//! already matches, push the rest, and record one outcome per device.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use idem_device_sim::{ExpectedOutcome, FleetPlan};
+use idem_tests::{DesiredWatcher, Scenario, ServerSettings};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("dev-", 50)
+        .drifted(4)
+        .seed(7)
+        .build()
+        .unwrap();
+    let watcher = DesiredWatcher::start(&scenario.broker, &scenario.server.topic_root)
+        .await
+        .unwrap();
+    let fleet = scenario.register_and_start(&plan, 50).await.unwrap();
+
+    let started = Instant::now();
+    let (run_id, run) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    let elapsed = started.elapsed();
+    println!(
+        "50-device run: trigger to completed in {elapsed:?} (server says {} ms)",
+        run["duration_ms"]
+    );
+
+    assert_eq!(run["counts"]["already_converged"], 46, "{run}");
+    assert_eq!(run["counts"]["provisioned"], 4, "{run}");
+    assert_eq!(run["counts"]["failed"], 0, "{run}");
+    assert_eq!(
+        run["summary"],
+        "46 already converged, 4 provisioned, 0 failed"
+    );
+
+    let outcomes = scenario.server.run_outcomes(&run_id).await.unwrap();
+    assert_eq!(outcomes.len(), 50);
+    for (id, expected) in &plan.expected {
+        let want = match expected {
+            ExpectedOutcome::AlreadyConverged => "already_converged",
+            ExpectedOutcome::Provisioned => "provisioned",
+            ExpectedOutcome::Failed => "failed",
+        };
+        assert_eq!(outcomes[id.as_str()]["outcome"], want, "device {id}");
+    }
+
+    // The broker carried desired-state publishes for exactly the drifted four.
+    let drifted: BTreeSet<String> = plan
+        .ids_expecting(ExpectedOutcome::Provisioned)
+        .iter()
+        .map(|d| d.to_string())
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pushed: BTreeSet<String> = watcher.seen().keys().cloned().collect();
+    assert_eq!(pushed, drifted);
+    assert_eq!(watcher.total(), 4);
+
+    let events = scenario.event_counts(&run_id).await.unwrap();
+    assert_eq!(events.get("io.idem.device.already_converged"), Some(&46));
+    assert_eq!(events.get("io.idem.device.provisioned"), Some(&4));
+    assert_eq!(events.get("io.idem.run.started"), Some(&1));
+    assert_eq!(events.get("io.idem.run.completed"), Some(&1));
+    assert_eq!(events.values().sum::<i64>(), 52, "{events:?}");
+
+    // The same run again: everything already converged, nothing published.
+    let (_, again) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(
+        again["summary"],
+        "50 already converged, 0 provisioned, 0 failed"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        watcher.total(),
+        4,
+        "a converged fleet must not be pushed to"
+    );
+
+    let (_, fleet_view) = scenario.server.get("/v1/fleet").await.unwrap();
+    assert_eq!(fleet_view["by_status"]["converged"], 50, "{fleet_view}");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejecting_and_unresponsive_devices_fail_with_reasons_and_the_run_completes() {
+    let settings = ServerSettings {
+        push_timeout: Duration::from_millis(1500),
+        ..ServerSettings::default()
+    };
+    let scenario = Scenario::start(settings).await.unwrap();
+    let plan = FleetPlan::new("flaky-", 8)
+        .rejecting(1)
+        .ignoring_pushes(1)
+        .silent(1)
+        .reject_message("flash full")
+        .seed(3)
+        .build()
+        .unwrap();
+    let fleet = scenario.register_and_start(&plan, 7).await.unwrap();
+
+    let (run_id, run) = scenario.run_all(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(
+        run["summary"], "5 already converged, 0 provisioned, 3 failed",
+        "{run}"
+    );
+    let outcomes = scenario.server.run_outcomes(&run_id).await.unwrap();
+    let reasons: BTreeSet<String> = outcomes
+        .values()
+        .filter(|o| o["outcome"] == "failed")
+        .map(|o| o["reason"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let expected: BTreeSet<String> = [
+        "rejected by device: flash full",
+        "timeout: device did not confirm the pushed generation in time",
+        "timeout: device never reported its state",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    assert_eq!(reasons, expected);
+
+    // The rejection's reason is in the device's failed event too.
+    let rejecting = plan
+        .devices
+        .iter()
+        .find(|d| {
+            d.behaviour.answers_desired() && plan.expected(&d.id) == Some(ExpectedOutcome::Failed)
+        })
+        .unwrap();
+    let event: serde_json::Value = sqlx::query_scalar(
+        "SELECT cloudevent FROM events WHERE subject = $1 AND type = 'io.idem.device.failed'",
+    )
+    .bind(rejecting.id.as_str())
+    .fetch_one(scenario.db.pool())
+    .await
+    .unwrap();
+    assert_eq!(event["data"]["reason"], "rejected by device: flash full");
+    assert_eq!(event["runid"], run_id);
+
+    let (_, device) = scenario
+        .server
+        .get(&format!("/v1/devices/{}", rejecting.id))
+        .await
+        .unwrap();
+    assert_eq!(device["status"], "failed");
+    assert_eq!(device["reported"]["error"]["message"], "flash full");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setting_desired_state_on_one_device_provisions_it_with_a_new_generation() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("one-", 3).seed(1).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 3).await.unwrap();
+    let target = &plan.devices[0].id;
+
+    let (status, answer) = scenario
+        .server
+        .put(
+            &format!("/v1/devices/{target}/desired"),
+            &json!({"spec": {"firmware": "9.9.9"}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["generation"], 2);
+    let run = scenario
+        .server
+        .wait_run_completed(answer["run_id"].as_str().unwrap(), Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(
+        run["summary"],
+        "0 already converged, 1 provisioned, 0 failed"
+    );
+    assert_eq!(
+        fleet.state(target).unwrap().spec,
+        json!({"firmware": "9.9.9"})
+    );
+    assert_eq!(fleet.state(target).unwrap().generation, Some(2));
+
+    // The same spec again, with keys in another order: nothing to do.
+    let (_, answer) = scenario
+        .server
+        .put(
+            &format!("/v1/devices/{target}/desired"),
+            &json!({"spec": { "firmware" : "9.9.9" }}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        answer["generation"], 2,
+        "an unchanged spec keeps its generation"
+    );
+    let run = scenario
+        .server
+        .wait_run_completed(answer["run_id"].as_str().unwrap(), Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(
+        run["summary"],
+        "1 already converged, 0 provisioned, 0 failed"
+    );
+    fleet.shutdown().await;
+}
