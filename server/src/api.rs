@@ -42,6 +42,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/runs/{id}", get(get_run))
         .route("/v1/runs/{id}/outcomes", get(run_outcomes))
         .route("/v1/fleet", get(fleet_summary))
+        .route("/v1/events", get(crate::sse::events))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -66,7 +67,7 @@ impl ApiError {
             message: message.into(),
         }
     }
-    fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, code, message)
     }
     fn not_found(code: &'static str, message: impl Into<String>) -> Self {
@@ -596,6 +597,8 @@ async fn create_run(
     let rows = events::finalize(vec![draft], first, &state.event_source, chrono::Utc::now())?;
     store::events::insert(&mut tx, &rows).await?;
     tx.commit().await.map_err(db_error("committing a run"))?;
+    state.events_wake.notify_one();
+    state.metrics.events_committed.increment(1);
     if let Some((digest, spec)) = digest_and_spec {
         for write in desired_changes {
             if let Ok(id) = DeviceId::parse(&write.id) {

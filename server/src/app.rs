@@ -6,9 +6,10 @@
 use std::sync::Arc;
 
 use idem_protocol::DeviceId;
+use rumqttc::QoS;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ValidConfig;
@@ -16,12 +17,16 @@ use crate::fleet::Fleet;
 use crate::ingest::Ingest;
 use crate::metrics::Metrics;
 use crate::mqtt::{self, MqttStatus, Publisher};
-use crate::reconcile::engine::{Engine, EngineCommand, EngineNotice};
+use crate::reconcile::engine::{Engine, EngineCommand, EngineContext, EngineNotice};
+use crate::relay::{EventRelay, Retention};
+use crate::store::events::StoredEvent;
 use crate::store::{self, StoreError};
 
 /// Inbound MQTT messages buffered between the event loop and the ingest.
 const INBOUND_CAPACITY: usize = 16_384;
 const ENGINE_CAPACITY: usize = 1_024;
+/// Live events buffered per SSE subscriber before it must catch up from the log.
+const LIVE_EVENTS_CAPACITY: usize = 16_384;
 
 /// What every handler and task shares.
 pub struct AppState {
@@ -30,6 +35,10 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub engine: mpsc::Sender<EngineCommand>,
     pub notices: broadcast::Sender<EngineNotice>,
+    /// Committed events, in sequence order, from the relay (for SSE).
+    pub live_events: broadcast::Sender<Arc<StoredEvent>>,
+    /// Wakes the relay after a commit that wrote events.
+    pub events_wake: Arc<Notify>,
     pub mqtt: Arc<MqttStatus>,
     pub event_source: String,
     pub config: ValidConfig,
@@ -65,6 +74,8 @@ pub async fn run(
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
     let (notices, _) = broadcast::channel(1_024);
     let event_source = format!("/idem/{}", config.config.instance);
+    let (live_events, _) = broadcast::channel(LIVE_EVENTS_CAPACITY);
+    let events_wake = Arc::new(Notify::new());
 
     // Stop order: HTTP and intake first, then the engine flushes, then MQTT.
     let intake_token = token.child_token();
@@ -80,15 +91,16 @@ pub async fn run(
         metrics.clone(),
         mqtt_token.clone(),
     ));
-    let engine = Engine::new(
-        pool.clone(),
-        fleet.clone(),
-        metrics.clone(),
-        publisher.clone(),
-        notices.clone(),
-        config.config.push_timeout,
-        event_source.clone(),
-    );
+    let engine = Engine::new(EngineContext {
+        pool: pool.clone(),
+        fleet: fleet.clone(),
+        metrics: metrics.clone(),
+        publisher: publisher.clone(),
+        notices: notices.clone(),
+        events_wake: events_wake.clone(),
+        push_timeout: config.config.push_timeout,
+        event_source: event_source.clone(),
+    });
     let engine_task = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
     let ingest = Ingest {
         pool: pool.clone(),
@@ -101,7 +113,32 @@ pub async fn run(
         auto_register: config.config.auto_register,
     };
     let ingest_task = tokio::spawn(ingest.run(inbound_rx, intake_token.clone()));
-    let upkeep_task = tokio::spawn(metrics_upkeep(metrics.clone(), intake_token.clone()));
+    let upkeep_task = tokio::spawn(metrics_upkeep(
+        metrics.clone(),
+        pool.clone(),
+        intake_token.clone(),
+    ));
+
+    let relay = EventRelay {
+        pool: pool.clone(),
+        mqtt: config.config.mqtt_events.then(|| {
+            let qos = if config.config.mqtt_events_qos == 0 {
+                QoS::AtMostOnce
+            } else {
+                QoS::AtLeastOnce
+            };
+            (publisher.clone(), qos)
+        }),
+        live: live_events.clone(),
+        wake: events_wake.clone(),
+        metrics: metrics.clone(),
+        retention: Retention {
+            max_age: config.config.event_retention,
+            max_count: config.config.event_retention_count,
+        },
+    };
+    let relay_token = CancellationToken::new();
+    let relay_task = tokio::spawn(relay.run(relay_token.clone()));
 
     resume_unfinished_runs(&pool, &engine_tx).await?;
 
@@ -111,6 +148,8 @@ pub async fn run(
         metrics,
         engine: engine_tx,
         notices,
+        live_events,
+        events_wake,
         mqtt: mqtt_status,
         event_source,
         config,
@@ -126,6 +165,10 @@ pub async fn run(
     let _ = upkeep_task.await;
     engine_token.cancel();
     let _ = engine_task.await;
+    // Let the relay pass on what the engine's last flush committed.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    relay_token.cancel();
+    let _ = relay_task.await;
     publisher.disconnect().await;
     // Give the event loop a moment to send DISCONNECT before it stops.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -165,12 +208,20 @@ async fn resume_unfinished_runs(
     Ok(())
 }
 
-async fn metrics_upkeep(metrics: Arc<Metrics>, token: CancellationToken) {
-    let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+/// Periodic metric work: histogram upkeep and the devices-by-status gauges
+/// (one grouped count, not a per-device label).
+async fn metrics_upkeep(metrics: Arc<Metrics>, pool: PgPool, token: CancellationToken) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
     loop {
         tokio::select! {
             () = token.cancelled() => break,
-            _ = tick.tick() => metrics.run_upkeep(),
+            _ = tick.tick() => {
+                metrics.run_upkeep();
+                match store::devices::count_by_status(&pool).await {
+                    Ok(counts) => metrics.set_devices_by_status(&counts),
+                    Err(e) => tracing::debug!(error = %e, "devices-by-status gauge not refreshed"),
+                }
+            }
         }
     }
 }

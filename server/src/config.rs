@@ -52,6 +52,22 @@ pub struct Config {
     #[arg(long, env = "IDEM_AUTO_REGISTER", default_value_t = false)]
     pub auto_register: bool,
 
+    /// Publish every committed outcome event to `{root}/events/{type}/{subject}`.
+    #[arg(long, env = "IDEM_MQTT_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub mqtt_events: bool,
+
+    /// QoS of the event publishes (0 or 1).
+    #[arg(long, env = "IDEM_MQTT_EVENTS_QOS", default_value_t = 0)]
+    pub mqtt_events_qos: u8,
+
+    /// Events older than this are pruned from the event log (once relayed), e.g. `7d`.
+    #[arg(long, env = "IDEM_EVENT_RETENTION", default_value = "7d", value_parser = parse_duration)]
+    pub event_retention: Duration,
+
+    /// At most this many newest events are kept in the event log.
+    #[arg(long, env = "IDEM_EVENT_RETENTION_COUNT", default_value_t = 1_000_000)]
+    pub event_retention_count: i64,
+
     /// Most connections in the database pool.
     #[arg(long, env = "IDEM_DB_MAX_CONNECTIONS", default_value_t = 8)]
     pub db_max_connections: u32,
@@ -76,6 +92,10 @@ pub enum ConfigError {
         "IDEM_MAX_PAYLOAD_BYTES / --max-payload-bytes must be between 256 and 268435455 (got {0})"
     )]
     MaxPayload(usize),
+    #[error("IDEM_MQTT_EVENTS_QOS / --mqtt-events-qos must be 0 or 1 (got {0})")]
+    EventsQos(u8),
+    #[error("IDEM_EVENT_RETENTION_COUNT / --event-retention-count must be at least 1 (got {0})")]
+    RetentionCount(i64),
     #[error("IDEM_DB_MAX_CONNECTIONS / --db-max-connections must be at least 2 (got {0})")]
     DbConnections(u32),
 }
@@ -113,6 +133,12 @@ impl Config {
         }
         if !(256..=268_435_455).contains(&self.max_payload_bytes) {
             return Err(ConfigError::MaxPayload(self.max_payload_bytes));
+        }
+        if self.mqtt_events_qos > 1 {
+            return Err(ConfigError::EventsQos(self.mqtt_events_qos));
+        }
+        if self.event_retention_count < 1 {
+            return Err(ConfigError::RetentionCount(self.event_retention_count));
         }
         if self.db_max_connections < 2 {
             return Err(ConfigError::DbConnections(self.db_max_connections));
@@ -158,7 +184,7 @@ pub fn parse_mqtt_url(url: &str) -> Option<BrokerAddr> {
     })
 }
 
-/// Parses `250ms`, `30s`, `5m`, `1h` (a bare number means seconds).
+/// Parses `250ms`, `30s`, `5m`, `1h`, `7d` (a bare number means seconds).
 pub fn parse_duration(raw: &str) -> Result<Duration, String> {
     let raw = raw.trim();
     let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
@@ -171,6 +197,7 @@ pub fn parse_duration(raw: &str) -> Result<Duration, String> {
         "" | "s" => Ok(Duration::from_secs(n)),
         "m" => Ok(Duration::from_secs(n * 60)),
         "h" => Ok(Duration::from_secs(n * 3600)),
+        "d" => Ok(Duration::from_secs(n * 86_400)),
         other => Err(format!(
             "unknown duration unit {other:?} in {raw:?}; use ms, s, m or h"
         )),

@@ -14,6 +14,8 @@ pub mod ingest;
 pub mod metrics;
 pub mod mqtt;
 pub mod reconcile;
+pub mod relay;
+pub mod sse;
 pub mod store;
 
 pub use app::{run, AppState, ServerError};

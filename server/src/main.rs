@@ -15,17 +15,15 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let config = idem_server::Config::parse();
     let valid = config.validate().context("invalid configuration")?;
-    let pool = idem_server::store::connect(
-        &valid.config.database_url,
-        valid.config.db_max_connections,
-    )
-    .await
-    .with_context(|| {
-        format!(
+    let pool =
+        idem_server::store::connect(&valid.config.database_url, valid.config.db_max_connections)
+            .await
+            .with_context(|| {
+                format!(
             "cannot reach PostgreSQL at {}: start it (scripts/demo does) or set IDEM_DATABASE_URL",
             valid.config.database_url
         )
-    })?;
+            })?;
     let listener = tokio::net::TcpListener::bind(valid.config.http_addr)
         .await
         .with_context(|| {

@@ -73,7 +73,23 @@ pub struct Metrics {
     pub mqtt_connected: Gauge,
     pub mqtt_reconnects: Counter,
     pub attempts_in_flight: Gauge,
+    devices_by_status: [Gauge; DEVICE_STATUSES.len()],
+    last_run: [Gauge; 5],
+    pub events_committed: Counter,
+    pub events_published: Counter,
+    pub event_log_lag: Gauge,
 }
+
+/// Device statuses; label values of `idem_devices`.
+pub const DEVICE_STATUSES: [&str; 7] = [
+    "unknown",
+    "converged",
+    "drifted",
+    "provisioning",
+    "failed",
+    "offline",
+    "quarantined",
+];
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -186,6 +202,13 @@ impl Metrics {
             mqtt_connected: gauge(r, "idem_mqtt_connected", &[]),
             mqtt_reconnects: counter(r, "idem_mqtt_reconnects_total", &[]),
             attempts_in_flight: gauge(r, "idem_attempts_in_flight", &[]),
+            devices_by_status: DEVICE_STATUSES
+                .map(|status| gauge(r, "idem_devices", &[("status", status)])),
+            last_run: OutcomeKind::ALL
+                .map(|k| gauge(r, "idem_last_run_devices", &[("outcome", k.as_str())])),
+            events_committed: counter(r, "idem_events_committed_total", &[]),
+            events_published: counter(r, "idem_events_published_total", &[]),
+            event_log_lag: gauge(r, "idem_event_log_lag_events", &[]),
             recorder,
             handle,
         };
@@ -204,7 +227,25 @@ impl Metrics {
         metrics.mqtt_reconnects.increment(0);
         metrics.mqtt_connected.set(0.0);
         metrics.attempts_in_flight.set(0.0);
+        metrics.events_committed.increment(0);
+        metrics.events_published.increment(0);
+        metrics.event_log_lag.set(0.0);
+        for g in metrics.devices_by_status.iter().chain(&metrics.last_run) {
+            g.set(0.0);
+        }
         metrics
+    }
+
+    /// Sets `idem_devices{status}` from a count per status; statuses not in
+    /// `counts` are 0.
+    pub fn set_devices_by_status(&self, counts: &[(String, i64)]) {
+        for (status, gauge) in DEVICE_STATUSES.iter().zip(&self.devices_by_status) {
+            let n = counts
+                .iter()
+                .find(|(s, _)| s == status)
+                .map_or(0, |(_, n)| *n);
+            gauge.set(n as f64);
+        }
     }
 
     pub fn outcome(&self, kind: OutcomeKind) -> &Counter {
@@ -216,6 +257,13 @@ impl Metrics {
             OutcomeKind::Superseded => 4,
         };
         &self.outcomes[index]
+    }
+
+    /// Sets `idem_last_run_devices{outcome}` to a completed run's counts.
+    pub fn set_last_run(&self, counts: &crate::reconcile::OutcomeCounts) {
+        for (kind, gauge) in OutcomeKind::ALL.iter().zip(&self.last_run) {
+            gauge.set(counts.get(*kind) as f64);
+        }
     }
 
     pub fn report(&self, result: ReportResult) -> &Counter {

@@ -195,6 +195,13 @@ impl Publisher {
         }
     }
 
+    /// Publishes one CloudEvent (structured JSON) on an event topic.
+    pub async fn publish_event(&self, topic: String, qos: QoS, payload: Vec<u8>) {
+        if let Err(e) = self.client.publish(topic, qos, false, payload).await {
+            tracing::warn!(error = %e, "could not publish an event");
+        }
+    }
+
     /// Acknowledges an inbound publish (manual acks).
     pub async fn ack(&self, publish: &Publish) {
         if let Err(e) = self.client.ack(publish).await {

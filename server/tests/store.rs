@@ -1,6 +1,9 @@
 //! Store tests against the real PostgreSQL (`DATABASE_URL`, set by
 //! scripts/test): batched writes, no-op skipping, gap-free event sequences.
 
+// Test code: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use idem_server::store::devices::{self, Registration, ReportRow};
 use idem_server::store::events;
 use serde_json::json;
@@ -8,8 +11,13 @@ use sqlx::PgPool;
 
 async fn register(pool: &PgPool, ids: &[&str]) {
     let mut tx = pool.begin().await.unwrap();
-    let registrations: Vec<Registration> =
-        ids.iter().map(|id| Registration { id: (*id).to_owned(), labels: None }).collect();
+    let registrations: Vec<Registration> = ids
+        .iter()
+        .map(|id| Registration {
+            id: (*id).to_owned(),
+            labels: None,
+        })
+        .collect();
     devices::register(&mut tx, &registrations).await.unwrap();
     tx.commit().await.unwrap();
 }
@@ -32,11 +40,23 @@ async fn the_desired_generation_increases_only_when_the_spec_changes(pool: PgPoo
     register(&pool, &["a", "b"]).await;
     let ids = vec!["a".to_owned(), "b".to_owned()];
     let mut tx = pool.begin().await.unwrap();
-    let first = devices::set_desired(&mut tx, &ids, &json!({"v": 1}), "d1").await.unwrap();
-    let same = devices::set_desired(&mut tx, &ids, &json!({"v": 1}), "d1").await.unwrap();
-    let changed = devices::set_desired(&mut tx, &ids[..1], &json!({"v": 2}), "d2").await.unwrap();
+    let first = devices::set_desired(&mut tx, &ids, &json!({"v": 1}), "d1")
+        .await
+        .unwrap();
+    let same = devices::set_desired(&mut tx, &ids, &json!({"v": 1}), "d1")
+        .await
+        .unwrap();
+    let changed = devices::set_desired(&mut tx, &ids[..1], &json!({"v": 2}), "d2")
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
-    assert_eq!(first.iter().map(|w| w.desired_generation).collect::<Vec<_>>(), vec![1, 1]);
+    assert_eq!(
+        first
+            .iter()
+            .map(|w| w.desired_generation)
+            .collect::<Vec<_>>(),
+        vec![1, 1]
+    );
     assert!(same.is_empty(), "an unchanged spec writes nothing");
     assert_eq!(changed.len(), 1);
     assert_eq!(changed[0].desired_generation, 2);
@@ -45,9 +65,13 @@ async fn the_desired_generation_increases_only_when_the_spec_changes(pool: PgPoo
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]
 async fn a_report_with_a_lower_or_equal_seq_never_overwrites_a_newer_one(pool: PgPool) {
     register(&pool, &["a"]).await;
-    for (seq, firmware, expect_changed) in [(5, "new", 1), (5, "dup", 0), (4, "old", 0), (6, "newer", 1)] {
+    for (seq, firmware, expect_changed) in
+        [(5, "new", 1), (5, "dup", 0), (4, "old", 0), (6, "newer", 1)]
+    {
         let mut tx = pool.begin().await.unwrap();
-        let changed = devices::apply_reports(&mut tx, &[report("a", seq, firmware)], false).await.unwrap();
+        let changed = devices::apply_reports(&mut tx, &[report("a", seq, firmware)], false)
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         assert_eq!(changed, expect_changed, "seq {seq}");
     }
@@ -59,8 +83,18 @@ async fn a_report_with_a_lower_or_equal_seq_never_overwrites_a_newer_one(pool: P
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]
 async fn reports_from_unregistered_devices_are_stored_only_with_auto_register(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(devices::apply_reports(&mut tx, &[report("new", 1, "x")], false).await.unwrap(), 0);
-    assert_eq!(devices::apply_reports(&mut tx, &[report("new", 1, "x")], true).await.unwrap(), 1);
+    assert_eq!(
+        devices::apply_reports(&mut tx, &[report("new", 1, "x")], false)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        devices::apply_reports(&mut tx, &[report("new", 1, "x")], true)
+            .await
+            .unwrap(),
+        1
+    );
     tx.commit().await.unwrap();
     assert!(devices::get(&pool, "new").await.unwrap().is_some());
 }
@@ -72,10 +106,19 @@ async fn event_sequences_stay_gap_free_when_a_transaction_rolls_back(pool: PgPoo
     tx.commit().await.unwrap();
 
     let mut rolled_back = pool.begin().await.unwrap();
-    assert_eq!(events::reserve_sequences(&mut rolled_back, 10).await.unwrap(), 4);
+    assert_eq!(
+        events::reserve_sequences(&mut rolled_back, 10)
+            .await
+            .unwrap(),
+        4
+    );
     rolled_back.rollback().await.unwrap();
 
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(events::reserve_sequences(&mut tx, 1).await.unwrap(), 4, "the rolled-back range is reused");
+    assert_eq!(
+        events::reserve_sequences(&mut tx, 1).await.unwrap(),
+        4,
+        "the rolled-back range is reused"
+    );
     tx.commit().await.unwrap();
 }

@@ -23,6 +23,8 @@ use crate::database::TestDatabase;
 pub struct TestServer {
     pub addr: SocketAddr,
     pub topic_root: TopicRoot,
+    /// The server's instance name (CloudEvents source `/idem/{instance}`).
+    pub instance: String,
     http: reqwest::Client,
     token: CancellationToken,
     task: Option<JoinHandle<Result<(), idem_server::ServerError>>>,
@@ -65,6 +67,7 @@ impl TestServer {
         config.max_payload_bytes = settings.max_payload_bytes;
         let valid = config.validate().context("test server configuration")?;
         let topic_root = valid.topic_root.clone();
+        let instance = valid.config.instance.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the API port")?;
@@ -75,6 +78,7 @@ impl TestServer {
         let server = Self {
             addr,
             topic_root,
+            instance,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(30))
                 .build()

@@ -1,6 +1,9 @@
 //! End to end against real PostgreSQL and a private Mosquitto: runs skip what
 //! already matches, push the rest, and record one outcome per device.
 
+// Test code: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 

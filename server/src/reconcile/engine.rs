@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use idem_protocol::DeviceId;
 use serde_json::json;
 use sqlx::PgPool;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -51,12 +51,7 @@ pub enum EngineCommand {
 /// What the engine tells the world after a commit.
 #[derive(Debug, Clone)]
 pub enum EngineNotice {
-    RunCompleted {
-        run_id: Uuid,
-        counts: OutcomeCounts,
-    },
-    /// Committed events, in sequence order, for live subscribers.
-    Events(Arc<Vec<store::events::EventRow>>),
+    RunCompleted { run_id: Uuid, counts: OutcomeCounts },
 }
 
 struct RunProgress {
@@ -93,37 +88,31 @@ impl Pending {
     }
 }
 
+/// What the engine works with, shared with the rest of the server.
+pub struct EngineContext {
+    pub pool: PgPool,
+    pub fleet: Arc<Fleet>,
+    pub metrics: Arc<Metrics>,
+    pub publisher: Publisher,
+    pub notices: broadcast::Sender<EngineNotice>,
+    /// Woken after every commit that wrote events (the relay waits on it).
+    pub events_wake: Arc<Notify>,
+    pub push_timeout: Duration,
+    /// CloudEvents `source`.
+    pub event_source: String,
+}
+
 pub struct Engine {
-    pool: PgPool,
-    fleet: Arc<Fleet>,
-    metrics: Arc<Metrics>,
-    publisher: Publisher,
-    notices: broadcast::Sender<EngineNotice>,
-    push_timeout: Duration,
-    event_source: String,
+    ctx: EngineContext,
     runs: HashMap<Uuid, RunProgress>,
     in_flight: HashMap<DeviceId, InFlight>,
     pending: Pending,
 }
 
 impl Engine {
-    pub fn new(
-        pool: PgPool,
-        fleet: Arc<Fleet>,
-        metrics: Arc<Metrics>,
-        publisher: Publisher,
-        notices: broadcast::Sender<EngineNotice>,
-        push_timeout: Duration,
-        event_source: String,
-    ) -> Self {
+    pub fn new(ctx: EngineContext) -> Self {
         Self {
-            pool,
-            fleet,
-            metrics,
-            publisher,
-            notices,
-            push_timeout,
-            event_source,
+            ctx,
             runs: HashMap::new(),
             in_flight: HashMap::new(),
             pending: Pending::default(),
@@ -190,7 +179,7 @@ impl Engine {
         decided: usize,
     ) {
         let now = Instant::now();
-        self.metrics.runs_started.increment(1);
+        self.ctx.metrics.runs_started.increment(1);
         self.runs.insert(
             run_id,
             RunProgress {
@@ -214,13 +203,14 @@ impl Engine {
                 InFlight {
                     runs: vec![run_id],
                     attempt: Attempt::Fresh { force },
-                    deadline: now + self.push_timeout,
+                    deadline: now + self.ctx.push_timeout,
                     since: now,
                 },
             );
             self.advance(&id).await;
         }
-        self.metrics
+        self.ctx
+            .metrics
             .attempts_in_flight
             .set(self.in_flight.len() as f64);
     }
@@ -233,12 +223,13 @@ impl Engine {
             return false;
         };
         let current = self
+            .ctx
             .fleet
             .get(id)
             .and_then(|e| e.desired.map(|d| d.generation));
         match flight.attempt {
             Attempt::Pushed { generation, .. } if Some(generation) != current => {
-                let entry = self.fleet.get(id).unwrap_or_default();
+                let entry = self.ctx.fleet.get(id).unwrap_or_default();
                 self.finish(id, Outcome::Superseded, &entry);
                 false
             }
@@ -251,7 +242,7 @@ impl Engine {
 
     /// Decides for one in-flight device and carries the decision out.
     async fn advance(&mut self, id: &DeviceId) {
-        let entry = self.fleet.get(id).unwrap_or_default();
+        let entry = self.ctx.fleet.get(id).unwrap_or_default();
         let Some(desired) = entry.desired_for_decision() else {
             self.finish(id, Outcome::Skipped(SkipReason::NoDesiredSpec), &entry);
             return;
@@ -267,18 +258,21 @@ impl Engine {
                     seq_at_push: entry.reported_seq(),
                     expired: false,
                 };
-                flight.deadline = Instant::now() + self.push_timeout;
+                flight.deadline = Instant::now() + self.ctx.push_timeout;
                 self.pending.provisioning.push(id.to_string());
                 if let Some(state) = &entry.desired {
-                    self.publisher.push(id, state.generation, &state.spec).await;
-                    self.metrics.pushes.increment(1);
+                    self.ctx
+                        .publisher
+                        .push(id, state.generation, &state.spec)
+                        .await;
+                    self.ctx.metrics.pushes.increment(1);
                 }
             }
             Decision::AskForReport => {
                 flight.attempt = Attempt::AwaitingReport { expired: false };
-                flight.deadline = Instant::now() + self.push_timeout;
-                self.publisher.ask_for_report(id).await;
-                self.metrics.report_requests.increment(1);
+                flight.deadline = Instant::now() + self.ctx.push_timeout;
+                self.ctx.publisher.ask_for_report(id).await;
+                self.ctx.metrics.report_requests.increment(1);
             }
             Decision::Wait => {}
         }
@@ -318,6 +312,7 @@ impl Engine {
         let health = entry.health.map(|h| h.as_str().to_owned());
         match &outcome {
             Outcome::Provisioned => self
+                .ctx
                 .metrics
                 .convergence_latency
                 .record(flight.since.elapsed().as_secs_f64()),
@@ -327,7 +322,7 @@ impl Engine {
             | Outcome::Superseded => {}
         }
         for run_id in flight.runs {
-            self.metrics.outcome(kind).increment(1);
+            self.ctx.metrics.outcome(kind).increment(1);
             self.pending.outcomes.push(OutcomeRow {
                 run_id,
                 device_id: id.to_string(),
@@ -362,7 +357,8 @@ impl Engine {
                 }
             }
         }
-        self.metrics
+        self.ctx
+            .metrics
             .attempts_in_flight
             .set(self.in_flight.len() as f64);
     }
@@ -379,7 +375,8 @@ impl Engine {
             let started = Instant::now();
             match self.write(&pending).await {
                 Ok(committed) => {
-                    self.metrics
+                    self.ctx
+                        .metrics
                         .db_batch_outcomes
                         .record(started.elapsed().as_secs_f64());
                     self.after_commit(committed);
@@ -401,7 +398,7 @@ impl Engine {
     }
 
     async fn write(&self, pending: &Pending) -> Result<Committed, FlushError> {
-        let mut tx = self.pool.begin().await.map_err(|e| StoreError::Db {
+        let mut tx = self.ctx.pool.begin().await.map_err(|e| StoreError::Db {
             context: "starting a transaction",
             source: e,
         })?;
@@ -431,7 +428,7 @@ impl Engine {
             });
         }
         let first = store::events::reserve_sequences(&mut tx, drafts.len()).await?;
-        let rows = events::finalize(drafts, first, &self.event_source, chrono::Utc::now())?;
+        let rows = events::finalize(drafts, first, &self.ctx.event_source, chrono::Utc::now())?;
         store::events::insert(&mut tx, &rows).await?;
         tx.commit().await.map_err(|e| StoreError::Db {
             context: "committing outcomes",
@@ -439,7 +436,7 @@ impl Engine {
         })?;
         Ok(Committed {
             completed: completed.into_iter().map(|r| (r.id, r.counts())).collect(),
-            events: rows,
+            events: rows.len(),
         })
     }
 
@@ -447,11 +444,13 @@ impl Engine {
         for (run_id, counts) in committed.completed {
             let progress = self.runs.remove(&run_id);
             if let Some(p) = &progress {
-                self.metrics
+                self.ctx
+                    .metrics
                     .run_duration
                     .record(p.started.elapsed().as_secs_f64());
             }
-            self.metrics.runs_completed.increment(1);
+            self.ctx.metrics.runs_completed.increment(1);
+            self.ctx.metrics.set_last_run(&counts);
             tracing::info!(
                 %run_id,
                 trigger = progress.as_ref().map(|p| p.trigger.as_str()).unwrap_or("resumed"),
@@ -460,21 +459,23 @@ impl Engine {
                 counts.summary()
             );
             let _ = self
+                .ctx
                 .notices
                 .send(EngineNotice::RunCompleted { run_id, counts });
         }
-        if !committed.events.is_empty() {
-            // No receiver is fine: nobody is listening live.
-            let _ = self
-                .notices
-                .send(EngineNotice::Events(Arc::new(committed.events)));
+        if committed.events > 0 {
+            self.ctx
+                .metrics
+                .events_committed
+                .increment(committed.events as u64);
+            self.ctx.events_wake.notify_one();
         }
     }
 }
 
 struct Committed {
     completed: Vec<(Uuid, OutcomeCounts)>,
-    events: Vec<store::events::EventRow>,
+    events: usize,
 }
 
 #[derive(Debug, thiserror::Error)]

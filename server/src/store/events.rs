@@ -78,22 +78,42 @@ pub struct StoredEvent {
     pub cloudevent: Value,
 }
 
-/// Events after `after` in sequence order, optionally of one run / type.
+/// Which events a reader wants; `None` matches everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventFilter {
+    pub run_id: Option<Uuid>,
+    pub event_type: Option<String>,
+    pub subject: Option<String>,
+}
+
+impl EventFilter {
+    pub fn matches(&self, event: &StoredEvent) -> bool {
+        self.run_id.is_none_or(|r| event.run_id == Some(r))
+            && self
+                .event_type
+                .as_deref()
+                .is_none_or(|t| event.event_type == t)
+            && self.subject.as_deref().is_none_or(|s| event.subject == s)
+    }
+}
+
+/// Events after `after` in sequence order that match `filter`.
 pub async fn read(
     pool: &PgPool,
     after: i64,
-    run_id: Option<Uuid>,
-    event_type: Option<&str>,
+    filter: &EventFilter,
     limit: i64,
 ) -> Result<Vec<StoredEvent>, StoreError> {
     sqlx::query_as(
         "SELECT sequence, type, subject, run_id, cloudevent FROM events \
          WHERE sequence > $1 AND ($2::uuid IS NULL OR run_id = $2) AND ($3::text IS NULL OR type = $3) \
-         ORDER BY sequence LIMIT $4",
+         AND ($4::text IS NULL OR subject = $4) \
+         ORDER BY sequence LIMIT $5",
     )
     .bind(after)
-    .bind(run_id)
-    .bind(event_type)
+    .bind(filter.run_id)
+    .bind(&filter.event_type)
+    .bind(&filter.subject)
     .bind(limit)
     .fetch_all(pool)
     .await
@@ -109,4 +129,68 @@ pub async fn count_by_type(pool: &PgPool, run_id: Uuid) -> Result<Vec<(String, i
     .fetch_all(pool)
     .await
     .context("counting events of a run")
+}
+
+/// The highest committed sequence (0 when nothing was ever written).
+pub async fn last_sequence(pool: &PgPool) -> Result<i64, StoreError> {
+    sqlx::query_scalar("SELECT last FROM event_sequence")
+        .fetch_one(pool)
+        .await
+        .context("reading the last event sequence")
+}
+
+/// The oldest retained sequence, or `None` when the log is empty.
+pub async fn oldest_sequence(pool: &PgPool) -> Result<Option<i64>, StoreError> {
+    sqlx::query_scalar("SELECT min(sequence) FROM events")
+        .fetch_one(pool)
+        .await
+        .context("reading the oldest event sequence")
+}
+
+pub async fn load_cursor(pool: &PgPool, name: &str) -> Result<Option<i64>, StoreError> {
+    sqlx::query_scalar("SELECT sequence FROM event_cursors WHERE name = $1")
+        .bind(name)
+        .fetch_optional(pool)
+        .await
+        .context("reading an event cursor")
+}
+
+pub async fn save_cursor(pool: &PgPool, name: &str, sequence: i64) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO event_cursors (name, sequence) VALUES ($1, $2) \
+         ON CONFLICT (name) DO UPDATE SET sequence = EXCLUDED.sequence \
+         WHERE event_cursors.sequence < EXCLUDED.sequence",
+    )
+    .bind(name)
+    .bind(sequence)
+    .execute(pool)
+    .await
+    .context("saving an event cursor")?;
+    Ok(())
+}
+
+/// Deletes relayed events (sequence ≤ `relayed`) that are older than
+/// `max_age` or beyond the newest `max_count`. Returns how many were deleted.
+pub async fn prune(
+    pool: &PgPool,
+    relayed: i64,
+    max_age: std::time::Duration,
+    max_count: i64,
+) -> Result<u64, StoreError> {
+    let max_age = chrono::Duration::from_std(max_age).unwrap_or(chrono::Duration::MAX);
+    let cutoff = Utc::now()
+        .checked_sub_signed(max_age)
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+    let deleted = sqlx::query(
+        "DELETE FROM events WHERE sequence <= $1 \
+         AND (time < $2 OR sequence <= (SELECT last FROM event_sequence) - $3)",
+    )
+    .bind(relayed)
+    .bind(cutoff)
+    .bind(max_count)
+    .execute(pool)
+    .await
+    .context("pruning the event log")?
+    .rows_affected();
+    Ok(deleted)
 }

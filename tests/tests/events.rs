@@ -1,0 +1,247 @@
+//! End to end: outcome events reach SSE clients (resumable, gap-free) and
+//! MQTT subscribers (one valid CloudEvent per device per run), and the
+//! Prometheus counters agree with the run.
+
+// Test code: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use cloudevents::AttributesReader;
+use futures::StreamExt;
+use idem_device_sim::FleetPlan;
+use idem_tests::{Scenario, ServerSettings};
+use rumqttc::{AsyncClient, Event, Packet, QoS};
+use serde_json::Value;
+
+/// One parsed SSE message.
+#[derive(Debug, Clone)]
+struct SseMessage {
+    id: Option<i64>,
+    event: Option<String>,
+    data: String,
+}
+
+/// A minimal SSE reader over a streaming HTTP response.
+struct SseClient {
+    stream: futures::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
+    buffer: String,
+}
+
+impl SseClient {
+    async fn connect(url: &str, last_event_id: Option<i64>) -> Self {
+        let client = reqwest::Client::new();
+        let mut request = client.get(url).header("accept", "text/event-stream");
+        if let Some(id) = last_event_id {
+            request = request.header("last-event-id", id.to_string());
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        Self {
+            stream: response.bytes_stream().boxed(),
+            buffer: String::new(),
+        }
+    }
+
+    /// The next message that carries data (keep-alive comments are skipped).
+    async fn next(&mut self) -> SseMessage {
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let block: String = self.buffer.drain(..end + 2).collect();
+                let mut message = SseMessage {
+                    id: None,
+                    event: None,
+                    data: String::new(),
+                };
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("id:") {
+                        message.id = Some(v.trim().parse().unwrap());
+                    } else if let Some(v) = line.strip_prefix("event:") {
+                        message.event = Some(v.trim().to_owned());
+                    } else if let Some(v) = line.strip_prefix("data:") {
+                        message.data.push_str(v.strip_prefix(' ').unwrap_or(v));
+                    }
+                }
+                if !message.data.is_empty() {
+                    return message;
+                }
+                continue;
+            }
+            let chunk = tokio::time::timeout(Duration::from_secs(20), self.stream.next())
+                .await
+                .expect("no SSE data within 20 s")
+                .expect("SSE stream ended")
+                .unwrap();
+            self.buffer.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sse_client_that_reconnects_with_last_event_id_misses_nothing_and_sees_nothing_twice() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("sse-", 200)
+        .drifted(10)
+        .seed(11)
+        .build()
+        .unwrap();
+    let fleet = scenario.register_and_start(&plan, 200).await.unwrap();
+    let url = scenario.server.url("/v1/events");
+
+    let mut first = SseClient::connect(&url, None).await;
+    let (run_id, run) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(
+        run["summary"],
+        "190 already converged, 10 provisioned, 0 failed"
+    );
+
+    // Read 37 events, then drop the connection.
+    let mut ids = Vec::new();
+    for _ in 0..37 {
+        ids.push(first.next().await.id.unwrap());
+    }
+    drop(first);
+    let k = *ids.last().unwrap();
+
+    let mut second = SseClient::connect(&url, Some(k)).await;
+    loop {
+        let message = second.next().await;
+        ids.push(message.id.unwrap());
+        let event: Value = serde_json::from_str(&message.data).unwrap();
+        if event["type"] == "io.idem.run.completed" && event["runid"] == run_id.as_str() {
+            break;
+        }
+    }
+    // run.started + 200 outcomes + run.completed, consecutive, each once.
+    assert_eq!(ids.len(), 202, "{ids:?}");
+    let first_id = ids[0];
+    let expected: Vec<i64> = (first_id..first_id + 202).collect();
+    assert_eq!(ids, expected);
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursor_older_than_the_retained_log_gets_a_reset_event_first() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("reset-", 5).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 5).await.unwrap();
+    scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    // Retention removed the first three events.
+    sqlx::query("DELETE FROM events WHERE sequence <= 3")
+        .execute(scenario.db.pool())
+        .await
+        .unwrap();
+
+    let mut client = SseClient::connect(&scenario.server.url("/v1/events"), Some(1)).await;
+    let reset = client.next().await;
+    assert_eq!(reset.event.as_deref(), Some("reset"));
+    let body: Value = serde_json::from_str(&reset.data).unwrap();
+    assert_eq!(body["resuming_from"], 4);
+    assert_eq!(client.next().await.id, Some(4));
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mqtt_subscriber_gets_one_valid_cloudevent_per_device_and_metrics_match_the_run() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("mqtt-ev-", 60)
+        .drifted(6)
+        .seed(5)
+        .build()
+        .unwrap();
+    let root = scenario.server.topic_root.clone();
+
+    let (client, mut eventloop) =
+        AsyncClient::new(scenario.broker.mqtt_options("event-watcher"), 100);
+    client
+        .subscribe(root.events_filter(), QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let pump = tokio::spawn(async move {
+        while let Ok(event) = eventloop.poll().await {
+            match event {
+                Event::Incoming(Packet::Publish(p)) => {
+                    let _ = tx.send((p.topic.clone(), p.payload.to_vec()));
+                }
+                Event::Incoming(Packet::SubAck(_)) => {
+                    let _ = tx.send((String::new(), Vec::new()));
+                }
+                Event::Incoming(_) | Event::Outgoing(_) => {}
+            }
+        }
+    });
+    assert_eq!(rx.recv().await.unwrap().0, "", "expected the SUBACK first");
+
+    let fleet = scenario.register_and_start(&plan, 60).await.unwrap();
+    let (run_id, run) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(
+        run["summary"],
+        "54 already converged, 6 provisioned, 0 failed"
+    );
+
+    let mut per_device: HashMap<String, Vec<String>> = HashMap::new();
+    let mut run_events = BTreeMap::new();
+    loop {
+        let (topic, payload) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let event: cloudevents::Event = serde_json::from_slice(&payload).unwrap();
+        assert_eq!(
+            topic,
+            root.event_topic(event.ty(), event.subject().unwrap())
+        );
+        assert_eq!(
+            event.source().to_string(),
+            format!("/idem/{}", scenario.server.instance)
+        );
+        let ty = event.ty().to_owned();
+        if ty.starts_with("io.idem.run.") {
+            *run_events.entry(ty.clone()).or_insert(0) += 1;
+            if ty == "io.idem.run.completed" {
+                break;
+            }
+        } else {
+            per_device
+                .entry(event.subject().unwrap().to_owned())
+                .or_default()
+                .push(ty);
+        }
+    }
+    assert_eq!(run_events.get("io.idem.run.started"), Some(&1));
+    assert_eq!(per_device.len(), 60);
+    let mut by_type: BTreeMap<String, usize> = BTreeMap::new();
+    for (device, types) in &per_device {
+        assert_eq!(types.len(), 1, "{device} got {types:?}");
+        *by_type.entry(types[0].clone()).or_insert(0) += 1;
+    }
+    assert_eq!(by_type.get("io.idem.device.already_converged"), Some(&54));
+    assert_eq!(by_type.get("io.idem.device.provisioned"), Some(&6));
+
+    let m = |s: &'static str| {
+        let server = &scenario.server;
+        async move { server.metric(s).await.unwrap() }
+    };
+    assert_eq!(
+        m("idem_device_outcomes_total{outcome=\"already_converged\"}").await,
+        54.0
+    );
+    assert_eq!(
+        m("idem_device_outcomes_total{outcome=\"provisioned\"}").await,
+        6.0
+    );
+    assert_eq!(
+        m("idem_device_outcomes_total{outcome=\"failed\"}").await,
+        0.0
+    );
+    assert_eq!(
+        m("idem_last_run_devices{outcome=\"already_converged\"}").await,
+        54.0
+    );
+    assert_eq!(m("idem_pushes_total").await, 6.0);
+    let _ = run_id;
+    pump.abort();
+    fleet.shutdown().await;
+}
