@@ -3,6 +3,7 @@
 //! logic. Errors are `{"error": {"code", "message"}}` with a fitting status.
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
@@ -18,9 +19,11 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::app::AppState;
-use crate::events::{self, EventDraft, EventType};
+use crate::events;
 use crate::fleet::DesiredState;
 use crate::reconcile::engine::EngineCommand;
+use crate::reconcile::policy::DeviceStatus;
+use crate::reconcile::runs::{commit_run, CommitRunError, NewRun, Trigger};
 use crate::reconcile::OutcomeKind;
 use crate::store::devices::{DeviceFilter, DeviceRow, Registration};
 use crate::store::runs::RunRow;
@@ -29,6 +32,8 @@ use crate::store::{self, StoreError};
 /// Most items one list page returns.
 const MAX_PAGE: i64 = 1_000;
 const DEFAULT_PAGE: i64 = 100;
+/// Attempts shown in a device's history.
+const HISTORY_SHOWN: i64 = 20;
 /// Unknown ids named in an error message, at most.
 const MAX_IDS_IN_ERROR: usize = 20;
 
@@ -37,10 +42,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/devices", post(register_devices).get(list_devices))
         .route("/v1/devices/{id}", put(upsert_device).get(get_device))
         .route("/v1/devices/{id}/desired", put(set_device_desired))
+        .route("/v1/devices/{id}/retry", post(retry_device))
         .route("/v1/desired", post(set_desired_bulk))
         .route("/v1/runs", post(start_manual_run).get(list_runs))
         .route("/v1/runs/{id}", get(get_run))
         .route("/v1/runs/{id}/outcomes", get(run_outcomes))
+        .route("/v1/runs/{id}/retry", post(retry_run))
         .route("/v1/fleet", get(fleet_summary))
         .route("/v1/events", get(crate::sse::events))
         .route("/metrics", get(metrics))
@@ -285,18 +292,23 @@ async fn get_device(
     Path(raw_id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let id = parse_id(&raw_id)?;
-    match store::devices::get(&state.pool, id.as_str()).await? {
-        Some(row) => Ok(Json(device_json(row))),
-        None => Err(ApiError::not_found(
+    let Some(row) = store::devices::get(&state.pool, id.as_str()).await? else {
+        return Err(ApiError::not_found(
             "unknown_device",
             format!("device {id} is not registered"),
-        )),
-    }
+        ));
+    };
+    let history = store::devices::history(&state.pool, id.as_str(), HISTORY_SHOWN).await?;
+    let mut device = device_json(row);
+    device["history"] = json!(history);
+    Ok(Json(device))
 }
 
 #[derive(Debug, Deserialize)]
 struct DeviceListQuery {
     status: Option<String>,
+    /// `healthy`, `degraded` or `unhealthy`.
+    health: Option<String>,
     /// `key:value`; may be given once.
     label: Option<String>,
     after: Option<String>,
@@ -338,8 +350,17 @@ async fn list_devices(
         },
     };
     let limit = page_limit(query.limit)?;
+    if let Some(health) = &query.health {
+        if idem_protocol::Health::parse(health).is_none() {
+            return Err(ApiError::bad_request(
+                "invalid_health",
+                "health must be healthy, degraded or unhealthy",
+            ));
+        }
+    }
     let filter = DeviceFilter {
         status: query.status,
+        health: query.health,
         labels,
         after: query.after,
         limit,
@@ -436,7 +457,7 @@ async fn set_device_desired(
     let run = create_run(
         &state,
         vec![id.clone()],
-        "desired",
+        Trigger::Desired,
         body.force,
         Some(body.spec),
     )
@@ -478,7 +499,7 @@ async fn set_desired_bulk(
     };
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
-    let run = create_run(&state, targets, "desired", body.force, Some(spec)).await?;
+    let run = create_run(&state, targets, Trigger::Desired, body.force, Some(spec)).await?;
     Ok(Json(json!({ "run_id": run, "targets": count })))
 }
 
@@ -494,7 +515,7 @@ async fn start_manual_run(
     }
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
-    let run = create_run(&state, targets, "manual", body.force, None).await?;
+    let run = create_run(&state, targets, Trigger::Manual, body.force, None).await?;
     Ok(Json(json!({ "run_id": run, "targets": count })))
 }
 
@@ -568,58 +589,35 @@ async fn resolve_targets(state: &AppState, body: &Targeting) -> Result<Vec<Devic
 async fn create_run(
     state: &AppState,
     targets: Vec<DeviceId>,
-    trigger: &'static str,
+    trigger: Trigger,
     force: bool,
     spec: Option<Value>,
 ) -> Result<Uuid, ApiError> {
-    let run_id = Uuid::now_v7();
-    let target_ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
-    let mut desired_changes = Vec::new();
-    let digest_and_spec = spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
-    if let Some((digest, spec)) = &digest_and_spec {
-        desired_changes =
-            store::devices::set_desired(&mut tx, &target_ids, spec, digest.as_str()).await?;
-    }
-    store::runs::create(&mut tx, run_id, trigger, force, &target_ids).await?;
-    let draft = EventDraft {
-        event_type: EventType::RunStarted,
-        subject: run_id.to_string(),
-        run_id: Some(run_id),
-        generation: None,
-        data: json!({"trigger": trigger, "target_count": target_ids.len(), "force": force}),
+    let run = NewRun {
+        targets,
+        trigger,
+        force,
+        spec,
     };
-    let first = store::events::reserve_sequences(&mut tx, 1).await?;
-    let rows = events::finalize(vec![draft], first, &state.event_source, chrono::Utc::now())?;
-    store::events::insert(&mut tx, &rows).await?;
-    tx.commit().await.map_err(db_error("committing a run"))?;
+    let command = commit_run(&state.pool, &state.fleet, &state.event_source, run)
+        .await
+        .map_err(|e| match e {
+            CommitRunError::Store(e) => ApiError::from(e),
+            CommitRunError::Event(e) => ApiError::from(e),
+        })?;
     state.events_wake.notify_one();
     state.metrics.events_committed.increment(1);
-    if let Some((digest, spec)) = digest_and_spec {
-        for write in desired_changes {
-            if let Ok(id) = DeviceId::parse(&write.id) {
-                let generation = store::to_u64(write.desired_generation);
-                state.fleet.set_desired(
-                    &id,
-                    DesiredState {
-                        generation,
-                        digest: digest.clone(),
-                        spec: spec.clone(),
-                    },
-                );
-            }
+    let run_id = match &command {
+        EngineCommand::StartRun { run_id, .. } => *run_id,
+        EngineCommand::ReportsApplied(_)
+        | EngineCommand::Connectivity(_)
+        | EngineCommand::ReconcileAll(_) => {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "run was not created",
+            ));
         }
-    }
-    let command = EngineCommand::StartRun {
-        run_id,
-        trigger: trigger.to_owned(),
-        targets,
-        force,
-        decided: 0,
     };
     state.engine.send(command).await.map_err(|_| {
         ApiError::new(
@@ -629,6 +627,70 @@ async fn create_run(
         )
     })?;
     Ok(run_id)
+}
+
+/// `POST /v1/devices/{id}/retry`: releases a quarantined device and runs it.
+async fn retry_device(
+    State(state): State<Arc<AppState>>,
+    Path(raw_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let id = parse_id(&raw_id)?;
+    if !state.fleet.contains(&id) {
+        return Err(ApiError::not_found(
+            "unknown_device",
+            format!("device {id} is not registered"),
+        ));
+    }
+    let released = release(&state, vec![id.to_string()]).await?;
+    if released.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "not_quarantined",
+            format!("device {id} is not quarantined"),
+        ));
+    }
+    let run = create_run(&state, released, Trigger::Retry, false, None).await?;
+    Ok(Json(json!({ "run_id": run, "targets": 1 })))
+}
+
+/// `POST /v1/runs/{id}/retry`: releases every quarantined device of a run
+/// and runs them again.
+async fn retry_run(
+    State(state): State<Arc<AppState>>,
+    Path(raw): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let run_id = parse_run_id(&raw)?;
+    if store::runs::get(&state.pool, run_id).await?.is_none() {
+        return Err(ApiError::not_found(
+            "unknown_run",
+            format!("run {run_id} does not exist"),
+        ));
+    }
+    let quarantined = store::devices::quarantined_in_run(&state.pool, run_id).await?;
+    let released = release(&state, quarantined).await?;
+    if released.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "nothing_quarantined",
+            "no device of this run is quarantined",
+        ));
+    }
+    let count = released.len();
+    let run = create_run(&state, released, Trigger::Retry, false, None).await?;
+    Ok(Json(json!({ "run_id": run, "targets": count })))
+}
+
+async fn release(state: &AppState, ids: Vec<String>) -> Result<Vec<DeviceId>, ApiError> {
+    let released = store::devices::release_quarantine(&state.pool, &ids).await?;
+    let released: Vec<DeviceId> = released
+        .iter()
+        .filter_map(|id| DeviceId::parse(id).ok())
+        .collect();
+    for id in &released {
+        state.fleet.set_status(id, DeviceStatus::Failed);
+        state.fleet.set_failures(id, 0);
+    }
+    Ok(released)
 }
 
 #[derive(Debug, Deserialize)]
@@ -753,7 +815,18 @@ async fn fleet_summary(State(state): State<Arc<AppState>>) -> Result<Json<Value>
         }
         total += n;
     }
-    Ok(Json(json!({ "devices": total, "by_status": by_status })))
+    let unhealthy = store::devices::count_unhealthy_converged(&state.pool).await?;
+    let stats = &state.engine_stats;
+    Ok(Json(json!({
+        "devices": total,
+        "by_status": by_status,
+        "unhealthy_converged": unhealthy,
+        "pushes": {
+            "queued": stats.queued_pushes.load(Ordering::Relaxed),
+            "in_flight": stats.pushes_in_flight.load(Ordering::Relaxed),
+        },
+        "attempts_in_flight": stats.attempts_in_flight.load(Ordering::Relaxed),
+    })))
 }
 
 // ---------- operations ----------

@@ -17,7 +17,11 @@ use crate::fleet::Fleet;
 use crate::ingest::Ingest;
 use crate::metrics::Metrics;
 use crate::mqtt::{self, MqttStatus, Publisher};
-use crate::reconcile::engine::{Engine, EngineCommand, EngineContext, EngineNotice};
+use crate::reconcile::engine::{
+    Engine, EngineCommand, EngineContext, EngineNotice, EngineSettings, EngineStats,
+};
+use crate::reconcile::policy::RetryPolicy;
+use crate::reconcile::runs::Trigger;
 use crate::relay::{EventRelay, Retention};
 use crate::store::events::StoredEvent;
 use crate::store::{self, StoreError};
@@ -40,6 +44,7 @@ pub struct AppState {
     /// Wakes the relay after a commit that wrote events.
     pub events_wake: Arc<Notify>,
     pub mqtt: Arc<MqttStatus>,
+    pub engine_stats: Arc<EngineStats>,
     pub event_source: String,
     pub config: ValidConfig,
 }
@@ -91,6 +96,21 @@ pub async fn run(
         metrics.clone(),
         mqtt_token.clone(),
     ));
+    let c = &config.config;
+    let settings = EngineSettings {
+        push_timeout: c.push_timeout,
+        retry: RetryPolicy {
+            max_attempts: c.max_attempts,
+            base: c.retry_backoff,
+            cap: c.retry_backoff_max,
+        },
+        push_rate: (c.push_rate > 0).then_some(c.push_rate),
+        max_in_flight: c.max_in_flight,
+        debounce: c.debounce,
+        resync_interval: (!c.resync_interval.is_zero()).then_some(c.resync_interval),
+        stale_after: c.stale_after,
+    };
+    let engine_stats = Arc::new(EngineStats::default());
     let engine = Engine::new(EngineContext {
         pool: pool.clone(),
         fleet: fleet.clone(),
@@ -98,8 +118,9 @@ pub async fn run(
         publisher: publisher.clone(),
         notices: notices.clone(),
         events_wake: events_wake.clone(),
-        push_timeout: config.config.push_timeout,
+        stats: engine_stats.clone(),
         event_source: event_source.clone(),
+        settings,
     });
     let engine_task = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
     let ingest = Ingest {
@@ -141,6 +162,12 @@ pub async fn run(
     let relay_task = tokio::spawn(relay.run(relay_token.clone()));
 
     resume_unfinished_runs(&pool, &engine_tx).await?;
+    if config.config.startup_reconcile {
+        // Nothing to do for an empty fleet; the engine skips it then.
+        let _ = engine_tx
+            .send(EngineCommand::ReconcileAll(Trigger::Startup))
+            .await;
+    }
 
     let state = Arc::new(AppState {
         pool,
@@ -151,6 +178,7 @@ pub async fn run(
         live_events,
         events_wake,
         mqtt: mqtt_status,
+        engine_stats,
         event_source,
         config,
     });
@@ -220,6 +248,10 @@ async fn metrics_upkeep(metrics: Arc<Metrics>, pool: PgPool, token: Cancellation
                 match store::devices::count_by_status(&pool).await {
                     Ok(counts) => metrics.set_devices_by_status(&counts),
                     Err(e) => tracing::debug!(error = %e, "devices-by-status gauge not refreshed"),
+                }
+                match store::devices::count_unhealthy_converged(&pool).await {
+                    Ok(n) => metrics.unhealthy_converged.set(n as f64),
+                    Err(e) => tracing::debug!(error = %e, "unhealthy gauge not refreshed"),
                 }
             }
         }

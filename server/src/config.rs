@@ -52,6 +52,42 @@ pub struct Config {
     #[arg(long, env = "IDEM_AUTO_REGISTER", default_value_t = false)]
     pub auto_register: bool,
 
+    /// Attempts per device before it is quarantined (1 = no retries).
+    #[arg(long, env = "IDEM_MAX_ATTEMPTS", default_value_t = 5)]
+    pub max_attempts: u32,
+
+    /// First retry delay after a failed attempt; doubles per failure (with jitter).
+    #[arg(long, env = "IDEM_RETRY_BACKOFF", default_value = "2s", value_parser = parse_duration)]
+    pub retry_backoff: Duration,
+
+    /// Longest retry delay.
+    #[arg(long, env = "IDEM_RETRY_BACKOFF_MAX", default_value = "5m", value_parser = parse_duration)]
+    pub retry_backoff_max: Duration,
+
+    /// Pushes per second across the fleet (0 = unlimited).
+    #[arg(long, env = "IDEM_PUSH_RATE", default_value_t = 5_000)]
+    pub push_rate: u32,
+
+    /// Pushes awaiting device confirmation at once.
+    #[arg(long, env = "IDEM_MAX_IN_FLIGHT", default_value_t = 5_000)]
+    pub max_in_flight: usize,
+
+    /// Drift and reconnect triggers arriving within this window become one run.
+    #[arg(long, env = "IDEM_DEBOUNCE", default_value = "1s", value_parser = parse_duration)]
+    pub debounce: Duration,
+
+    /// Periodic re-check of every device (0 = off).
+    #[arg(long, env = "IDEM_RESYNC_INTERVAL", default_value = "5m", value_parser = parse_duration)]
+    pub resync_interval: Duration,
+
+    /// At resync, devices whose last report is older than this are asked to report.
+    #[arg(long, env = "IDEM_STALE_AFTER", default_value = "5m", value_parser = parse_duration)]
+    pub stale_after: Duration,
+
+    /// Run a full reconcile of every device with desired state at start-up.
+    #[arg(long, env = "IDEM_STARTUP_RECONCILE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub startup_reconcile: bool,
+
     /// Publish every committed outcome event to `{root}/events/{type}/{subject}`.
     #[arg(long, env = "IDEM_MQTT_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
     pub mqtt_events: bool,
@@ -92,6 +128,14 @@ pub enum ConfigError {
         "IDEM_MAX_PAYLOAD_BYTES / --max-payload-bytes must be between 256 and 268435455 (got {0})"
     )]
     MaxPayload(usize),
+    #[error("IDEM_MAX_ATTEMPTS / --max-attempts must be at least 1 (got {0})")]
+    MaxAttempts(u32),
+    #[error("IDEM_MAX_IN_FLIGHT / --max-in-flight must be at least 1 (got {0})")]
+    MaxInFlight(usize),
+    #[error(
+        "IDEM_RETRY_BACKOFF_MAX must not be shorter than IDEM_RETRY_BACKOFF ({max:?} < {base:?})"
+    )]
+    Backoff { base: Duration, max: Duration },
     #[error("IDEM_MQTT_EVENTS_QOS / --mqtt-events-qos must be 0 or 1 (got {0})")]
     EventsQos(u8),
     #[error("IDEM_EVENT_RETENTION_COUNT / --event-retention-count must be at least 1 (got {0})")]
@@ -133,6 +177,18 @@ impl Config {
         }
         if !(256..=268_435_455).contains(&self.max_payload_bytes) {
             return Err(ConfigError::MaxPayload(self.max_payload_bytes));
+        }
+        if self.max_attempts < 1 {
+            return Err(ConfigError::MaxAttempts(self.max_attempts));
+        }
+        if self.max_in_flight < 1 {
+            return Err(ConfigError::MaxInFlight(self.max_in_flight));
+        }
+        if self.retry_backoff_max < self.retry_backoff {
+            return Err(ConfigError::Backoff {
+                base: self.retry_backoff,
+                max: self.retry_backoff_max,
+            });
         }
         if self.mqtt_events_qos > 1 {
             return Err(ConfigError::EventsQos(self.mqtt_events_qos));

@@ -16,6 +16,7 @@ use crate::store::events::EventRow;
 pub enum EventType {
     Device(OutcomeKind),
     DeviceDrifted,
+    DeviceQuarantined,
     RunStarted,
     RunCompleted,
 }
@@ -31,6 +32,7 @@ impl EventType {
                 OutcomeKind::Superseded => "io.idem.device.superseded",
             },
             EventType::DeviceDrifted => "io.idem.device.drifted",
+            EventType::DeviceQuarantined => "io.idem.device.quarantined",
             EventType::RunStarted => "io.idem.run.started",
             EventType::RunCompleted => "io.idem.run.completed",
         }

@@ -6,11 +6,13 @@
 
 use std::sync::Arc;
 
+use chrono::{DateTime, Utc};
 use dashmap::DashMap;
 use idem_protocol::{DeviceId, Health, SpecDigest};
 use serde_json::Value;
 
 use crate::reconcile::decide::{self, Actual, ReportedState};
+use crate::reconcile::policy::DeviceStatus;
 use crate::store::devices::DeviceRow;
 use crate::store::to_u64;
 
@@ -27,8 +29,13 @@ pub struct DesiredState {
 pub struct DeviceEntry {
     pub desired: Option<DesiredState>,
     pub reported: Option<ReportedState>,
+    /// When the last accepted report was stored (for staleness).
+    pub reported_at: Option<DateTime<Utc>>,
     pub health: Option<Health>,
     pub online: Option<bool>,
+    pub status: DeviceStatus,
+    /// Consecutive failed attempts (reset by a success).
+    pub failures: u32,
 }
 
 impl DeviceEntry {
@@ -74,8 +81,11 @@ impl DeviceEntry {
         Self {
             desired,
             reported,
+            reported_at: row.reported_at,
             health: row.reported_health.as_deref().and_then(Health::parse),
             online: row.online,
+            status: DeviceStatus::parse(&row.status).unwrap_or_default(),
+            failures: u32::try_from(row.attempts).unwrap_or(0),
         }
     }
 }
@@ -133,13 +143,47 @@ impl Fleet {
     pub fn set_reported(&self, id: &DeviceId, reported: ReportedState, health: Option<Health>) {
         let mut entry = self.devices.entry(id.clone()).or_default();
         entry.reported = Some(reported);
+        entry.reported_at = Some(Utc::now());
         entry.health = health;
     }
 
-    pub fn set_online(&self, id: &DeviceId, online: bool) {
+    pub fn set_status(&self, id: &DeviceId, status: DeviceStatus) {
         if let Some(mut entry) = self.devices.get_mut(id) {
-            entry.online = Some(online);
+            entry.status = status;
         }
+    }
+
+    pub fn set_failures(&self, id: &DeviceId, failures: u32) {
+        if let Some(mut entry) = self.devices.get_mut(id) {
+            entry.failures = failures;
+        }
+    }
+
+    /// Ids of every device with a desired spec, sorted.
+    pub fn ids_with_desired_state(&self) -> Vec<DeviceId> {
+        let mut ids: Vec<DeviceId> = self
+            .devices
+            .iter()
+            .filter(|e| e.value().desired.is_some())
+            .map(|e| e.key().clone())
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Ids whose last report is older than `cutoff` (or who never reported).
+    pub fn ids_reported_before(&self, cutoff: DateTime<Utc>) -> Vec<DeviceId> {
+        self.devices
+            .iter()
+            .filter(|e| e.value().reported_at.is_none_or(|at| at < cutoff))
+            .map(|e| e.key().clone())
+            .collect()
+    }
+
+    /// Records the connection state; returns the previous one.
+    pub fn set_online(&self, id: &DeviceId, online: bool) -> Option<bool> {
+        let mut entry = self.devices.get_mut(id)?;
+        entry.online.replace(online)
     }
 
     pub fn reported_seq(&self, id: &DeviceId) -> Option<Option<u64>> {

@@ -150,20 +150,28 @@ impl Ingest {
             self.fleet.set_reported(&device, state, report.health);
             applied.push(device);
         }
+        let mut connectivity = Vec::new();
         for (device, online) in batch.online {
-            self.fleet.set_online(&device, online);
+            if self.fleet.set_online(&device, online) != Some(online) {
+                connectivity.push((device, online));
+            }
         }
         for publish in messages {
             self.publisher.ack(publish).await;
         }
-        if !applied.is_empty()
-            && self
-                .engine
-                .send(EngineCommand::ReportsApplied(applied))
-                .await
-                .is_err()
-        {
-            tracing::debug!("engine stopped; reports stored without follow-up");
+        if !connectivity.is_empty() {
+            self.tell_engine(EngineCommand::Connectivity(connectivity))
+                .await;
+        }
+        if !applied.is_empty() {
+            self.tell_engine(EngineCommand::ReportsApplied(applied))
+                .await;
+        }
+    }
+
+    async fn tell_engine(&self, command: EngineCommand) {
+        if self.engine.send(command).await.is_err() {
+            tracing::debug!("engine stopped; stored reports get no follow-up now");
         }
     }
 

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod app;
+pub mod cli;
 pub mod config;
 pub mod events;
 pub mod fleet;

@@ -73,6 +73,12 @@ pub struct Metrics {
     pub mqtt_connected: Gauge,
     pub mqtt_reconnects: Counter,
     pub attempts_in_flight: Gauge,
+    pub pushes_in_flight: Gauge,
+    pub push_queue_depth: Gauge,
+    pub retries: Counter,
+    pub quarantined: Counter,
+    pub drifts: Counter,
+    pub unhealthy_converged: Gauge,
     devices_by_status: [Gauge; DEVICE_STATUSES.len()],
     last_run: [Gauge; 5],
     pub events_committed: Counter,
@@ -176,6 +182,57 @@ impl Metrics {
             "idem_attempts_in_flight",
             "Devices with a push or report request awaiting an answer",
         );
+        describe_gauge(r, "idem_devices", "Registered devices by status");
+        describe_gauge(
+            r,
+            "idem_last_run_devices",
+            "Outcome counts of the most recently completed run",
+        );
+        describe_counter(
+            r,
+            "idem_events_committed_total",
+            "Outcome events committed to the event log",
+        );
+        describe_counter(
+            r,
+            "idem_events_published_total",
+            "Committed events relayed to MQTT and live SSE streams",
+        );
+        describe_gauge(
+            r,
+            "idem_event_log_lag_events",
+            "Committed events not yet relayed",
+        );
+        describe_gauge(
+            r,
+            "idem_pushes_in_flight",
+            "Pushes awaiting the device's confirmation",
+        );
+        describe_gauge(
+            r,
+            "idem_push_queue_depth",
+            "Pushes waiting for the rate limit or the in-flight cap",
+        );
+        describe_counter(
+            r,
+            "idem_retries_total",
+            "Failed attempts scheduled for another try",
+        );
+        describe_counter(
+            r,
+            "idem_quarantined_total",
+            "Devices quarantined after their last allowed attempt failed",
+        );
+        describe_counter(
+            r,
+            "idem_drift_detected_total",
+            "Converged devices that reported a different spec",
+        );
+        describe_gauge(
+            r,
+            "idem_devices_unhealthy",
+            "Converged devices whose report says degraded or unhealthy",
+        );
 
         let outcomes = OutcomeKind::ALL
             .map(|k| counter(r, "idem_device_outcomes_total", &[("outcome", k.as_str())]));
@@ -202,6 +259,12 @@ impl Metrics {
             mqtt_connected: gauge(r, "idem_mqtt_connected", &[]),
             mqtt_reconnects: counter(r, "idem_mqtt_reconnects_total", &[]),
             attempts_in_flight: gauge(r, "idem_attempts_in_flight", &[]),
+            pushes_in_flight: gauge(r, "idem_pushes_in_flight", &[]),
+            push_queue_depth: gauge(r, "idem_push_queue_depth", &[]),
+            retries: counter(r, "idem_retries_total", &[]),
+            quarantined: counter(r, "idem_quarantined_total", &[]),
+            drifts: counter(r, "idem_drift_detected_total", &[]),
+            unhealthy_converged: gauge(r, "idem_devices_unhealthy", &[]),
             devices_by_status: DEVICE_STATUSES
                 .map(|status| gauge(r, "idem_devices", &[("status", status)])),
             last_run: OutcomeKind::ALL
@@ -228,6 +291,12 @@ impl Metrics {
         metrics.mqtt_connected.set(0.0);
         metrics.attempts_in_flight.set(0.0);
         metrics.events_committed.increment(0);
+        metrics.retries.increment(0);
+        metrics.quarantined.increment(0);
+        metrics.drifts.increment(0);
+        metrics.pushes_in_flight.set(0.0);
+        metrics.push_queue_depth.set(0.0);
+        metrics.unhealthy_converged.set(0.0);
         metrics.events_published.increment(0);
         metrics.event_log_lag.set(0.0);
         for g in metrics.devices_by_status.iter().chain(&metrics.last_run) {

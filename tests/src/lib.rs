@@ -1,6 +1,7 @@
 //! Harness for idem's end-to-end tests: starts and owns the real services the
 //! tests talk to — a private Mosquitto, fresh databases on the shared
-//! PostgreSQL, and throwaway PostgreSQL clusters for fault tests.
+//! PostgreSQL, throwaway PostgreSQL clusters for fault tests, and a private
+//! Prometheus that checks the shipped Grafana dashboards against a real server.
 //!
 //! It holds no product logic and mocks nothing idem sells. Every fixture is
 //! safe to use from many tests running in parallel in one test binary: ports
@@ -9,7 +10,9 @@
 
 pub mod broker;
 pub mod database;
+pub mod grafana;
 pub mod postgres;
+pub mod prometheus;
 pub mod scenario;
 pub mod server;
 mod support;
@@ -17,5 +20,6 @@ mod support;
 pub use broker::{raise_fd_limit, PrivateMosquitto};
 pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};
 pub use postgres::PrivatePostgres;
+pub use prometheus::PrivatePrometheus;
 pub use scenario::Scenario;
 pub use server::{DesiredWatcher, ServerSettings, TestServer};

@@ -36,6 +36,15 @@ pub struct ServerSettings {
     pub push_timeout: Duration,
     pub auto_register: bool,
     pub max_payload_bytes: usize,
+    /// 1 = no retries (a failure quarantines at once).
+    pub max_attempts: u32,
+    pub retry_backoff: Duration,
+    /// Pushes per second, 0 = unlimited.
+    pub push_rate: u32,
+    pub debounce: Duration,
+    /// Zero = no periodic resync.
+    pub resync_interval: Duration,
+    pub instance: Option<String>,
 }
 
 impl Default for ServerSettings {
@@ -44,6 +53,12 @@ impl Default for ServerSettings {
             push_timeout: Duration::from_secs(10),
             auto_register: false,
             max_payload_bytes: 64 * 1024,
+            max_attempts: 1,
+            retry_backoff: Duration::from_millis(100),
+            push_rate: 0,
+            debounce: Duration::from_millis(200),
+            resync_interval: Duration::ZERO,
+            instance: None,
         }
     }
 }
@@ -65,6 +80,15 @@ impl TestServer {
         config.push_timeout = settings.push_timeout;
         config.auto_register = settings.auto_register;
         config.max_payload_bytes = settings.max_payload_bytes;
+        config.max_attempts = settings.max_attempts;
+        config.retry_backoff = settings.retry_backoff;
+        config.retry_backoff_max = settings.retry_backoff.max(Duration::from_secs(1));
+        config.push_rate = settings.push_rate;
+        config.debounce = settings.debounce;
+        config.resync_interval = settings.resync_interval;
+        if let Some(instance) = settings.instance {
+            config.instance = instance;
+        }
         let valid = config.validate().context("test server configuration")?;
         let topic_root = valid.topic_root.clone();
         let instance = valid.config.instance.clone();

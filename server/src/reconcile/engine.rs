@@ -1,10 +1,13 @@
 //! The run engine: one task that owns every in-flight attempt, feeds facts to
-//! `decide`, carries out its decisions (push, ask, finish) and writes outcomes,
-//! run counts and events in one transaction per batch.
+//! `decide`, carries out its decisions (push, ask, finish), retries failures
+//! with backoff, paces pushes, starts its own runs (start-up, resync, drift,
+//! reconnect) and writes outcomes, run counts, attempt history and events in
+//! one transaction per batch.
 //!
-//! It never decides anything itself: all judgement is in `decide`.
+//! It never judges a device itself: that is `decide` and `policy`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,22 +19,33 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::decide::{decide, Attempt, Decision};
-use super::outcome::{Outcome, OutcomeCounts, SkipReason};
+use super::outcome::{Outcome, OutcomeCounts};
+use super::policy::{gate, status_after, AfterFailure, DeviceStatus, RetryPolicy};
+use super::runs::{commit_run, NewRun, Trigger};
 use crate::events::{self, EventDraft, EventType};
 use crate::fleet::{DeviceEntry, Fleet};
 use crate::metrics::Metrics;
 use crate::mqtt::Publisher;
+use crate::store::devices::AttemptRow;
 use crate::store::{self, runs::OutcomeRow, StoreError};
 
 /// Most device outcomes listed in a `run.completed` event; the full list
 /// stays queryable through the API.
 pub const COMPLETED_EVENT_OUTCOME_CAP: usize = 1_000;
 
-/// How often in-flight attempts are checked against their deadline.
-const DEADLINE_TICK: Duration = Duration::from_millis(50);
-
+/// How often in-flight attempts are checked against deadlines and retry times.
+const SCAN_INTERVAL: Duration = Duration::from_millis(50);
+/// Results are written at least this often while there are any.
+const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
+/// Write at once when this many outcomes are waiting.
+const FLUSH_SIZE: usize = 2_000;
 /// Most commands handled before their results are written.
 const MAX_COMMANDS_PER_BATCH: usize = 256;
+/// Pacing headroom: pushes are spaced `1.02 s / rate` apart, so timing jitter
+/// between server and devices never shows more than `rate` in a 1 s window.
+const PACING_WINDOW: Duration = Duration::from_millis(1_020);
+/// A late wake-up may catch up on at most this much pacing time at once.
+const PACING_CATCH_UP: Duration = Duration::from_millis(2);
 
 #[derive(Debug)]
 pub enum EngineCommand {
@@ -46,12 +60,56 @@ pub enum EngineCommand {
     },
     /// These devices' reports were committed and are in the fleet cache.
     ReportsApplied(Vec<DeviceId>),
+    /// These devices' connection state changed (committed, in the cache).
+    Connectivity(Vec<(DeviceId, bool)>),
+    /// Start a run over every device that has desired state.
+    ReconcileAll(Trigger),
 }
 
 /// What the engine tells the world after a commit.
 #[derive(Debug, Clone)]
 pub enum EngineNotice {
     RunCompleted { run_id: Uuid, counts: OutcomeCounts },
+}
+
+/// Engine tunables (from the configuration).
+#[derive(Debug, Clone)]
+pub struct EngineSettings {
+    pub push_timeout: Duration,
+    pub retry: RetryPolicy,
+    /// Pushes per second; `None` = unlimited.
+    pub push_rate: Option<u32>,
+    /// Pushes awaiting confirmation at once.
+    pub max_in_flight: usize,
+    /// Drift and reconnect triggers within this window make one run.
+    pub debounce: Duration,
+    /// Periodic full re-check; `None` = off.
+    pub resync_interval: Option<Duration>,
+    /// At resync, devices whose last report is older than this are asked for a new one.
+    pub stale_after: Duration,
+}
+
+/// Live numbers the API and metrics show.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub queued_pushes: AtomicU64,
+    pub pushes_in_flight: AtomicU64,
+    pub attempts_in_flight: AtomicU64,
+}
+
+/// What the engine works with, shared with the rest of the server.
+pub struct EngineContext {
+    pub pool: PgPool,
+    pub fleet: Arc<Fleet>,
+    pub metrics: Arc<Metrics>,
+    pub publisher: Publisher,
+    pub notices: broadcast::Sender<EngineNotice>,
+    /// Woken after every commit that wrote events (the relay waits on it).
+    pub events_wake: Arc<Notify>,
+    pub stats: Arc<EngineStats>,
+    /// CloudEvents `source`.
+    pub event_source: String,
+    pub settings: EngineSettings,
 }
 
 struct RunProgress {
@@ -65,57 +123,104 @@ struct RunProgress {
 
 struct InFlight {
     runs: Vec<Uuid>,
+    force: bool,
     attempt: Attempt,
-    deadline: Instant,
-    /// When the run that started this attempt began: convergence latency
-    /// is measured from there.
+    /// Desired generation this attempt works towards.
+    generation: Option<u64>,
+    /// When the current push or report request expires.
+    deadline: Option<Instant>,
+    /// A failed attempt waits until then before it is retried.
+    retry_at: Option<Instant>,
+    /// Waiting in the push queue.
+    queued: bool,
+    /// When the run that started this attempt began (convergence latency).
     since: Instant,
 }
 
-/// Results of handled commands waiting to be written together.
+/// Results waiting to be written together.
 #[derive(Default)]
 struct Pending {
     outcomes: Vec<OutcomeRow>,
     drafts: Vec<EventDraft>,
     per_run: HashMap<Uuid, OutcomeCounts>,
-    provisioning: Vec<String>,
+    statuses: Vec<(String, DeviceStatus)>,
+    attempts: Vec<AttemptRow>,
+    resets: Vec<String>,
     completed: Vec<Uuid>,
 }
 
 impl Pending {
     fn is_empty(&self) -> bool {
-        self.outcomes.is_empty() && self.provisioning.is_empty() && self.completed.is_empty()
+        self.outcomes.is_empty()
+            && self.drafts.is_empty()
+            && self.statuses.is_empty()
+            && self.attempts.is_empty()
+            && self.resets.is_empty()
+            && self.completed.is_empty()
     }
 }
 
-/// What the engine works with, shared with the rest of the server.
-pub struct EngineContext {
-    pub pool: PgPool,
-    pub fleet: Arc<Fleet>,
-    pub metrics: Arc<Metrics>,
-    pub publisher: Publisher,
-    pub notices: broadcast::Sender<EngineNotice>,
-    /// Woken after every commit that wrote events (the relay waits on it).
-    pub events_wake: Arc<Notify>,
-    pub push_timeout: Duration,
-    /// CloudEvents `source`.
-    pub event_source: String,
+/// Spaces pushes evenly at the configured rate.
+struct PushPacer {
+    spacing: Option<Duration>,
+    next_slot: Instant,
+}
+
+impl PushPacer {
+    fn new(rate: Option<u32>) -> Self {
+        let spacing = rate.filter(|r| *r > 0).map(|r| PACING_WINDOW / r);
+        Self {
+            spacing,
+            next_slot: Instant::now(),
+        }
+    }
+
+    /// Takes a slot if one is due.
+    fn try_take(&mut self, now: Instant) -> bool {
+        let Some(spacing) = self.spacing else {
+            return true;
+        };
+        if now < self.next_slot {
+            return false;
+        }
+        let earliest = now.checked_sub(PACING_CATCH_UP).unwrap_or(now);
+        self.next_slot = self.next_slot.max(earliest) + spacing;
+        true
+    }
+}
+
+/// Devices collected for one trigger until the debounce window closes.
+struct Debounced {
+    closes_at: Instant,
+    devices: BTreeSet<DeviceId>,
 }
 
 pub struct Engine {
     ctx: EngineContext,
     runs: HashMap<Uuid, RunProgress>,
     in_flight: HashMap<DeviceId, InFlight>,
+    /// Devices with a push awaiting confirmation (bounded by `max_in_flight`).
+    pushed: HashSet<DeviceId>,
+    push_queue: VecDeque<DeviceId>,
+    pacer: PushPacer,
+    debounced: HashMap<Trigger, Debounced>,
     pending: Pending,
+    last_flush: Instant,
 }
 
 impl Engine {
     pub fn new(ctx: EngineContext) -> Self {
+        let pacer = PushPacer::new(ctx.settings.push_rate);
         Self {
             ctx,
             runs: HashMap::new(),
             in_flight: HashMap::new(),
+            pushed: HashSet::new(),
+            push_queue: VecDeque::new(),
+            pacer,
+            debounced: HashMap::new(),
             pending: Pending::default(),
+            last_flush: Instant::now(),
         }
     }
 
@@ -125,9 +230,14 @@ impl Engine {
         mut commands: mpsc::Receiver<EngineCommand>,
         token: CancellationToken,
     ) {
-        let mut tick = tokio::time::interval(DEADLINE_TICK);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut next_scan = Instant::now() + SCAN_INTERVAL;
+        let mut next_resync = self
+            .ctx
+            .settings
+            .resync_interval
+            .map(|i| Instant::now() + i);
         loop {
+            let wake = self.next_wake(next_scan, next_resync);
             tokio::select! {
                 biased;
                 () = token.cancelled() => break,
@@ -141,11 +251,46 @@ impl Engine {
                         handled += 1;
                     }
                 }
-                _ = tick.tick() => self.expire_deadlines().await,
+                () = tokio::time::sleep_until(wake.into()) => {}
             }
-            self.flush(&token).await;
+            let now = Instant::now();
+            if now >= next_scan {
+                self.scan(now).await;
+                next_scan = now + SCAN_INTERVAL;
+            }
+            if let (Some(at), Some(interval)) = (next_resync, self.ctx.settings.resync_interval) {
+                if now >= at {
+                    self.resync().await;
+                    next_resync = Some(now + interval);
+                }
+            }
+            self.close_debounced(now).await;
+            self.drain_push_queue().await;
+            self.publish_stats();
+            if self.pending.outcomes.len() >= FLUSH_SIZE
+                || (!self.pending.is_empty() && self.last_flush.elapsed() >= FLUSH_INTERVAL)
+            {
+                self.flush(&token).await;
+            }
         }
         self.flush(&token).await;
+    }
+
+    fn next_wake(&self, next_scan: Instant, next_resync: Option<Instant>) -> Instant {
+        let mut wake = next_scan;
+        if let Some(at) = next_resync {
+            wake = wake.min(at);
+        }
+        if !self.push_queue.is_empty() && self.pushed.len() < self.ctx.settings.max_in_flight {
+            wake = wake.min(self.pacer.next_slot);
+        }
+        for d in self.debounced.values() {
+            wake = wake.min(d.closes_at);
+        }
+        if !self.pending.is_empty() {
+            wake = wake.min(self.last_flush + FLUSH_INTERVAL);
+        }
+        wake
     }
 
     async fn handle(&mut self, command: EngineCommand) {
@@ -163,10 +308,18 @@ impl Engine {
             EngineCommand::ReportsApplied(ids) => {
                 for id in ids {
                     if self.in_flight.contains_key(&id) {
-                        self.advance(&id).await;
+                        self.advance(&id, false).await;
+                    } else {
+                        self.check_drift(&id);
                     }
                 }
             }
+            EngineCommand::Connectivity(changes) => {
+                for (id, online) in changes {
+                    self.connectivity_changed(&id, online);
+                }
+            }
+            EngineCommand::ReconcileAll(trigger) => self.reconcile_all(trigger).await,
         }
     }
 
@@ -195,71 +348,87 @@ impl Engine {
             return;
         }
         for id in targets {
-            if self.join_attempt_in_flight(&id, run_id).await {
+            if self.join_attempt_in_flight(&id, run_id) {
                 continue;
             }
+            let entry = self.ctx.fleet.get(&id).unwrap_or_default();
             self.in_flight.insert(
                 id.clone(),
                 InFlight {
                     runs: vec![run_id],
+                    force,
                     attempt: Attempt::Fresh { force },
-                    deadline: now + self.ctx.push_timeout,
+                    generation: entry.desired.as_ref().map(|d| d.generation),
+                    deadline: None,
+                    retry_at: None,
+                    queued: false,
                     since: now,
                 },
             );
-            self.advance(&id).await;
+            if let Some(skip) = gate(entry.status, entry.online, entry.desired.is_some()) {
+                self.finish(&id, Outcome::Skipped(skip), &entry, None);
+                continue;
+            }
+            self.advance(&id, false).await;
         }
-        self.ctx
-            .metrics
-            .attempts_in_flight
-            .set(self.in_flight.len() as f64);
     }
 
-    /// Lets `run_id` share the attempt already in flight for `id`, when there
-    /// is one for the current desired generation. A push of an older
-    /// generation ends `Superseded` first and the run starts afresh.
-    async fn join_attempt_in_flight(&mut self, id: &DeviceId, run_id: Uuid) -> bool {
+    /// Lets `run_id` share the attempt already in flight for `id` when it
+    /// works towards the current desired generation. An attempt for an older
+    /// generation ends `Superseded` first, and the run starts afresh.
+    fn join_attempt_in_flight(&mut self, id: &DeviceId, run_id: Uuid) -> bool {
+        let entry = self.ctx.fleet.get(id).unwrap_or_default();
+        let current = entry.desired.as_ref().map(|d| d.generation);
         let Some(flight) = self.in_flight.get_mut(id) else {
             return false;
         };
-        let current = self
-            .ctx
-            .fleet
-            .get(id)
-            .and_then(|e| e.desired.map(|d| d.generation));
-        match flight.attempt {
-            Attempt::Pushed { generation, .. } if Some(generation) != current => {
-                let entry = self.ctx.fleet.get(id).unwrap_or_default();
-                self.finish(id, Outcome::Superseded, &entry);
-                false
-            }
-            Attempt::Fresh { .. } | Attempt::AwaitingReport { .. } | Attempt::Pushed { .. } => {
-                flight.runs.push(run_id);
-                true
-            }
+        if flight.generation == current {
+            flight.runs.push(run_id);
+            return true;
         }
+        self.conclude(id, Outcome::Superseded, &entry);
+        false
     }
 
     /// Decides for one in-flight device and carries the decision out.
-    async fn advance(&mut self, id: &DeviceId) {
+    /// `permit`: a push slot was already taken for this device.
+    async fn advance(&mut self, id: &DeviceId, permit: bool) {
         let entry = self.ctx.fleet.get(id).unwrap_or_default();
         let Some(desired) = entry.desired_for_decision() else {
-            self.finish(id, Outcome::Skipped(SkipReason::NoDesiredSpec), &entry);
+            self.conclude(
+                id,
+                Outcome::Skipped(super::SkipReason::NoDesiredSpec),
+                &entry,
+            );
             return;
         };
         let Some(flight) = self.in_flight.get_mut(id) else {
             return;
         };
+        if flight.retry_at.is_some() || flight.queued {
+            return;
+        }
         match decide(&desired, &entry.actual(), &flight.attempt) {
-            Decision::Finish(outcome) => self.finish(id, outcome, &entry),
+            Decision::Finish(outcome) => self.conclude(id, outcome, &entry),
             Decision::Push => {
+                let may_push = permit
+                    || (self.push_queue.is_empty()
+                        && self.pushed.len() < self.ctx.settings.max_in_flight
+                        && self.pacer.try_take(Instant::now()));
+                if !may_push {
+                    flight.queued = true;
+                    self.push_queue.push_back(id.clone());
+                    return;
+                }
                 flight.attempt = Attempt::Pushed {
                     generation: desired.generation,
                     seq_at_push: entry.reported_seq(),
                     expired: false,
                 };
-                flight.deadline = Instant::now() + self.ctx.push_timeout;
-                self.pending.provisioning.push(id.to_string());
+                flight.generation = Some(desired.generation);
+                flight.deadline = Some(Instant::now() + self.ctx.settings.push_timeout);
+                self.pushed.insert(id.clone());
+                self.set_status(id, DeviceStatus::Provisioning);
                 if let Some(state) = &entry.desired {
                     self.ctx
                         .publisher
@@ -270,7 +439,7 @@ impl Engine {
             }
             Decision::AskForReport => {
                 flight.attempt = Attempt::AwaitingReport { expired: false };
-                flight.deadline = Instant::now() + self.ctx.push_timeout;
+                flight.deadline = Some(Instant::now() + self.ctx.settings.push_timeout);
                 self.ctx.publisher.ask_for_report(id).await;
                 self.ctx.metrics.report_requests.increment(1);
             }
@@ -278,44 +447,171 @@ impl Engine {
         }
     }
 
-    async fn expire_deadlines(&mut self) {
-        let now = Instant::now();
-        let expired: Vec<DeviceId> = self
-            .in_flight
-            .iter_mut()
-            .filter(|(_, f)| f.deadline <= now)
-            .filter_map(|(id, f)| {
-                let marked = match &mut f.attempt {
-                    Attempt::Fresh { .. } => false,
+    /// Pushes queued devices as pacing and the in-flight cap allow.
+    async fn drain_push_queue(&mut self) {
+        while !self.push_queue.is_empty() && self.pushed.len() < self.ctx.settings.max_in_flight {
+            if !self.pacer.try_take(Instant::now()) {
+                break;
+            }
+            let Some(id) = self.push_queue.pop_front() else {
+                break;
+            };
+            let Some(flight) = self.in_flight.get_mut(&id) else {
+                continue;
+            };
+            if !flight.queued {
+                continue;
+            }
+            flight.queued = false;
+            self.advance(&id, true).await;
+        }
+    }
+
+    /// Expires deadlines and starts due retries.
+    async fn scan(&mut self, now: Instant) {
+        let mut due = Vec::new();
+        for (id, flight) in &mut self.in_flight {
+            if flight.retry_at.is_some_and(|at| at <= now) {
+                flight.retry_at = None;
+                due.push(id.clone());
+                continue;
+            }
+            if flight.deadline.is_some_and(|at| at <= now) {
+                flight.deadline = None;
+                match &mut flight.attempt {
+                    Attempt::Fresh { .. } => {}
                     Attempt::AwaitingReport { expired } | Attempt::Pushed { expired, .. } => {
                         *expired = true;
-                        true
+                        due.push(id.clone());
                     }
+                }
+            }
+        }
+        for id in due {
+            self.advance(&id, false).await;
+        }
+    }
+
+    /// Applies retry policy to a decided outcome, then finishes or retries.
+    fn conclude(&mut self, id: &DeviceId, outcome: Outcome, entry: &DeviceEntry) {
+        let Some(flight) = self.in_flight.get_mut(id) else {
+            return;
+        };
+        let run_id = flight.runs.first().copied().unwrap_or_default();
+        let attempt_number = entry.failures + 1;
+        self.pushed.remove(id);
+        match &outcome {
+            Outcome::Failed(reason) => {
+                let jitter = rand::random_range(0.5..=1.0);
+                let after = self
+                    .ctx
+                    .settings
+                    .retry
+                    .after_failure(attempt_number, jitter);
+                let (next_attempt_at, status) = match after {
+                    AfterFailure::RetryAfter(delay) => {
+                        flight.attempt = Attempt::Fresh {
+                            force: flight.force,
+                        };
+                        flight.deadline = None;
+                        flight.retry_at = Some(Instant::now() + delay);
+                        let at = chrono::Utc::now()
+                            + chrono::Duration::from_std(delay).unwrap_or_default();
+                        (Some(at), DeviceStatus::Failed)
+                    }
+                    AfterFailure::Quarantine => (None, DeviceStatus::Quarantined),
                 };
-                marked.then(|| id.clone())
-            })
-            .collect();
-        for id in expired {
-            self.advance(&id).await;
+                self.pending.attempts.push(AttemptRow {
+                    device_id: id.to_string(),
+                    run_id,
+                    attempt: attempt_number,
+                    failures: attempt_number,
+                    generation: flight.generation,
+                    result: "failed",
+                    reason: Some(reason.to_string()),
+                    next_attempt_at,
+                    status: Some(status.as_str()),
+                });
+                self.ctx.fleet.set_failures(id, attempt_number);
+                self.ctx.fleet.set_status(id, status);
+                match after {
+                    AfterFailure::RetryAfter(_) => {
+                        self.ctx.metrics.retries.increment(1);
+                    }
+                    AfterFailure::Quarantine => {
+                        self.ctx.metrics.quarantined.increment(1);
+                        self.pending.drafts.push(EventDraft {
+                            event_type: EventType::DeviceQuarantined,
+                            subject: id.to_string(),
+                            run_id: Some(run_id),
+                            generation: flight.generation,
+                            data: json!({"attempts": attempt_number, "last_error": reason.to_string()}),
+                        });
+                        self.finish(id, outcome, entry, Some(DeviceStatus::Quarantined));
+                    }
+                }
+            }
+            Outcome::Provisioned | Outcome::Superseded => {
+                self.pending.attempts.push(AttemptRow {
+                    device_id: id.to_string(),
+                    run_id,
+                    attempt: attempt_number,
+                    failures: match outcome {
+                        Outcome::Provisioned => 0,
+                        Outcome::AlreadyConverged
+                        | Outcome::Failed(_)
+                        | Outcome::Skipped(_)
+                        | Outcome::Superseded => entry.failures,
+                    },
+                    generation: flight.generation,
+                    result: outcome.kind().as_str(),
+                    reason: None,
+                    next_attempt_at: None,
+                    status: None,
+                });
+                if outcome == Outcome::Provisioned {
+                    self.ctx.fleet.set_failures(id, 0);
+                }
+                self.finish(id, outcome, entry, None);
+            }
+            Outcome::AlreadyConverged => {
+                if entry.failures > 0 {
+                    self.pending.resets.push(id.to_string());
+                    self.ctx.fleet.set_failures(id, 0);
+                }
+                self.finish(id, outcome, entry, None);
+            }
+            Outcome::Skipped(_) => self.finish(id, outcome, entry, None),
         }
     }
 
     /// Records `outcome` for every run waiting on this device's attempt.
-    fn finish(&mut self, id: &DeviceId, outcome: Outcome, entry: &DeviceEntry) {
+    fn finish(
+        &mut self,
+        id: &DeviceId,
+        outcome: Outcome,
+        entry: &DeviceEntry,
+        status: Option<DeviceStatus>,
+    ) {
         let Some(flight) = self.in_flight.remove(id) else {
             return;
         };
+        self.pushed.remove(id);
         let kind = outcome.kind();
-        let status = status_after(&outcome);
+        let status = status.or_else(|| status_after(&outcome));
+        if let Some(status) = status {
+            self.ctx.fleet.set_status(id, status);
+        }
         let reason = outcome.reason();
-        let generation = entry.desired.as_ref().map(|d| d.generation);
+        let generation = flight.generation;
         let health = entry.health.map(|h| h.as_str().to_owned());
         match &outcome {
-            Outcome::Provisioned => self
-                .ctx
-                .metrics
-                .convergence_latency
-                .record(flight.since.elapsed().as_secs_f64()),
+            Outcome::Provisioned => {
+                self.ctx
+                    .metrics
+                    .convergence_latency
+                    .record(flight.since.elapsed().as_secs_f64());
+            }
             Outcome::AlreadyConverged
             | Outcome::Failed(_)
             | Outcome::Skipped(_)
@@ -330,7 +626,7 @@ impl Engine {
                 reason: reason.clone(),
                 generation,
                 health: health.clone(),
-                status,
+                status: status.map(DeviceStatus::as_str),
             });
             self.pending.drafts.push(EventDraft {
                 event_type: EventType::Device(kind),
@@ -357,6 +653,159 @@ impl Engine {
                 }
             }
         }
+    }
+
+    fn set_status(&mut self, id: &DeviceId, status: DeviceStatus) {
+        self.ctx.fleet.set_status(id, status);
+        self.pending.statuses.push((id.to_string(), status));
+    }
+
+    /// A converged device whose new report differs from its desired state
+    /// has drifted: record it and schedule a remediation run.
+    fn check_drift(&mut self, id: &DeviceId) {
+        let Some(entry) = self.ctx.fleet.get(id) else {
+            return;
+        };
+        let (Some(desired), Some(reported)) = (&entry.desired, &entry.reported) else {
+            return;
+        };
+        if entry.status != DeviceStatus::Converged || desired.digest == reported.digest {
+            return;
+        }
+        self.ctx.metrics.drifts.increment(1);
+        self.set_status(id, DeviceStatus::Drifted);
+        self.pending.drafts.push(EventDraft {
+            event_type: EventType::DeviceDrifted,
+            subject: id.to_string(),
+            run_id: None,
+            generation: Some(desired.generation),
+            data: json!({
+                "desired_digest": desired.digest.as_str(),
+                "reported_digest": reported.digest.as_str(),
+                "reported_seq": reported.seq,
+            }),
+        });
+        self.debounce(Trigger::Drift, id.clone());
+    }
+
+    fn connectivity_changed(&mut self, id: &DeviceId, online: bool) {
+        let Some(entry) = self.ctx.fleet.get(id) else {
+            return;
+        };
+        if online {
+            if entry.status == DeviceStatus::Offline {
+                self.debounce(Trigger::Reconnect, id.clone());
+            }
+        } else if !self.in_flight.contains_key(id) && entry.status != DeviceStatus::Quarantined {
+            self.set_status(id, DeviceStatus::Offline);
+        }
+    }
+
+    fn debounce(&mut self, trigger: Trigger, id: DeviceId) {
+        let closes_at = Instant::now() + self.ctx.settings.debounce;
+        self.debounced
+            .entry(trigger)
+            .or_insert_with(|| Debounced {
+                closes_at,
+                devices: BTreeSet::new(),
+            })
+            .devices
+            .insert(id);
+    }
+
+    async fn close_debounced(&mut self, now: Instant) {
+        let due: Vec<Trigger> = self
+            .debounced
+            .iter()
+            .filter(|(_, d)| d.closes_at <= now)
+            .map(|(t, _)| *t)
+            .collect();
+        for trigger in due {
+            let Some(batch) = self.debounced.remove(&trigger) else {
+                continue;
+            };
+            self.start_own_run(trigger, batch.devices.into_iter().collect())
+                .await;
+        }
+    }
+
+    async fn reconcile_all(&mut self, trigger: Trigger) {
+        let targets = self.ctx.fleet.ids_with_desired_state();
+        if targets.is_empty() {
+            return;
+        }
+        self.start_own_run(trigger, targets).await;
+    }
+
+    /// Periodic resync: asks devices with stale reports for a fresh one and
+    /// re-checks every device against what it last reported.
+    async fn resync(&mut self) {
+        let stale_cutoff = chrono::Utc::now()
+            - chrono::Duration::from_std(self.ctx.settings.stale_after)
+                .unwrap_or(chrono::Duration::MAX);
+        for id in self.ctx.fleet.ids_reported_before(stale_cutoff) {
+            let online = self.ctx.fleet.get(&id).and_then(|e| e.online);
+            if online != Some(false) && !self.in_flight.contains_key(&id) {
+                self.ctx.publisher.ask_for_report(&id).await;
+                self.ctx.metrics.report_requests.increment(1);
+            }
+        }
+        self.reconcile_all(Trigger::Resync).await;
+    }
+
+    /// Commits a run the engine starts itself and begins it. Pending results
+    /// are written first so the run sees committed state.
+    async fn start_own_run(&mut self, trigger: Trigger, targets: Vec<DeviceId>) {
+        let run = NewRun {
+            targets,
+            trigger,
+            force: false,
+            spec: None,
+        };
+        match commit_run(&self.ctx.pool, &self.ctx.fleet, &self.ctx.event_source, run).await {
+            Ok(EngineCommand::StartRun {
+                run_id,
+                trigger,
+                targets,
+                force,
+                decided,
+            }) => {
+                self.ctx.events_wake.notify_one();
+                self.ctx.metrics.events_committed.increment(1);
+                tracing::info!(%run_id, %trigger, targets = targets.len(), "run started");
+                self.start_run(run_id, trigger, targets, force, decided)
+                    .await;
+            }
+            Ok(
+                EngineCommand::ReportsApplied(_)
+                | EngineCommand::Connectivity(_)
+                | EngineCommand::ReconcileAll(_),
+            ) => {}
+            Err(e) => {
+                tracing::error!(error = %e, trigger = trigger.as_str(), "could not start a run")
+            }
+        }
+    }
+
+    fn publish_stats(&self) {
+        let stats = &self.ctx.stats;
+        stats
+            .queued_pushes
+            .store(self.push_queue.len() as u64, Ordering::Relaxed);
+        stats
+            .pushes_in_flight
+            .store(self.pushed.len() as u64, Ordering::Relaxed);
+        stats
+            .attempts_in_flight
+            .store(self.in_flight.len() as u64, Ordering::Relaxed);
+        self.ctx
+            .metrics
+            .push_queue_depth
+            .set(self.push_queue.len() as f64);
+        self.ctx
+            .metrics
+            .pushes_in_flight
+            .set(self.pushed.len() as f64);
         self.ctx
             .metrics
             .attempts_in_flight
@@ -366,6 +815,7 @@ impl Engine {
     /// Writes pending results in one transaction, retrying until it commits
     /// or the engine is cancelled.
     async fn flush(&mut self, token: &CancellationToken) {
+        self.last_flush = Instant::now();
         if self.pending.is_empty() {
             return;
         }
@@ -380,13 +830,17 @@ impl Engine {
                         .db_batch_outcomes
                         .record(started.elapsed().as_secs_f64());
                     self.after_commit(committed);
+                    self.last_flush = Instant::now();
                     return;
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "writing outcomes failed; retrying in {backoff:?}");
                     tokio::select! {
                         () = token.cancelled() => {
-                            tracing::error!("shutting down with {} unwritten outcomes", pending.outcomes.len());
+                            tracing::error!(
+                                "shutting down with {} unwritten outcomes; their runs resume at next start",
+                                pending.outcomes.len()
+                            );
                             return;
                         }
                         () = tokio::time::sleep(backoff) => {}
@@ -404,8 +858,16 @@ impl Engine {
         })?;
         let per_run: Vec<(Uuid, OutcomeCounts)> =
             pending.per_run.iter().map(|(k, v)| (*k, *v)).collect();
+        let mut by_status: HashMap<DeviceStatus, Vec<String>> = HashMap::new();
+        for (id, status) in &pending.statuses {
+            by_status.entry(*status).or_default().push(id.clone());
+        }
+        for (status, ids) in &by_status {
+            store::devices::set_status(&mut tx, ids, status.as_str()).await?;
+        }
+        store::devices::record_attempts(&mut tx, &pending.attempts).await?;
+        store::devices::reset_attempts(&mut tx, &pending.resets).await?;
         store::runs::record_outcomes(&mut tx, &pending.outcomes, &per_run).await?;
-        store::devices::set_status(&mut tx, &pending.provisioning, "provisioning").await?;
         let completed = store::runs::complete(&mut tx, &pending.completed).await?;
         let mut drafts = pending.drafts.clone();
         for run in &completed {
@@ -458,6 +920,7 @@ impl Engine {
                 "run completed: {}",
                 counts.summary()
             );
+            // Nobody listening is fine.
             let _ = self
                 .ctx
                 .notices
@@ -486,13 +949,44 @@ enum FlushError {
     Event(#[from] events::EventError),
 }
 
-/// The device status an outcome leaves behind (`None` keeps the current one).
-fn status_after(outcome: &Outcome) -> Option<&'static str> {
-    match outcome {
-        Outcome::Provisioned | Outcome::AlreadyConverged => Some("converged"),
-        Outcome::Failed(_) => Some("failed"),
-        Outcome::Skipped(SkipReason::Offline) => Some("offline"),
-        Outcome::Skipped(SkipReason::Quarantined) => Some("quarantined"),
-        Outcome::Skipped(SkipReason::NoDesiredSpec) | Outcome::Superseded => None,
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pacing_never_allows_more_than_the_rate_in_any_second() {
+        let mut pacer = PushPacer::new(Some(200));
+        let start = Instant::now();
+        let mut taken = Vec::new();
+        // Poll every 1 ms (tokio's timer granularity) for 3 s.
+        for ms in 0..3_000u64 {
+            let now = start + Duration::from_millis(ms);
+            while pacer.try_take(now) {
+                taken.push(now);
+            }
+        }
+        for (i, t) in taken.iter().enumerate() {
+            let in_window = taken[i..]
+                .iter()
+                .take_while(|u| **u < *t + Duration::from_secs(1))
+                .count();
+            assert!(
+                in_window <= 200,
+                "{in_window} pushes in the second after {:?}",
+                *t - start
+            );
+        }
+        assert!(
+            taken.len() >= 580,
+            "pacing too slow: {} in 3 s",
+            taken.len()
+        );
+    }
+
+    #[test]
+    fn no_rate_means_no_pacing() {
+        let mut pacer = PushPacer::new(None);
+        let now = Instant::now();
+        assert!((0..10_000).all(|_| pacer.try_take(now)));
     }
 }

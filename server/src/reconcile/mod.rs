@@ -4,5 +4,7 @@
 pub mod decide;
 pub mod engine;
 pub mod outcome;
+pub mod policy;
+pub mod runs;
 
 pub use outcome::{FailureReason, Outcome, OutcomeCounts, OutcomeKind, SkipReason};

@@ -62,6 +62,7 @@ pub async fn get(pool: &PgPool, id: &str) -> Result<Option<DeviceRow>, StoreErro
 #[derive(Debug, Default, Clone)]
 pub struct DeviceFilter {
     pub status: Option<String>,
+    pub health: Option<String>,
     /// Label subset the device must carry (`labels @> this`).
     pub labels: Option<Value>,
     /// Keyset cursor: ids strictly after this one.
@@ -75,12 +76,14 @@ pub async fn list(pool: &PgPool, filter: &DeviceFilter) -> Result<Vec<DeviceRow>
          WHERE ($1::text IS NULL OR status = $1) \
            AND ($2::jsonb IS NULL OR labels @> $2) \
            AND ($3::text IS NULL OR id > $3) \
+           AND ($5::text IS NULL OR reported_health = $5) \
          ORDER BY id LIMIT $4"
     ))
     .bind(&filter.status)
     .bind(&filter.labels)
     .bind(&filter.after)
     .bind(filter.limit)
+    .bind(&filter.health)
     .fetch_all(pool)
     .await
     .context("listing devices")
@@ -306,4 +309,157 @@ pub async fn set_status(
     .await
     .context("storing device status")?;
     Ok(())
+}
+
+/// Retry bookkeeping of one device after an attempt ended.
+#[derive(Debug, Clone)]
+pub struct AttemptRow {
+    pub device_id: String,
+    pub run_id: Uuid,
+    /// Which attempt this was (1 = first since the last success).
+    pub attempt: u32,
+    /// Consecutive failed attempts after this one (0 after a success).
+    pub failures: u32,
+    pub generation: Option<u64>,
+    /// `failed`, `provisioned` or `superseded`.
+    pub result: &'static str,
+    pub reason: Option<String>,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// Status to set now (e.g. `failed` while a retry waits), if any.
+    pub status: Option<&'static str>,
+}
+
+/// Appends attempt history and updates attempts / next_attempt_at / last_error.
+pub async fn record_attempts(
+    tx: &mut Transaction<'_, Postgres>,
+    rows: &[AttemptRow],
+) -> Result<(), StoreError> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&str> = rows.iter().map(|r| r.device_id.as_str()).collect();
+    let runs: Vec<Uuid> = rows.iter().map(|r| r.run_id).collect();
+    let failures: Vec<i32> = rows
+        .iter()
+        .map(|r| i32::try_from(r.failures).unwrap_or(i32::MAX))
+        .collect();
+    let attempts: Vec<i32> = rows
+        .iter()
+        .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
+        .collect();
+    let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
+    let results: Vec<&str> = rows.iter().map(|r| r.result).collect();
+    let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
+    let next: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.next_attempt_at).collect();
+    let statuses: Vec<Option<&str>> = rows.iter().map(|r| r.status).collect();
+    sqlx::query(
+        "INSERT INTO device_attempts (device_id, run_id, attempt, generation, result, reason) \
+         SELECT r.id, r.run_id, r.attempt, r.generation, r.result, r.reason \
+         FROM UNNEST($1::text[], $2::uuid[], $3::int4[], $4::int8[], $5::text[], $6::text[]) \
+             AS r(id, run_id, attempt, generation, result, reason)",
+    )
+    .bind(&ids)
+    .bind(&runs)
+    .bind(&attempts)
+    .bind(&generations)
+    .bind(&results)
+    .bind(&reasons)
+    .execute(&mut **tx)
+    .await
+    .context("appending attempt history")?;
+    sqlx::query(
+        "UPDATE devices d SET attempts = r.failures, next_attempt_at = r.next_at, \
+             last_error = CASE WHEN r.result = 'failed' THEN r.reason ELSE d.last_error END, \
+             status = COALESCE(r.status, d.status), updated_at = now() \
+         FROM UNNEST($1::text[], $2::int4[], $3::text[], $4::text[], $5::timestamptz[], $6::text[]) \
+             AS r(id, failures, result, reason, next_at, status) \
+         WHERE d.id = r.id",
+    )
+    .bind(&ids)
+    .bind(&failures)
+    .bind(&results)
+    .bind(&reasons)
+    .bind(&next)
+    .bind(&statuses)
+    .execute(&mut **tx)
+    .await
+    .context("updating retry bookkeeping")?;
+    Ok(())
+}
+
+/// Resets the failure count of devices that converged (no-op when already 0).
+pub async fn reset_attempts(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[String],
+) -> Result<(), StoreError> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "UPDATE devices SET attempts = 0, next_attempt_at = NULL \
+         WHERE id = ANY($1) AND (attempts <> 0 OR next_attempt_at IS NOT NULL)",
+    )
+    .bind(ids)
+    .execute(&mut **tx)
+    .await
+    .context("resetting attempt counts")?;
+    Ok(())
+}
+
+/// Releases quarantined devices among `ids`: status `failed`, attempts 0.
+/// Returns the ids that were quarantined.
+pub async fn release_quarantine(pool: &PgPool, ids: &[String]) -> Result<Vec<String>, StoreError> {
+    sqlx::query_scalar(
+        "UPDATE devices SET status = 'failed', attempts = 0, next_attempt_at = NULL, updated_at = now() \
+         WHERE id = ANY($1) AND status = 'quarantined' RETURNING id",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await
+    .context("releasing quarantined devices")
+}
+
+/// Quarantined devices among the targets of a run.
+pub async fn quarantined_in_run(pool: &PgPool, run_id: Uuid) -> Result<Vec<String>, StoreError> {
+    sqlx::query_scalar(
+        "SELECT d.id FROM devices d JOIN run_targets t ON t.device_id = d.id \
+         WHERE t.run_id = $1 AND d.status = 'quarantined' ORDER BY d.id",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await
+    .context("listing quarantined devices of a run")
+}
+
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+pub struct HistoryRow {
+    pub run_id: Option<Uuid>,
+    pub attempt: i32,
+    pub generation: Option<i64>,
+    pub result: String,
+    pub reason: Option<String>,
+    pub at: DateTime<Utc>,
+}
+
+/// The newest `limit` attempts of a device, newest first.
+pub async fn history(pool: &PgPool, id: &str, limit: i64) -> Result<Vec<HistoryRow>, StoreError> {
+    sqlx::query_as(
+        "SELECT run_id, attempt, generation, result, reason, at FROM device_attempts \
+         WHERE device_id = $1 ORDER BY id DESC LIMIT $2",
+    )
+    .bind(id)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+    .context("reading attempt history")
+}
+
+/// Converged devices whose last report says they are not healthy.
+pub async fn count_unhealthy_converged(pool: &PgPool) -> Result<i64, StoreError> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM devices WHERE status = 'converged' AND reported_health IN ('degraded', 'unhealthy')",
+    )
+    .fetch_one(pool)
+    .await
+    .context("counting unhealthy converged devices")
 }

@@ -1,0 +1,197 @@
+//! Pure policies around `decide`: which devices a run does not attempt, how
+//! long to wait before retrying a failed push, and the device status an
+//! outcome leaves behind. No IO, no clock, no randomness (jitter is an input).
+
+use std::time::Duration;
+
+use super::outcome::{Outcome, SkipReason};
+
+/// Device status, as stored and shown (`devices.status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DeviceStatus {
+    #[default]
+    Unknown,
+    Converged,
+    Drifted,
+    Provisioning,
+    Failed,
+    Offline,
+    Quarantined,
+}
+
+impl DeviceStatus {
+    pub const ALL: [DeviceStatus; 7] = [
+        DeviceStatus::Unknown,
+        DeviceStatus::Converged,
+        DeviceStatus::Drifted,
+        DeviceStatus::Provisioning,
+        DeviceStatus::Failed,
+        DeviceStatus::Offline,
+        DeviceStatus::Quarantined,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceStatus::Unknown => "unknown",
+            DeviceStatus::Converged => "converged",
+            DeviceStatus::Drifted => "drifted",
+            DeviceStatus::Provisioning => "provisioning",
+            DeviceStatus::Failed => "failed",
+            DeviceStatus::Offline => "offline",
+            DeviceStatus::Quarantined => "quarantined",
+        }
+    }
+
+    pub fn parse(raw: &str) -> Option<Self> {
+        DeviceStatus::ALL.into_iter().find(|s| s.as_str() == raw)
+    }
+}
+
+/// Why a run does not attempt a device at all, if it does not.
+pub fn gate(status: DeviceStatus, online: Option<bool>, has_desired: bool) -> Option<SkipReason> {
+    if status == DeviceStatus::Quarantined {
+        Some(SkipReason::Quarantined)
+    } else if online == Some(false) {
+        Some(SkipReason::Offline)
+    } else if !has_desired {
+        Some(SkipReason::NoDesiredSpec)
+    } else {
+        None
+    }
+}
+
+/// Retry schedule for failed attempts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts per device before it is quarantined (1 = no retries).
+    pub max_attempts: u32,
+    pub base: Duration,
+    pub cap: Duration,
+}
+
+/// What to do after the `failures`-th consecutive failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AfterFailure {
+    RetryAfter(Duration),
+    Quarantine,
+}
+
+impl RetryPolicy {
+    /// Capped exponential backoff, `base · 2^(failures-1)` up to `cap`, scaled
+    /// by `jitter` in `[0.5, 1.0]` (full range kept as given, clamped).
+    pub fn after_failure(&self, failures: u32, jitter: f64) -> AfterFailure {
+        if failures >= self.max_attempts {
+            return AfterFailure::Quarantine;
+        }
+        let exponent = failures.saturating_sub(1).min(30);
+        let delay = self.base.saturating_mul(1u32 << exponent).min(self.cap);
+        AfterFailure::RetryAfter(delay.mul_f64(jitter.clamp(0.5, 1.0)))
+    }
+}
+
+/// The device status an outcome leaves behind (`None` keeps the current one).
+pub fn status_after(outcome: &Outcome) -> Option<DeviceStatus> {
+    match outcome {
+        Outcome::Provisioned | Outcome::AlreadyConverged => Some(DeviceStatus::Converged),
+        Outcome::Failed(_) => Some(DeviceStatus::Failed),
+        Outcome::Skipped(SkipReason::Offline) => Some(DeviceStatus::Offline),
+        Outcome::Skipped(SkipReason::Quarantined) => Some(DeviceStatus::Quarantined),
+        Outcome::Skipped(SkipReason::NoDesiredSpec) | Outcome::Superseded => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::outcome::FailureReason;
+
+    fn policy() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 4,
+            base: Duration::from_secs(1),
+            cap: Duration::from_secs(3),
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_quarantines_at_max_attempts() {
+        let p = policy();
+        assert_eq!(
+            p.after_failure(1, 1.0),
+            AfterFailure::RetryAfter(Duration::from_secs(1))
+        );
+        assert_eq!(
+            p.after_failure(2, 1.0),
+            AfterFailure::RetryAfter(Duration::from_secs(2))
+        );
+        assert_eq!(
+            p.after_failure(3, 1.0),
+            AfterFailure::RetryAfter(Duration::from_secs(3))
+        );
+        assert_eq!(p.after_failure(4, 1.0), AfterFailure::Quarantine);
+        assert_eq!(p.after_failure(9, 1.0), AfterFailure::Quarantine);
+    }
+
+    #[test]
+    fn jitter_shortens_the_delay_by_at_most_half() {
+        assert_eq!(
+            policy().after_failure(2, 0.5),
+            AfterFailure::RetryAfter(Duration::from_secs(1))
+        );
+        assert_eq!(
+            policy().after_failure(2, 0.0),
+            AfterFailure::RetryAfter(Duration::from_secs(1))
+        );
+    }
+
+    #[test]
+    fn one_attempt_means_no_retry() {
+        let p = RetryPolicy {
+            max_attempts: 1,
+            ..policy()
+        };
+        assert_eq!(p.after_failure(1, 1.0), AfterFailure::Quarantine);
+    }
+
+    #[test]
+    fn quarantined_and_offline_devices_are_not_attempted() {
+        assert_eq!(
+            gate(DeviceStatus::Quarantined, Some(true), true),
+            Some(SkipReason::Quarantined)
+        );
+        assert_eq!(
+            gate(DeviceStatus::Converged, Some(false), true),
+            Some(SkipReason::Offline)
+        );
+        assert_eq!(
+            gate(DeviceStatus::Unknown, None, false),
+            Some(SkipReason::NoDesiredSpec)
+        );
+        assert_eq!(gate(DeviceStatus::Failed, None, true), None);
+        assert_eq!(gate(DeviceStatus::Offline, Some(true), true), None);
+    }
+
+    #[test]
+    fn both_kinds_of_success_leave_the_device_converged() {
+        assert_eq!(
+            status_after(&Outcome::AlreadyConverged),
+            Some(DeviceStatus::Converged)
+        );
+        assert_eq!(
+            status_after(&Outcome::Provisioned),
+            Some(DeviceStatus::Converged)
+        );
+        assert_eq!(
+            status_after(&Outcome::Failed(FailureReason::Timeout)),
+            Some(DeviceStatus::Failed)
+        );
+        assert_eq!(status_after(&Outcome::Superseded), None);
+    }
+
+    #[test]
+    fn statuses_round_trip_through_their_names() {
+        for s in DeviceStatus::ALL {
+            assert_eq!(DeviceStatus::parse(s.as_str()), Some(s));
+        }
+    }
+}

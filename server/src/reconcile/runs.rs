@@ -1,0 +1,129 @@
+//! Starting a run: commits the desired change (if any), the run, its targets
+//! and the `run.started` event in one transaction, then mirrors the desired
+//! change in the fleet cache. Shared by the API and the engine's own triggers.
+
+use std::sync::Arc;
+
+use idem_protocol::{DeviceId, SpecDigest};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use super::engine::EngineCommand;
+use crate::events::{self, EventDraft, EventError, EventType};
+use crate::fleet::{DesiredState, Fleet};
+use crate::store::{self, StoreError};
+
+/// Why a run was started; stored as `runs.trigger`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Trigger {
+    /// An operator changed desired state.
+    Desired,
+    /// An operator asked for a re-check.
+    Manual,
+    Startup,
+    Resync,
+    /// Converged devices reported a different spec.
+    Drift,
+    /// Devices that were offline came back.
+    Reconnect,
+    /// An operator released quarantined devices.
+    Retry,
+}
+
+impl Trigger {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Desired => "desired",
+            Trigger::Manual => "manual",
+            Trigger::Startup => "startup",
+            Trigger::Resync => "resync",
+            Trigger::Drift => "drift",
+            Trigger::Reconnect => "reconnect",
+            Trigger::Retry => "retry",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommitRunError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Event(#[from] EventError),
+}
+
+/// A run to commit.
+#[derive(Debug)]
+pub struct NewRun {
+    pub targets: Vec<DeviceId>,
+    pub trigger: Trigger,
+    pub force: bool,
+    /// New desired spec for every target, if this run changes desired state.
+    pub spec: Option<Value>,
+}
+
+/// Commits `run` and returns the command that starts it in the engine.
+pub async fn commit_run(
+    pool: &PgPool,
+    fleet: &Fleet,
+    event_source: &str,
+    run: NewRun,
+) -> Result<EngineCommand, CommitRunError> {
+    let run_id = Uuid::now_v7();
+    let target_ids: Vec<String> = run.targets.iter().map(DeviceId::to_string).collect();
+    let mut tx = pool.begin().await.map_err(|e| StoreError::Db {
+        context: "starting a transaction",
+        source: e,
+    })?;
+    let digest_and_spec = run.spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
+    let mut desired_changes = Vec::new();
+    if let Some((digest, spec)) = &digest_and_spec {
+        desired_changes =
+            store::devices::set_desired(&mut tx, &target_ids, spec, digest.as_str()).await?;
+    }
+    store::runs::create(
+        &mut tx,
+        run_id,
+        run.trigger.as_str(),
+        run.force,
+        &target_ids,
+    )
+    .await?;
+    let draft = EventDraft {
+        event_type: EventType::RunStarted,
+        subject: run_id.to_string(),
+        run_id: Some(run_id),
+        generation: None,
+        data: json!({"trigger": run.trigger.as_str(), "target_count": target_ids.len(), "force": run.force}),
+    };
+    let first = store::events::reserve_sequences(&mut tx, 1).await?;
+    let rows = events::finalize(vec![draft], first, event_source, chrono::Utc::now())?;
+    store::events::insert(&mut tx, &rows).await?;
+    tx.commit().await.map_err(|e| StoreError::Db {
+        context: "committing a run",
+        source: e,
+    })?;
+    if let Some((digest, spec)) = digest_and_spec {
+        for write in desired_changes {
+            if let Ok(id) = DeviceId::parse(&write.id) {
+                let generation = store::to_u64(write.desired_generation);
+                fleet.set_desired(
+                    &id,
+                    DesiredState {
+                        generation,
+                        digest: digest.clone(),
+                        spec: spec.clone(),
+                    },
+                );
+            }
+        }
+    }
+    Ok(EngineCommand::StartRun {
+        run_id,
+        trigger: run.trigger.as_str().to_owned(),
+        targets: run.targets,
+        force: run.force,
+        decided: 0,
+    })
+}
