@@ -12,14 +12,18 @@ pub mod broker;
 pub mod database;
 pub mod grafana;
 pub mod postgres;
+pub mod process_server;
 pub mod prometheus;
 pub mod scenario;
 pub mod server;
 mod support;
+pub mod witness;
 
 pub use broker::{raise_fd_limit, PrivateMosquitto};
 pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};
 pub use postgres::PrivatePostgres;
+pub use process_server::ProcessServer;
 pub use prometheus::PrivatePrometheus;
 pub use scenario::Scenario;
 pub use server::{DesiredWatcher, ServerSettings, TestServer};
+pub use witness::ReportWitness;

@@ -166,9 +166,8 @@ impl ProcessServer {
             return Ok(());
         };
         let raw = child.id();
-        let pid = Pid::from_raw(
-            i32::try_from(raw).context("the server's pid does not fit in an i32")?,
-        );
+        let pid =
+            Pid::from_raw(i32::try_from(raw).context("the server's pid does not fit in an i32")?);
         if matches!(child.try_wait(), Ok(None)) {
             if let Err(e) = kill(pid, Signal::SIGTERM) {
                 // ESRCH: it exited between the check and the signal.

@@ -279,6 +279,8 @@ async fn decode(response: reqwest::Response) -> Result<(u16, Value)> {
 /// `{root}/+/desired` sees them.
 pub struct DesiredWatcher {
     seen: Arc<Mutex<HashMap<String, usize>>>,
+    /// When each publish arrived, in arrival order.
+    arrivals: Arc<Mutex<Vec<Instant>>>,
     client: AsyncClient,
     task: JoinHandle<()>,
 }
@@ -306,10 +308,16 @@ impl DesiredWatcher {
         }
         let seen = Arc::new(Mutex::new(HashMap::new()));
         let sink = seen.clone();
+        let arrivals = Arc::new(Mutex::new(Vec::new()));
+        let arrivals_sink = arrivals.clone();
         let root = root.clone();
         let task = tokio::spawn(async move {
             while let Ok(event) = eventloop.poll().await {
                 if let Event::Incoming(Packet::Publish(p)) = event {
+                    arrivals_sink
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(Instant::now());
                     if let Ok(parsed) = root.parse(&p.topic) {
                         let mut seen = sink.lock().unwrap_or_else(PoisonError::into_inner);
                         *seen.entry(parsed.device.to_string()).or_insert(0) += 1;
@@ -317,7 +325,12 @@ impl DesiredWatcher {
                 }
             }
         });
-        Ok(Self { seen, client, task })
+        Ok(Self {
+            seen,
+            arrivals,
+            client,
+            task,
+        })
     }
 
     /// Device id → number of desired publishes seen so far.
@@ -328,7 +341,26 @@ impl DesiredWatcher {
             .clone()
     }
 
+    /// The most publishes that arrived within any one-second window.
+    pub fn max_per_second(&self) -> usize {
+        let arrivals = self
+            .arrivals
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let mut best = 0;
+        let mut start = 0;
+        for end in 0..arrivals.len() {
+            while arrivals[end].duration_since(arrivals[start]) >= Duration::from_secs(1) {
+                start += 1;
+            }
+            best = best.max(end - start + 1);
+        }
+        best
+    }
+
     /// Total publishes seen.
+
     pub fn total(&self) -> usize {
         self.seen().values().sum()
     }

@@ -205,7 +205,13 @@ async fn every_dashboard_panel_query_returns_data_from_a_real_prometheus_after_a
         .query(&format!("idem_runs_completed_total{{job=\"{JOB}\"}}"))
         .await
         .unwrap();
-    assert_eq!(runs.finite_values(), [1.0], "{runs:?}");
+    // The latest-run panels are compared with this run's counts, so it must
+    // be the only run.
+    assert_eq!(
+        runs.finite_values(),
+        [1.0],
+        "expected Prometheus to see exactly the test's run completed: {runs:?}"
+    );
     let exposed = prometheus::exposed_metric_names(&scenario.server.metrics().await.unwrap());
 
     let mut failures = Vec::new();
