@@ -3,7 +3,7 @@
 //! choosing the first `seq`. No IO, no clock reads except [`seq_base_now`], no
 //! logging — the MQTT task in `device_task` is a thin adapter around this.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use idem_protocol::{Desired, Health, Rejection, Reported};
 use serde_json::Value;
@@ -75,6 +75,13 @@ pub struct DeviceState {
     pub rejections: u64,
     /// The last refusal, kept for tests and demo output.
     pub last_rejection: Option<Rejection>,
+    /// When the last valid `desired` message arrived. Set by the MQTT
+    /// adapter (the functions here never read the clock); the demo measures
+    /// convergence latency with it.
+    pub desired_at: Option<Instant>,
+    /// When the report confirming the last *applied* push was handed to the
+    /// MQTT client. Set by the MQTT adapter, like `desired_at`.
+    pub confirmed_at: Option<Instant>,
 }
 
 impl DeviceState {
@@ -91,6 +98,8 @@ impl DeviceState {
             get_received: 0,
             rejections: 0,
             last_rejection: None,
+            desired_at: None,
+            confirmed_at: None,
         }
     }
 

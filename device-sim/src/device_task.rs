@@ -79,6 +79,8 @@ enum Request {
         retain: bool,
         payload: Vec<u8>,
         is_report: bool,
+        /// Answers an applied push: stamps `confirmed_at` when handed over.
+        confirms: bool,
     },
 }
 
@@ -237,6 +239,7 @@ impl DeviceTask {
                     retain: true,
                     payload: Status::Online.as_payload().to_vec(),
                     is_report: false,
+                    confirms: false,
                 });
                 if self.reports_on_connect {
                     self.queue_report(s);
@@ -272,7 +275,11 @@ impl DeviceTask {
                     return;
                 }
             };
-            self.shared.lock().desired_received += 1;
+            {
+                let mut state = self.shared.lock();
+                state.desired_received += 1;
+                state.desired_at = Some(std::time::Instant::now());
+            }
             FleetCounters::bump(&self.counters.desired_received);
             if !self.behaviour.answers_desired() {
                 return;
@@ -300,7 +307,8 @@ impl DeviceTask {
             respond_to_desired(&mut state, &self.behaviour, desired)
         };
         let Some(report) = report else { return };
-        if report.error.is_some() {
+        let confirms = report.error.is_none();
+        if !confirms {
             FleetCounters::bump(&self.counters.rejections);
         }
         s.outbox.push_back(Request::Publish {
@@ -308,6 +316,7 @@ impl DeviceTask {
             retain: false,
             payload: report.encode(),
             is_report: true,
+            confirms,
         });
     }
 
@@ -318,6 +327,7 @@ impl DeviceTask {
             retain: false,
             payload: report.encode(),
             is_report: true,
+            confirms: false,
         });
     }
 
@@ -337,13 +347,19 @@ impl DeviceTask {
                     retain,
                     payload,
                     is_report,
+                    confirms,
                 } => {
                     let ok = s
                         .client
                         .try_publish(topic.clone(), QoS::AtLeastOnce, *retain, payload.clone())
                         .is_ok();
                     if ok && *is_report {
-                        self.shared.lock().reports_sent += 1;
+                        let mut state = self.shared.lock();
+                        state.reports_sent += 1;
+                        if *confirms {
+                            state.confirmed_at = Some(std::time::Instant::now());
+                        }
+                        drop(state);
                         FleetCounters::bump(&self.counters.reports_sent);
                     }
                     ok

@@ -91,6 +91,11 @@ pub struct DeviceSnapshot {
     pub get_received: u64,
     pub rejections: u64,
     pub last_rejection: Option<Rejection>,
+    /// When the last valid `desired` message arrived.
+    pub desired_at: Option<std::time::Instant>,
+    /// When the report confirming the last applied push was handed to the
+    /// MQTT client.
+    pub confirmed_at: Option<std::time::Instant>,
 }
 
 struct DeviceHandle {
@@ -347,5 +352,7 @@ fn snapshot(shared: &DeviceShared) -> DeviceSnapshot {
         get_received: state.get_received,
         rejections: state.rejections,
         last_rejection: state.last_rejection.clone(),
+        desired_at: state.desired_at,
+        confirmed_at: state.confirmed_at,
     }
 }

@@ -240,9 +240,8 @@ impl ProcessServer {
     /// exits.
     pub async fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let mut last = String::from("no answer yet");
         loop {
-            match self
+            let last = match self
                 .http
                 .get(self.url("/readyz"))
                 .timeout(Duration::from_secs(2))
@@ -253,10 +252,10 @@ impl ProcessServer {
                 Ok(response) => {
                     let status = response.status();
                     let body = response.text().await.unwrap_or_default();
-                    last = format!("{status}: {body}");
+                    format!("{status}: {body}")
                 }
-                Err(e) => last = e.to_string(),
-            }
+                Err(e) => e.to_string(),
+            };
             if let Some(child) = self.child.as_mut() {
                 if let Some(status) = child
                     .try_wait()

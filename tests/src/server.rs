@@ -360,7 +360,6 @@ impl DesiredWatcher {
     }
 
     /// Total publishes seen.
-
     pub fn total(&self) -> usize {
         self.seen().values().sum()
     }

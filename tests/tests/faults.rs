@@ -419,9 +419,10 @@ async fn a_server_killed_while_200_devices_report_loses_no_report_and_leaves_no_
     println!(
         "SIGKILL test: outage {outage:?} (restart to ready {restart_to_ready:?}), \
          {published_while_down} reports published while down, crashed run resumed and all \
-         {} runs completed {resumed_done:?} after the kill ({} already converged, \
-         {} provisioned), {} reports seen in total, test took {:?}",
+         {} runs ({:?}) completed {resumed_done:?} after the kill (crashed run: {} already \
+         converged, {} provisioned), {} reports seen in total, test took {:?}",
         runs.len(),
+        runs.iter().map(|r| r.trigger.as_str()).collect::<Vec<_>>(),
         crashed_run.already_converged,
         crashed_run.provisioned,
         witness.reports(),
