@@ -32,6 +32,8 @@ use crate::store::{self, StoreError};
 /// Most items one list page returns.
 const MAX_PAGE: i64 = 1_000;
 const DEFAULT_PAGE: i64 = 100;
+/// How long readiness waits for the database before saying not ready.
+const READINESS_DB_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Attempts shown in a device's history.
 const HISTORY_SHOWN: i64 = 20;
 /// Unknown ids named in an error message, at most.
@@ -847,7 +849,8 @@ async fn healthz() -> Json<Value> {
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
-    let database = store::ping(&state.pool).await.is_ok();
+    let ping = tokio::time::timeout(READINESS_DB_TIMEOUT, store::ping(&state.pool)).await;
+    let database = matches!(ping, Ok(Ok(())));
     let mqtt = state.mqtt.is_ready();
     let status = if database && mqtt {
         StatusCode::OK

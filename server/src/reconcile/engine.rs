@@ -776,11 +776,12 @@ impl Engine {
         self.reconcile_all(Trigger::Resync).await;
     }
 
-    /// Commits a run the engine starts itself and begins it. Pending results
-    /// are written first so the run sees committed state.
+    /// Commits a run the engine starts itself and begins it. If the commit
+    /// fails (database down), the devices wait in the debounce set and the
+    /// run is tried again a debounce window later.
     async fn start_own_run(&mut self, trigger: Trigger, targets: Vec<DeviceId>) {
         let run = NewRun {
-            targets,
+            targets: targets.clone(),
             trigger,
             force: false,
             spec: None,
@@ -805,7 +806,10 @@ impl Engine {
                 | EngineCommand::ReconcileAll(_),
             ) => {}
             Err(e) => {
-                tracing::error!(error = %e, trigger = trigger.as_str(), "could not start a run")
+                tracing::error!(error = %e, trigger = trigger.as_str(), "could not start a run; will retry");
+                for id in targets {
+                    self.debounce(trigger, id);
+                }
             }
         }
     }

@@ -1,0 +1,507 @@
+//! A small client for the idem server's HTTP API: the calls the demo and the
+//! benchmark make (register devices, start and follow runs, page through
+//! outcomes and devices, read `/metrics`). It decodes answers into plain
+//! types and turns every failure into a typed [`ApiError`]; it holds no demo
+//! logic and never retries on its own.
+
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::plan::format_count;
+
+/// How long one HTTP request may take before it fails.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// The server's largest page (`limit`) for list endpoints.
+pub const MAX_PAGE: usize = 1_000;
+
+/// Why a call to the idem API failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("invalid server URL {url:?}: expected e.g. http://127.0.0.1:8080")]
+    InvalidUrl { url: String },
+    #[error("could not build the HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    #[error("{method} {url} failed: {source} (is idem-server running there? set --server)")]
+    Request {
+        method: &'static str,
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{method} {url} answered {status}: {body}")]
+    Status {
+        method: &'static str,
+        url: String,
+        status: u16,
+        body: String,
+    },
+    #[error("{method} {url}: unexpected answer ({source}): {body}")]
+    Decode {
+        method: &'static str,
+        url: String,
+        body: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("/metrics series {series} has a value that is not a number: {value:?}")]
+    MetricValue { series: String, value: String },
+}
+
+/// `POST /v1/devices` answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+pub struct RegisterCounts {
+    #[serde(default)]
+    pub created: u64,
+    #[serde(default)]
+    pub updated: u64,
+    #[serde(default)]
+    pub unchanged: u64,
+    #[serde(default)]
+    pub desired_changed: u64,
+}
+
+/// `POST /v1/runs` / `POST /v1/desired` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+pub struct RunStarted {
+    pub run_id: String,
+    pub targets: u64,
+}
+
+/// Per-outcome counts of a run, as the server stores them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+pub struct RunCounts {
+    #[serde(default)]
+    pub already_converged: u64,
+    #[serde(default)]
+    pub provisioned: u64,
+    #[serde(default)]
+    pub failed: u64,
+    #[serde(default)]
+    pub skipped: u64,
+    #[serde(default)]
+    pub superseded: u64,
+}
+
+impl RunCounts {
+    /// Devices with an outcome so far.
+    pub fn total(&self) -> u64 {
+        self.already_converged + self.provisioned + self.failed + self.skipped + self.superseded
+    }
+
+    /// The summary line in the server's format (for display when the server
+    /// gave none): `N already converged, N provisioned, N failed`, then
+    /// skipped and superseded only when non-zero.
+    pub fn summary(&self) -> String {
+        let mut line = format!(
+            "{} already converged, {} provisioned, {} failed",
+            format_count(self.already_converged),
+            format_count(self.provisioned),
+            format_count(self.failed)
+        );
+        if self.skipped > 0 {
+            line.push_str(&format!(", {} skipped", format_count(self.skipped)));
+        }
+        if self.superseded > 0 {
+            line.push_str(&format!(", {} superseded", format_count(self.superseded)));
+        }
+        line
+    }
+}
+
+/// `GET /v1/runs/{id}` answer (the fields the simulator uses).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+pub struct RunView {
+    pub id: String,
+    pub state: String,
+    #[serde(default)]
+    pub trigger: String,
+    #[serde(default)]
+    pub force: bool,
+    #[serde(default)]
+    pub target_count: u64,
+    #[serde(default)]
+    pub counts: RunCounts,
+    /// The summary line exactly as the server renders it.
+    #[serde(default)]
+    pub summary: String,
+    /// Server-side duration, once completed.
+    #[serde(default)]
+    pub duration_ms: Option<u64>,
+}
+
+impl RunView {
+    pub fn is_completed(&self) -> bool {
+        self.state == "completed"
+    }
+}
+
+/// One row of `GET /v1/runs/{id}/outcomes`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+pub struct OutcomeRow {
+    pub device_id: String,
+    /// `already_converged`, `provisioned`, `failed`, `skipped`, `superseded`;
+    /// `None` while the device is undecided.
+    #[serde(default)]
+    pub outcome: Option<String>,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct OutcomePage {
+    outcomes: Vec<OutcomeRow>,
+    #[serde(default)]
+    next_after: Option<String>,
+}
+
+/// The parts of a `GET /v1/devices` row the simulator looks at.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct DeviceRow {
+    pub id: String,
+    #[serde(default)]
+    pub status: String,
+    /// `None` until the server has stored a report.
+    #[serde(default)]
+    pub reported: Option<ReportedView>,
+}
+
+/// A stored report, as `GET /v1/devices` shows it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ReportedView {
+    #[serde(default)]
+    pub seq: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct DevicePage {
+    devices: Vec<DeviceRow>,
+    #[serde(default)]
+    next_after: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct FleetView {
+    #[serde(default)]
+    devices: u64,
+}
+
+/// A client for one idem server.
+#[derive(Debug, Clone)]
+pub struct ServerClient {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl ServerClient {
+    /// `base_url` like `http://127.0.0.1:8080` (a trailing `/` is ignored).
+    pub fn new(base_url: &str) -> Result<Self, ApiError> {
+        let base = base_url.trim_end_matches('/').to_owned();
+        let rest = base
+            .strip_prefix("http://")
+            .or_else(|| base.strip_prefix("https://"));
+        if rest.is_none_or(|r| r.is_empty() || r.contains('/')) {
+            return Err(ApiError::InvalidUrl {
+                url: base_url.to_owned(),
+            });
+        }
+        let http = reqwest::Client::builder()
+            .timeout(REQUEST_TIMEOUT)
+            .build()
+            .map_err(ApiError::Client)?;
+        Ok(Self { base, http })
+    }
+
+    /// The server's base URL, without a trailing `/`.
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Whether `GET /readyz` answers 200 (database and broker reachable).
+    pub async fn is_ready(&self) -> Result<bool, ApiError> {
+        let url = self.url("/readyz");
+        let response = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|source| ApiError::Request {
+                method: "GET",
+                url,
+                source,
+            })?;
+        Ok(response.status().is_success())
+    }
+
+    /// `POST /v1/devices` for one chunk: every id with `labels` and `spec`
+    /// as its desired state.
+    pub async fn register<'a>(
+        &self,
+        ids: impl IntoIterator<Item = &'a str>,
+        labels: &Value,
+        spec: &Value,
+    ) -> Result<RegisterCounts, ApiError> {
+        let body: Vec<Value> = ids
+            .into_iter()
+            .map(|id| json!({"id": id, "labels": labels, "spec": spec}))
+            .collect();
+        self.post("/v1/devices", &Value::Array(body)).await
+    }
+
+    /// `POST /v1/runs`: re-check the targets in `body` (`{"all": true}`,
+    /// `{"selector": …}` or `{"devices": […]}`, optional `"force"`).
+    pub async fn start_run(&self, body: &Value) -> Result<RunStarted, ApiError> {
+        self.post("/v1/runs", body).await
+    }
+
+    /// `POST /v1/desired`: change the desired spec of the targets in `body`.
+    pub async fn set_desired(&self, body: &Value) -> Result<RunStarted, ApiError> {
+        self.post("/v1/desired", body).await
+    }
+
+    /// `GET /v1/runs/{id}`.
+    pub async fn run(&self, run_id: &str) -> Result<RunView, ApiError> {
+        self.get(&format!("/v1/runs/{run_id}")).await
+    }
+
+    /// Every outcome row of a run, all pages, in device-id order.
+    pub async fn outcomes(&self, run_id: &str) -> Result<Vec<OutcomeRow>, ApiError> {
+        let mut rows = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let path = match &after {
+                Some(a) => format!("/v1/runs/{run_id}/outcomes?limit={MAX_PAGE}&after={a}"),
+                None => format!("/v1/runs/{run_id}/outcomes?limit={MAX_PAGE}"),
+            };
+            let page: OutcomePage = self.get(&path).await?;
+            rows.extend(page.outcomes);
+            match page.next_after {
+                Some(next) => after = Some(next),
+                None => return Ok(rows),
+            }
+        }
+    }
+
+    /// Every device carrying label `key: value`, all pages.
+    pub async fn devices_with_label(
+        &self,
+        key: &str,
+        value: &str,
+    ) -> Result<Vec<DeviceRow>, ApiError> {
+        let mut rows = Vec::new();
+        let mut after: Option<String> = None;
+        let label = query_escape(&format!("{key}:{value}"));
+        loop {
+            let path = match &after {
+                Some(a) => format!("/v1/devices?label={label}&limit={MAX_PAGE}&after={a}"),
+                None => format!("/v1/devices?label={label}&limit={MAX_PAGE}"),
+            };
+            let page: DevicePage = self.get(&path).await?;
+            rows.extend(page.devices);
+            match page.next_after {
+                Some(next) => after = Some(next),
+                None => return Ok(rows),
+            }
+        }
+    }
+
+    /// Registered devices, from `GET /v1/fleet`.
+    pub async fn device_count(&self) -> Result<u64, ApiError> {
+        let fleet: FleetView = self.get("/v1/fleet").await?;
+        Ok(fleet.devices)
+    }
+
+    /// The `/metrics` text.
+    pub async fn metrics_text(&self) -> Result<String, ApiError> {
+        let url = self.url("/metrics");
+        let response = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|source| ApiError::Request {
+                method: "GET",
+                url: url.clone(),
+                source,
+            })?;
+        let status = response.status().as_u16();
+        let body = response
+            .text()
+            .await
+            .map_err(|source| ApiError::Request {
+                method: "GET",
+                url: url.clone(),
+                source,
+            })?;
+        if status != 200 {
+            return Err(ApiError::Status {
+                method: "GET",
+                url,
+                status,
+                body,
+            });
+        }
+        Ok(body)
+    }
+
+    /// The value of one series, e.g. `idem_reports_total{result="applied"}`;
+    /// `None` when the server does not expose it.
+    pub async fn metric(&self, series: &str) -> Result<Option<f64>, ApiError> {
+        let text = self.metrics_text().await?;
+        metric_value(&text, series)
+    }
+
+    async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ApiError> {
+        let url = self.url(path);
+        let request = self.http.get(&url);
+        self.send("GET", url, request).await
+    }
+
+    async fn post<T: DeserializeOwned>(&self, path: &str, body: &Value) -> Result<T, ApiError> {
+        let url = self.url(path);
+        let request = self.http.post(&url).json(body);
+        self.send("POST", url, request).await
+    }
+
+    async fn send<T: DeserializeOwned>(
+        &self,
+        method: &'static str,
+        url: String,
+        request: reqwest::RequestBuilder,
+    ) -> Result<T, ApiError> {
+        let response = request.send().await.map_err(|source| ApiError::Request {
+            method,
+            url: url.clone(),
+            source,
+        })?;
+        let status = response.status().as_u16();
+        let body = response
+            .text()
+            .await
+            .map_err(|source| ApiError::Request {
+                method,
+                url: url.clone(),
+                source,
+            })?;
+        if !(200..300).contains(&status) {
+            return Err(ApiError::Status {
+                method,
+                url,
+                status,
+                body,
+            });
+        }
+        serde_json::from_str(&body).map_err(|source| ApiError::Decode {
+            method,
+            url,
+            body: truncate(&body, 500),
+            source,
+        })
+    }
+}
+
+/// The value of `series` (name plus exact label set) in Prometheus text.
+pub fn metric_value(text: &str, series: &str) -> Result<Option<f64>, ApiError> {
+    for line in text.lines() {
+        if let Some(value) = line
+            .strip_prefix(series)
+            .and_then(|rest| rest.strip_prefix(' '))
+        {
+            let value = value.trim();
+            return value
+                .parse()
+                .map(Some)
+                .map_err(|_| ApiError::MetricValue {
+                    series: series.to_owned(),
+                    value: value.to_owned(),
+                });
+        }
+    }
+    Ok(None)
+}
+
+/// Percent-encodes what may not appear raw in a query value.
+fn query_escape(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    for b in raw.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b':') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn truncate(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_values_are_found_by_name_and_labels() {
+        let text = "# HELP x\nidem_reports_total{result=\"applied\"} 10001\n\
+                    idem_reports_total{result=\"stale\"} 3\nidem_pushes_total 4\n";
+        assert_eq!(
+            metric_value(text, "idem_reports_total{result=\"applied\"}").unwrap(),
+            Some(10_001.0)
+        );
+        assert_eq!(metric_value(text, "idem_pushes_total").unwrap(), Some(4.0));
+        assert_eq!(metric_value(text, "idem_pushes").unwrap(), None);
+        assert!(metric_value("idem_x NaNx\n", "idem_x").is_err());
+    }
+
+    #[test]
+    fn server_urls_must_be_http_without_a_path() {
+        assert!(ServerClient::new("http://127.0.0.1:8080/").is_ok());
+        assert_eq!(
+            ServerClient::new("http://127.0.0.1:8080/")
+                .unwrap()
+                .base_url(),
+            "http://127.0.0.1:8080"
+        );
+        for bad in ["127.0.0.1:8080", "mqtt://x", "http://", "http://x/v1"] {
+            assert!(ServerClient::new(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn run_counts_render_like_the_server_summary() {
+        let counts = RunCounts {
+            already_converged: 9_996,
+            provisioned: 4,
+            ..RunCounts::default()
+        };
+        assert_eq!(
+            counts.summary(),
+            "9,996 already converged, 4 provisioned, 0 failed"
+        );
+        let counts = RunCounts {
+            skipped: 1_200,
+            ..RunCounts::default()
+        };
+        assert_eq!(
+            counts.summary(),
+            "0 already converged, 0 provisioned, 0 failed, 1,200 skipped"
+        );
+        assert_eq!(counts.total(), 1_200);
+    }
+
+    #[test]
+    fn label_filters_are_escaped_for_the_query_string() {
+        assert_eq!(query_escape("device-sim:sim-"), "device-sim:sim-");
+        assert_eq!(query_escape("a b&c"), "a%20b%26c");
+    }
+}
