@@ -58,7 +58,7 @@ impl FleetCounters {
 }
 
 /// A point-in-time copy of the fleet-wide counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct FleetStats {
     pub devices: usize,
     /// Devices connected right now (CONNACK received, not yet lost).

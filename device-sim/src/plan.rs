@@ -21,7 +21,8 @@ pub const DEFAULT_REJECT_MESSAGE: &str = "simulated rejection: config refused by
 
 /// The outcome a correct server reaches for a planned device in the first run
 /// after registration with the plan's desired spec.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ExpectedOutcome {
     /// Reports the desired spec already: nothing may be pushed.
     AlreadyConverged,
@@ -49,7 +50,7 @@ impl fmt::Display for ExpectedOutcome {
 }
 
 /// Per-outcome device counts of a plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct ExpectedCounts {
     pub already_converged: usize,
     pub provisioned: usize,
