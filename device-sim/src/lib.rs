@@ -6,7 +6,10 @@
 //! [`DeviceBehaviour`] deciding how it answers pushed configuration. A
 //! [`FleetPlan`] builds a fleet with a known mix of drifted, rejecting and
 //! silent devices plus the ground truth ([`ExpectedOutcome`]) a correct server
-//! must reach; [`Fleet::start`] runs it.
+//! must reach; [`Fleet::start`] runs it. [`demo::run_demo`] drives a whole
+//! demo against a server's HTTP API ([`api::ServerClient`]) and checks the
+//! server's per-device outcomes against that ground truth
+//! ([`check::check_outcomes`]).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_device_sim::SimError> {
@@ -27,15 +30,22 @@
 //! # Ok(()) }
 //! ```
 
+pub mod api;
 pub mod behaviour;
+pub mod check;
 pub mod config;
+pub mod demo;
 mod device_task;
 pub mod error;
 pub mod fleet;
+pub mod memory;
 pub mod plan;
 
+pub use api::{ApiError, OutcomeRow, RunCounts, RunView, ServerClient};
 pub use behaviour::{respond_to_desired, seq_base_now, DeviceBehaviour, DeviceState};
+pub use check::{check_outcomes, GroundTruthCheck, Mismatch};
 pub use config::{Backoff, BrokerAddr, FleetConfig, OfflineMode, SimDevice, DEFAULT_MQTT_PORT};
+pub use demo::{run_demo, DemoError, DemoObserver, DemoPhase, DemoReport, DemoRun, DemoSettings};
 pub use error::{PlanError, SimError};
 pub use fleet::{DeviceSnapshot, Fleet, FleetStats};
 pub use plan::{

@@ -3,10 +3,12 @@
 
 mod cli;
 
+use std::process::ExitCode;
+
 use clap::Parser;
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> anyhow::Result<ExitCode> {
     let args = cli::Cli::parse();
     cli::init_tracing(&args.global);
     cli::run(args).await

@@ -2,8 +2,10 @@
 //! has an `IDEM_SIM_*` variable), validation with fix-it messages, and the
 //! dispatch to one module per subcommand. Binary-only: errors are anyhow here.
 
+mod demo;
 mod run;
 
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -42,12 +44,17 @@ pub enum Command {
     /// Start the fleet and keep it connected and answering until Ctrl-C,
     /// printing periodic stats.
     Run(run::RunArgs),
+    /// Register the fleet with an idem server, connect it, trigger one run,
+    /// print the summary and timings, and check every device's outcome
+    /// against the simulator's ground truth (exit 2 on a mismatch).
+    Demo(demo::DemoArgs),
 }
 
 /// Runs the chosen subcommand.
-pub async fn run(cli: Cli) -> anyhow::Result<()> {
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Run(args) => run::run(args).await,
+        Command::Run(args) => run::run(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Demo(args) => demo::run(args).await,
     }
 }
 
@@ -260,7 +267,9 @@ mod tests {
     #[test]
     fn run_defaults_describe_a_10000_device_fleet_on_the_local_broker() {
         let cli = Cli::try_parse_from(["device-sim", "run", "--drifted", "4"]).unwrap();
-        let Command::Run(args) = cli.command;
+        let Command::Run(args) = cli.command else {
+            panic!("parsed as another subcommand")
+        };
         assert_eq!(args.fleet.devices, 10_000);
         assert_eq!(args.fleet.broker, BrokerAddr::new("127.0.0.1", 1883));
         let plan = args.fleet.plan().unwrap();
@@ -268,6 +277,22 @@ mod tests {
             plan.expected_counts().summary(),
             "9,996 already converged, 4 provisioned, 0 failed"
         );
+    }
+
+    #[test]
+    fn demo_defaults_target_the_local_server_with_10000_devices() {
+        let cli = Cli::try_parse_from(["device-sim", "demo", "--drifted", "4"]).unwrap();
+        let Command::Demo(args) = cli.command else {
+            panic!("parsed as another subcommand")
+        };
+        assert_eq!(args.server, "http://127.0.0.1:8080");
+        assert_eq!(args.fleet.devices, 10_000);
+        assert!(!args.json && !args.quiet && !args.keep_running);
+        assert_eq!(
+            args.fleet.plan().unwrap().expected_counts().summary(),
+            "9,996 already converged, 4 provisioned, 0 failed"
+        );
+        assert!(Cli::try_parse_from(["device-sim", "demo", "--json", "--quiet"]).is_err());
     }
 
     #[test]

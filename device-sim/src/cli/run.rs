@@ -100,7 +100,7 @@ fn stats_line(elapsed: Duration, s: &FleetStats) -> String {
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() -> anyhow::Result<()> {
+pub(super) async fn shutdown_signal() -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("could not install the SIGTERM handler")?;
     tokio::select! {

@@ -1,0 +1,402 @@
+//! `device-sim demo`: the newcomer demo against a running idem server.
+//! Parses flags, shows progress bars (indicatif) and prints the report; the
+//! work itself is `idem_device_sim::demo`. Exit status: 0 when the server's
+//! outcomes match the ground truth, 2 when they do not, 1 on errors.
+
+use std::io::IsTerminal as _;
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Args;
+use idem_device_sim::demo::Latency;
+use idem_device_sim::memory::{format_bytes, peak_rss_bytes};
+use idem_device_sim::{
+    format_count, run_demo, DemoObserver, DemoPhase, DemoReport, DemoSettings, Fleet,
+};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use super::{raise_fd_limit, FleetArgs};
+
+/// Exit status when the server's outcomes differ from the ground truth.
+const MISMATCH_EXIT: u8 = 2;
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    pub fleet: FleetArgs,
+
+    /// The idem server's HTTP API.
+    #[arg(long, env = "IDEM_SIM_SERVER", default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+
+    /// Longest wait, in seconds, for the fleet to connect and report, and
+    /// again for the run to complete.
+    #[arg(long, env = "IDEM_SIM_TIMEOUT", default_value_t = 300)]
+    pub timeout: u64,
+
+    /// Devices registered per `POST /v1/devices` request.
+    #[arg(long, env = "IDEM_SIM_REGISTER_CHUNK", default_value_t = 1_000)]
+    pub register_chunk: usize,
+
+    /// Print the report as JSON on stdout (no progress bars).
+    #[arg(long, env = "IDEM_SIM_JSON", conflicts_with = "quiet")]
+    pub json: bool,
+
+    /// Print only the summary line (and problems).
+    #[arg(long, env = "IDEM_SIM_QUIET")]
+    pub quiet: bool,
+
+    /// After the check, keep the fleet connected and answering until Ctrl-C
+    /// (to explore the server with live devices).
+    #[arg(long, env = "IDEM_SIM_KEEP_RUNNING")]
+    pub keep_running: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Output {
+    Text,
+    Quiet,
+    Json,
+}
+
+pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let output = if args.json {
+        Output::Json
+    } else if args.quiet {
+        Output::Quiet
+    } else {
+        Output::Text
+    };
+    let plan = args.fleet.plan()?;
+    let config = args.fleet.fleet_config(&plan)?;
+    let fd_limit = raise_fd_limit(plan.devices.len());
+    let mut settings = DemoSettings::new(
+        args.server.clone(),
+        plan,
+        config.broker.clone(),
+        config.topic_root.clone(),
+    );
+    settings.fleet = config;
+    settings.timeout = Duration::from_secs(args.timeout.max(1));
+    settings.register_chunk = args.register_chunk.max(1);
+    if output == Output::Text {
+        let f = &args.fleet;
+        println!(
+            "device-sim demo: {} devices ({} drifted, {} rejecting, {} silent; seed {}) against {}",
+            format_count(f.devices as u64),
+            f.drifted,
+            f.reject,
+            f.silent,
+            f.seed,
+            args.server,
+        );
+        println!(
+            "  broker {} · topic root {} · open-file limit {fd_limit}",
+            settings.fleet.broker, settings.fleet.topic_root
+        );
+        println!(
+            "  a correct server's run reads: {}",
+            settings.plan.expected_counts()
+        );
+    }
+    let show_bars = output == Output::Text && std::io::stdout().is_terminal();
+    let observer = Bars::new(show_bars);
+    let demo = run_demo(settings, &observer)
+        .await
+        .context("the demo could not finish")?;
+    let report = demo.report;
+    let fleet = demo.fleet;
+    let peak_rss = peak_rss_bytes();
+
+    match output {
+        Output::Json => {
+            let mut value = serde_json::to_value(&report).context("encoding the report")?;
+            value["passed"] = report.passed().into();
+            value["simulator_peak_rss_bytes"] = peak_rss.into();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&value).context("encoding the report")?
+            );
+        }
+        Output::Quiet => {
+            println!("{}", report.summary);
+            for line in problem_lines(&report) {
+                eprintln!("{line}");
+            }
+        }
+        Output::Text => {
+            for line in text_lines(&report, peak_rss) {
+                println!("{line}");
+            }
+        }
+    }
+
+    if args.keep_running {
+        if output != Output::Json {
+            println!(
+                "keeping {} devices connected; Ctrl-C to stop",
+                format_count(fleet.len() as u64)
+            );
+        }
+        super::run::shutdown_signal().await?;
+    }
+    shutdown(fleet, output).await;
+    Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(MISMATCH_EXIT)
+    })
+}
+
+async fn shutdown(fleet: Fleet, output: Output) {
+    let devices = fleet.len();
+    let started = std::time::Instant::now();
+    fleet.shutdown().await;
+    if output == Output::Text {
+        println!(
+            "disconnected {} devices in {:.2} s",
+            format_count(devices as u64),
+            started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// The human-readable report.
+fn text_lines(report: &DemoReport, peak_rss: Option<u64>) -> Vec<String> {
+    let t = &report.timings;
+    let n = format_count(report.devices as u64);
+    let mut lines = vec![
+        format!("registered {n} devices with their desired spec in {:.2} s", t.register_s),
+        format!(
+            "connected {n} devices in {:.2} s; first reports stored after {:.2} s",
+            t.connect_s, t.reports_stored_s
+        ),
+        format!(
+            "run {} ({} devices, targeting {}):",
+            report.run_id, n, report.targeting
+        ),
+        String::new(),
+        format!("    {}", report.summary),
+        String::new(),
+    ];
+    let server_ms = t
+        .server_run_ms
+        .map(|ms| format!(" (server: {ms} ms)"))
+        .unwrap_or_default();
+    lines.push(format!(
+        "run duration {:.3} s from trigger to completed{server_ms}",
+        t.run_s
+    ));
+    match (&t.convergence, &t.apply) {
+        (Some(c), apply) => lines.push(format!(
+            "convergence {} (simulator clock, run trigger → device sent its confirming report){}",
+            latency_text(c),
+            apply
+                .as_ref()
+                .map(|a| format!("; on the device, desired received → confirmed: {}", latency_text(a)))
+                .unwrap_or_default()
+        )),
+        (None, _) => lines.push("convergence: no device needed a push".to_owned()),
+    }
+    if !report.failed.is_empty() {
+        lines.push(format!(
+            "failed devices ({}):",
+            format_count(report.failed.len() as u64)
+        ));
+        for f in &report.failed {
+            lines.push(format!(
+                "  {} — {}",
+                f.device,
+                f.reason.as_deref().unwrap_or("no reason given")
+            ));
+        }
+    }
+    if report.passed() {
+        lines.push(format!(
+            "ground truth: all {} outcomes match what the simulator knows",
+            format_count(report.check.checked as u64)
+        ));
+    } else {
+        lines.extend(problem_lines(report));
+    }
+    if let Some(peak) = peak_rss {
+        lines.push(format!(
+            "simulator peak RSS {} ({} per device)",
+            format_bytes(peak as f64),
+            format_bytes(peak as f64 / report.devices.max(1) as f64)
+        ));
+    }
+    lines
+}
+
+fn latency_text(l: &Latency) -> String {
+    format!(
+        "p50 {:.1} ms, p99 {:.1} ms over {} device{}",
+        l.p50_ms,
+        l.p99_ms,
+        l.samples,
+        if l.samples == 1 { "" } else { "s" }
+    )
+}
+
+/// What went wrong, naming the devices; empty when the demo passed.
+fn problem_lines(report: &DemoReport) -> Vec<String> {
+    let mut lines = Vec::new();
+    if report.summary != report.expected_summary {
+        lines.push(format!(
+            "MISMATCH: the server's summary is {:?}, the simulator expected {:?}",
+            report.summary, report.expected_summary
+        ));
+    }
+    if !report.check.passed() {
+        lines.push(format!(
+            "MISMATCH: {} of {} devices differ from the ground truth:",
+            format_count(report.check.mismatches.len() as u64),
+            format_count(report.check.checked as u64)
+        ));
+        lines.extend(report.check.mismatches.iter().map(|m| format!("  {m}")));
+    }
+    lines
+}
+
+/// Progress bars, one per phase, on stderr; hidden when not wanted.
+struct Bars {
+    visible: bool,
+    current: Mutex<Option<ProgressBar>>,
+}
+
+impl Bars {
+    fn new(visible: bool) -> Self {
+        Self {
+            visible,
+            current: Mutex::new(None),
+        }
+    }
+
+    fn with_bar(&self, f: impl FnOnce(&ProgressBar)) {
+        let guard = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(bar) = guard.as_ref() {
+            f(bar);
+        }
+    }
+}
+
+impl DemoObserver for Bars {
+    fn phase_started(&self, phase: DemoPhase, total: u64) {
+        let bar = if self.visible {
+            ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr())
+        } else {
+            ProgressBar::hidden()
+        };
+        let style = ProgressStyle::with_template(
+            "{prefix:>10} [{bar:40}] {human_pos}/{human_len} {elapsed_precise} {per_sec}",
+        )
+        .map(|s| s.progress_chars("=> "))
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+        bar.set_style(style);
+        bar.set_prefix(match phase {
+            DemoPhase::Register => "register",
+            DemoPhase::Connect => "connect",
+            DemoPhase::Report => "reports",
+            DemoPhase::Run => "run",
+        });
+        bar.enable_steady_tick(Duration::from_millis(100));
+        let mut guard = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(old) = guard.replace(bar) {
+            old.finish_and_clear();
+        }
+    }
+
+    fn progress(&self, _phase: DemoPhase, done: u64) {
+        self.with_bar(|bar| bar.set_position(done));
+    }
+
+    fn phase_finished(&self, _phase: DemoPhase, _elapsed: Duration) {
+        let mut guard = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(bar) = guard.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_device_sim::{FleetPlan, FleetStats, GroundTruthCheck, Mismatch, RunCounts};
+
+    fn report() -> DemoReport {
+        let plan = FleetPlan::new("d-", 10).drifted(1).build().unwrap();
+        let expected = plan.expected_counts();
+        DemoReport {
+            server: "http://127.0.0.1:8080".into(),
+            broker: "mqtt://127.0.0.1:1883".into(),
+            topic_root: "idem/v1".into(),
+            devices: 10,
+            expected,
+            expected_summary: expected.summary(),
+            run_id: "r1".into(),
+            targeting: "all",
+            summary: "9 already converged, 1 provisioned, 0 failed".into(),
+            counts: RunCounts {
+                already_converged: 9,
+                provisioned: 1,
+                ..RunCounts::default()
+            },
+            timings: idem_device_sim::demo::DemoTimings {
+                register_s: 0.1,
+                connect_s: 0.2,
+                reports_stored_s: 0.3,
+                run_s: 0.05,
+                server_run_ms: Some(40),
+                convergence: None,
+                apply: None,
+            },
+            failed: vec![],
+            check: GroundTruthCheck {
+                checked: 10,
+                mismatches: vec![],
+            },
+            fleet: FleetStats::default(),
+        }
+    }
+
+    #[test]
+    fn a_passing_report_prints_the_server_summary_on_its_own_line() {
+        let lines = text_lines(&report(), None);
+        assert!(lines
+            .iter()
+            .any(|l| l.trim() == "9 already converged, 1 provisioned, 0 failed"));
+        assert!(lines.iter().any(|l| l.starts_with("ground truth: all 10")));
+        assert!(problem_lines(&report()).is_empty());
+    }
+
+    #[test]
+    fn a_failing_report_names_every_mismatching_device() {
+        let mut report = report();
+        report.summary = "0 already converged, 10 provisioned, 0 failed".into();
+        report.check.mismatches = vec![Mismatch {
+            device: "d-00003".into(),
+            expected: Some(idem_device_sim::ExpectedOutcome::AlreadyConverged),
+            actual: Some("provisioned".into()),
+            reason: None,
+            problem: "expected already_converged, server says provisioned".into(),
+        }];
+        assert!(!report.passed());
+        let lines = problem_lines(&report);
+        assert!(lines[0].contains("the simulator expected"), "{lines:?}");
+        assert!(lines
+            .iter()
+            .any(|l| l == "  d-00003: expected already_converged, server says provisioned"));
+    }
+}
