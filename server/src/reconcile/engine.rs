@@ -885,6 +885,15 @@ impl Engine {
         })?;
         let per_run: Vec<(Uuid, OutcomeCounts)> =
             pending.per_run.iter().map(|(k, v)| (*k, *v)).collect();
+        let mut touched: Vec<String> = pending
+            .statuses
+            .iter()
+            .map(|(id, _)| id.clone())
+            .chain(pending.attempts.iter().map(|a| a.device_id.clone()))
+            .chain(pending.resets.iter().cloned())
+            .chain(pending.outcomes.iter().map(|o| o.device_id.clone()))
+            .collect();
+        store::devices::lock_in_order(&mut tx, &mut touched).await?;
         let mut by_status: HashMap<DeviceStatus, Vec<String>> = HashMap::new();
         for (id, status) in &pending.statuses {
             by_status.entry(*status).or_default().push(id.clone());

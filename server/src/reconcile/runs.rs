@@ -79,6 +79,8 @@ pub async fn commit_run(
     let digest_and_spec = run.spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
     let mut desired_changes = Vec::new();
     if let Some((digest, spec)) = &digest_and_spec {
+        let mut ids = target_ids.clone();
+        store::devices::lock_in_order(&mut tx, &mut ids).await?;
         desired_changes =
             store::devices::set_desired(&mut tx, &target_ids, spec, digest.as_str()).await?;
     }
