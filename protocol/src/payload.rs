@@ -126,13 +126,7 @@ impl DecodeError {
 impl Reported {
     /// Decodes a report, refusing payloads over `limit` bytes before parsing.
     pub fn decode(payload: &[u8], limit: usize) -> Result<Self, DecodeError> {
-        if payload.len() > limit {
-            return Err(DecodeError::TooLarge {
-                len: payload.len(),
-                limit,
-            });
-        }
-        serde_json::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))
+        decode_json(payload, limit)
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -141,19 +135,27 @@ impl Reported {
 }
 
 impl Desired {
+    /// Decodes a desired message, refusing payloads over `limit` bytes.
     pub fn decode(payload: &[u8], limit: usize) -> Result<Self, DecodeError> {
-        if payload.len() > limit {
-            return Err(DecodeError::TooLarge {
-                len: payload.len(),
-                limit,
-            });
-        }
-        serde_json::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))
+        decode_json(payload, limit)
     }
 
     pub fn encode(&self) -> Vec<u8> {
         encode_json(self)
     }
+}
+
+fn decode_json<T: serde::de::DeserializeOwned>(
+    payload: &[u8],
+    limit: usize,
+) -> Result<T, DecodeError> {
+    if payload.len() > limit {
+        return Err(DecodeError::TooLarge {
+            len: payload.len(),
+            limit,
+        });
+    }
+    serde_json::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))
 }
 
 fn encode_json<T: Serialize>(value: &T) -> Vec<u8> {

@@ -154,6 +154,18 @@ fn parse_id(raw: &str) -> Result<DeviceId, ApiError> {
         .map_err(|e| ApiError::bad_request("invalid_device_id", format!("{raw:?}: {e}")))
 }
 
+/// A valid id of a registered device, or the matching 400 / 404.
+fn registered(state: &AppState, raw: &str) -> Result<DeviceId, ApiError> {
+    let id = parse_id(raw)?;
+    if !state.fleet.contains(&id) {
+        return Err(ApiError::not_found(
+            "unknown_device",
+            format!("device {id} is not registered"),
+        ));
+    }
+    Ok(id)
+}
+
 fn parse_labels(labels: Option<Value>) -> Result<Option<Value>, ApiError> {
     match labels {
         None => Ok(None),
@@ -317,25 +329,18 @@ struct DeviceListQuery {
     limit: Option<i64>,
 }
 
-const STATUSES: [&str; 7] = [
-    "unknown",
-    "converged",
-    "drifted",
-    "provisioning",
-    "failed",
-    "offline",
-    "quarantined",
-];
-
 async fn list_devices(
     State(state): State<Arc<AppState>>,
     Query(query): Query<DeviceListQuery>,
 ) -> Result<Json<Value>, ApiError> {
     if let Some(status) = &query.status {
-        if !STATUSES.contains(&status.as_str()) {
+        if DeviceStatus::parse(status).is_none() {
             return Err(ApiError::bad_request(
                 "invalid_status",
-                format!("status must be one of {STATUSES:?}"),
+                format!(
+                    "status must be one of {:?}",
+                    DeviceStatus::ALL.map(DeviceStatus::as_str)
+                ),
             ));
         }
     }
@@ -449,13 +454,7 @@ async fn set_device_desired(
     Path(raw_id): Path<String>,
     ApiJson(body): ApiJson<DeviceDesired>,
 ) -> Result<Json<Value>, ApiError> {
-    let id = parse_id(&raw_id)?;
-    if !state.fleet.contains(&id) {
-        return Err(ApiError::not_found(
-            "unknown_device",
-            format!("device {id} is not registered"),
-        ));
-    }
+    let id = registered(&state, &raw_id)?;
     let run = create_run(
         &state,
         vec![id.clone()],
@@ -636,13 +635,7 @@ async fn retry_device(
     State(state): State<Arc<AppState>>,
     Path(raw_id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let id = parse_id(&raw_id)?;
-    if !state.fleet.contains(&id) {
-        return Err(ApiError::not_found(
-            "unknown_device",
-            format!("device {id} is not registered"),
-        ));
-    }
+    let id = registered(&state, &raw_id)?;
     let released = release(&state, vec![id.to_string()]).await?;
     if released.is_empty() {
         return Err(ApiError::new(
@@ -809,7 +802,8 @@ async fn run_outcomes(
 
 async fn fleet_summary(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let counts = store::devices::count_by_status(&state.pool).await?;
-    let mut by_status: BTreeMap<&str, i64> = STATUSES.iter().map(|s| (*s, 0)).collect();
+    let mut by_status: BTreeMap<&str, i64> =
+        DeviceStatus::ALL.iter().map(|s| (s.as_str(), 0)).collect();
     let mut total = 0;
     for (status, n) in &counts {
         if let Some(slot) = by_status.get_mut(status.as_str()) {

@@ -278,7 +278,11 @@ impl Ingest {
             context: "starting a transaction",
             source: e,
         })?;
-        let mut touched: Vec<String> = rows.iter().map(|r| r.id.clone()).chain(online.iter().map(|(id, _)| id.clone())).collect();
+        let mut touched: Vec<String> = rows
+            .iter()
+            .map(|r| r.id.clone())
+            .chain(online.iter().map(|(id, _)| id.clone()))
+            .collect();
         store::devices::lock_in_order(&mut tx, &mut touched).await?;
         store::devices::apply_reports(&mut tx, rows, self.auto_register).await?;
         store::devices::set_online(&mut tx, online).await?;

@@ -13,6 +13,7 @@ use metrics_exporter_prometheus::{
 };
 
 use crate::reconcile::outcome::OutcomeKind;
+use crate::reconcile::policy::DeviceStatus;
 
 const METADATA: Metadata<'static> = Metadata::new("idem", Level::INFO, Some(module_path!()));
 
@@ -79,23 +80,12 @@ pub struct Metrics {
     pub quarantined: Counter,
     pub drifts: Counter,
     pub unhealthy_converged: Gauge,
-    devices_by_status: [Gauge; DEVICE_STATUSES.len()],
+    devices_by_status: [Gauge; DeviceStatus::ALL.len()],
     last_run: [Gauge; 5],
     pub events_committed: Counter,
     pub events_published: Counter,
     pub event_log_lag: Gauge,
 }
-
-/// Device statuses; label values of `idem_devices`.
-pub const DEVICE_STATUSES: [&str; 7] = [
-    "unknown",
-    "converged",
-    "drifted",
-    "provisioning",
-    "failed",
-    "offline",
-    "quarantined",
-];
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -265,8 +255,8 @@ impl Metrics {
             quarantined: counter(r, "idem_quarantined_total", &[]),
             drifts: counter(r, "idem_drift_detected_total", &[]),
             unhealthy_converged: gauge(r, "idem_devices_unhealthy", &[]),
-            devices_by_status: DEVICE_STATUSES
-                .map(|status| gauge(r, "idem_devices", &[("status", status)])),
+            devices_by_status: DeviceStatus::ALL
+                .map(|status| gauge(r, "idem_devices", &[("status", status.as_str())])),
             last_run: OutcomeKind::ALL
                 .map(|k| gauge(r, "idem_last_run_devices", &[("outcome", k.as_str())])),
             events_committed: counter(r, "idem_events_committed_total", &[]),
@@ -308,10 +298,10 @@ impl Metrics {
     /// Sets `idem_devices{status}` from a count per status; statuses not in
     /// `counts` are 0.
     pub fn set_devices_by_status(&self, counts: &[(String, i64)]) {
-        for (status, gauge) in DEVICE_STATUSES.iter().zip(&self.devices_by_status) {
+        for (status, gauge) in DeviceStatus::ALL.iter().zip(&self.devices_by_status) {
             let n = counts
                 .iter()
-                .find(|(s, _)| s == status)
+                .find(|(s, _)| s == status.as_str())
                 .map_or(0, |(_, n)| *n);
             gauge.set(n as f64);
         }

@@ -470,7 +470,10 @@ pub async fn count_unhealthy_converged(pool: &PgPool) -> Result<i64, StoreError>
 /// Every transaction that updates several devices calls this first, so two
 /// writers (ingest and engine) always take row locks in the same order and
 /// never deadlock.
-pub async fn lock_in_order(tx: &mut Transaction<'_, Postgres>, ids: &mut Vec<String>) -> Result<(), StoreError> {
+pub async fn lock_in_order(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &mut Vec<String>,
+) -> Result<(), StoreError> {
     if ids.is_empty() {
         return Ok(());
     }

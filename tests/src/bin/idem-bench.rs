@@ -1,0 +1,979 @@
+//! `idem-bench`: the fleet-scale benchmark behind `scripts/bench` (not part of
+//! the test suite). On this machine, in one run, against a real `idem-server`
+//! process, a private Mosquitto and a fresh database, with a simulated fleet
+//! in this process, it measures:
+//!
+//! * connect — the fleet connects and the server stores every first report;
+//! * converged pass — a run over the fleet with 4 devices drifted;
+//! * check-before-dispatch payoff — the same (re-drifted) fleet reconciled
+//!   normally and then as a forced run: ratios of durations and publishes;
+//! * full push — a fleet-wide desired change, every device pushed;
+//! * ingest ratio — reports/s the server stores ÷ reports/s a bare counting
+//!   subscriber on the same broker receives from the same burst;
+//! * memory — server and simulator RSS, bytes per device above idle;
+//!
+//! plus the CPU seconds the server, broker, PostgreSQL and this process
+//! spent in each step (from `/proc`), to say where the time goes. It prints a
+//! table and writes JSON. Optionally it runs `perf record` over one step.
+//!
+//! It owns every process it starts (broker, server, perf) and stops them by
+//! PID; its load is bounded (a fixed fleet and burst) and local to 127.0.0.1.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use idem_device_sim::memory::{format_bytes, process_memory, MemoryField};
+use idem_device_sim::{
+    drifted_spec, format_count, BrokerAddr, ExpectedOutcome, Fleet, FleetConfig, FleetPlan,
+    RunView, ServerClient,
+};
+use idem_protocol::{Channel, TopicRoot};
+use idem_tests::{raise_fd_limit, PrivateMosquitto, ProcessServer, TestDatabase};
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+const USAGE: &str = "\
+usage: idem-bench --server-bin PATH [--out FILE] [--devices N] [--drifted N]
+                  [--heartbeats K] [--perf STEP] [--perf-scope server|all]
+
+  --server-bin PATH   the idem-server binary to benchmark (release build)
+  --out FILE          where to write the JSON results
+  --devices N         fleet size (default 10000)
+  --drifted N         devices drifted for the converged pass (default 4)
+  --heartbeats K      reports per device in the ingest burst (default 10)
+  --perf STEP         run `perf record -g` during STEP (connect, converged,
+                      normal, forced, full_push, ingest); data in perf-STEP.data
+  --perf-scope S      profile the server only (default) or all CPUs
+
+Every IDEM_* variable in the environment is passed on to the server.";
+
+/// Linux's fixed `USER_HZ`: /proc reports CPU time in these ticks.
+const TICKS_PER_SECOND: f64 = 100.0;
+/// How often progress is polled.
+const POLL: Duration = Duration::from_millis(10);
+/// Longest wait for any one step.
+const STEP_TIMEOUT: Duration = Duration::from_secs(300);
+const APPLIED: &str = "idem_reports_total{result=\"applied\"}";
+const PUSHES: &str = "idem_pushes_total";
+
+#[derive(Debug, Clone)]
+struct Args {
+    server_bin: PathBuf,
+    out: Option<PathBuf>,
+    devices: usize,
+    drifted: usize,
+    heartbeats: u32,
+    perf: Option<String>,
+    perf_all: bool,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        server_bin: PathBuf::new(),
+        out: None,
+        devices: 10_000,
+        drifted: 4,
+        heartbeats: 10,
+        perf: None,
+        perf_all: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value\n{USAGE}"));
+        match flag.as_str() {
+            "--server-bin" => args.server_bin = PathBuf::from(value()?),
+            "--out" => args.out = Some(PathBuf::from(value()?)),
+            "--devices" => args.devices = value()?.parse().context("--devices")?,
+            "--drifted" => args.drifted = value()?.parse().context("--drifted")?,
+            "--heartbeats" => args.heartbeats = value()?.parse().context("--heartbeats")?,
+            "--perf" => args.perf = Some(value()?),
+            "--perf-scope" => {
+                args.perf_all = match value()?.as_str() {
+                    "all" => true,
+                    "server" => false,
+                    other => bail!("--perf-scope {other:?}: use server or all"),
+                }
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?}\n{USAGE}"),
+        }
+    }
+    if args.server_bin.as_os_str().is_empty() {
+        bail!("--server-bin is required\n{USAGE}");
+    }
+    if args.devices == 0 || args.drifted == 0 || args.drifted > args.devices {
+        bail!("need 0 < --drifted <= --devices");
+    }
+    Ok(args)
+}
+
+// ---------- CPU accounting from /proc ----------
+
+/// `utime + stime` of a process, in seconds.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may
+    // contain spaces: state ppid … utime(14th field) stime(15th).
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / TICKS_PER_SECOND)
+}
+
+/// `(pid, ppid, comm)` of every process.
+fn processes() -> Vec<(u32, u32, String)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let open = stat.find('(')?;
+            let close = stat.rfind(')')?;
+            let comm = stat.get(open + 1..close)?.to_owned();
+            let ppid = stat
+                .get(close + 1..)?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            Some((pid, ppid, comm))
+        })
+        .collect()
+}
+
+/// CPU seconds so far of the parts of the system under test.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+struct Cpu {
+    server: f64,
+    broker: f64,
+    /// Every `postgres` process on the machine (backends of the server and
+    /// of this benchmark, plus background workers).
+    postgres: f64,
+    /// This process: the simulated fleet (and the bare subscriber).
+    simulator: f64,
+}
+
+impl Cpu {
+    fn minus(self, earlier: Cpu) -> Cpu {
+        Cpu {
+            server: self.server - earlier.server,
+            broker: self.broker - earlier.broker,
+            postgres: self.postgres - earlier.postgres,
+            simulator: self.simulator - earlier.simulator,
+        }
+    }
+}
+
+struct Probe {
+    server_pid: u32,
+    broker_pid: Option<u32>,
+}
+
+impl Probe {
+    fn sample(&self) -> Cpu {
+        let postgres = processes()
+            .iter()
+            .filter(|(_, _, comm)| comm == "postgres")
+            .filter_map(|(pid, _, _)| cpu_seconds(*pid))
+            .sum();
+        Cpu {
+            server: cpu_seconds(self.server_pid).unwrap_or(0.0),
+            broker: self.broker_pid.and_then(cpu_seconds).unwrap_or(0.0),
+            postgres,
+            simulator: cpu_seconds(std::process::id()).unwrap_or(0.0),
+        }
+    }
+
+    fn server_memory(&self, field: MemoryField) -> u64 {
+        process_memory(Some(self.server_pid), field).unwrap_or(0)
+    }
+}
+
+// ---------- results ----------
+
+#[derive(Debug, Clone, Serialize)]
+struct Step {
+    name: &'static str,
+    wall_s: f64,
+    cpu_s: Cpu,
+    /// Step-specific numbers.
+    details: BTreeMap<&'static str, Value>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Target {
+    measure: &'static str,
+    result: String,
+    target: &'static str,
+    met: Option<bool>,
+}
+
+// ---------- perf ----------
+
+/// A `perf record` child covering one step; stopped with SIGINT by PID.
+struct Perf {
+    child: Child,
+    output: PathBuf,
+}
+
+impl Perf {
+    fn start(step: &str, server_pid: u32, all: bool) -> Result<Self> {
+        let output = PathBuf::from(format!("perf-{step}.data"));
+        let mut command = Command::new("perf");
+        command.args(["record", "-F", "499", "-g", "-o"]).arg(&output);
+        if all {
+            command.arg("-a");
+        } else {
+            command.args(["-p", &server_pid.to_string()]);
+        }
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting `perf record` (is linux-perf installed?)")?;
+        // perf needs a moment to attach before the step starts.
+        std::thread::sleep(Duration::from_millis(500));
+        Ok(Self { child, output })
+    }
+
+    fn stop(mut self) -> Result<PathBuf> {
+        let pid = nix::unistd::Pid::from_raw(
+            i32::try_from(self.child.id()).context("perf's pid does not fit in an i32")?,
+        );
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT)
+            .context("stopping perf record")?;
+        self.child.wait().context("waiting for perf record")?;
+        Ok(self.output)
+    }
+}
+
+// ---------- the bare counting subscriber ----------
+
+/// A minimal rumqttc client subscribed (QoS 1) to `{root}/+/reported` that
+/// only counts publishes and remembers when the `target`-th arrived.
+struct Counter {
+    count: Arc<AtomicU64>,
+    reached: Arc<Mutex<Option<Instant>>>,
+    client: AsyncClient,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Counter {
+    async fn start(broker: &PrivateMosquitto, root: &TopicRoot, target: u64) -> Result<Self> {
+        let mut options = MqttOptions::new("idem-bench-counter", broker.host(), broker.port());
+        options.set_keep_alive(Duration::from_secs(30));
+        let (client, mut eventloop) = AsyncClient::new(options, 10);
+        client
+            .subscribe(root.filter(Channel::Reported), QoS::AtLeastOnce)
+            .await
+            .context("subscribing the counter")?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let event = tokio::time::timeout_at(deadline.into(), eventloop.poll())
+                .await
+                .context("no SUBACK for the counter within 10 s")?
+                .context("counter connection")?;
+            if let Event::Incoming(Packet::SubAck(_)) = event {
+                break;
+            }
+        }
+        let count = Arc::new(AtomicU64::new(0));
+        let reached = Arc::new(Mutex::new(None));
+        let (c, r) = (Arc::clone(&count), Arc::clone(&reached));
+        let task = tokio::spawn(async move {
+            while let Ok(event) = eventloop.poll().await {
+                if let Event::Incoming(Packet::Publish(_)) = event {
+                    if c.fetch_add(1, Ordering::Relaxed) + 1 == target {
+                        *r.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+                    }
+                }
+            }
+        });
+        Ok(Self {
+            count,
+            reached,
+            client,
+            task,
+        })
+    }
+
+    fn reached(&self) -> Option<Instant> {
+        *self.reached.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    async fn stop(self) {
+        // Best effort: the task is aborted either way.
+        let _ = self.client.disconnect().await;
+        self.task.abort();
+    }
+}
+
+// ---------- the benchmark ----------
+
+/// What every step uses; shared, never mutated.
+struct Bench {
+    args: Args,
+    client: ServerClient,
+    db: TestDatabase,
+    probe: Probe,
+}
+
+/// What the steps produce.
+#[derive(Default)]
+struct Record {
+    steps: Vec<Step>,
+    perf_files: Vec<PathBuf>,
+}
+
+impl Record {
+    /// Adds `extra` to the last step's details.
+    fn annotate_last(&mut self, extra: BTreeMap<&'static str, Value>) {
+        if let Some(step) = self.steps.last_mut() {
+            step.details.extend(extra);
+        }
+    }
+}
+
+impl Bench {
+    /// Runs `f` as step `name`, with CPU accounting (and perf, if asked).
+    async fn step<T, F>(&self, record: &mut Record, name: &'static str, f: F) -> Result<(T, Duration)>
+    where
+        F: std::future::Future<Output = Result<(T, BTreeMap<&'static str, Value>)>>,
+    {
+        let perf = match &self.args.perf {
+            Some(step) if step == name => Some(Perf::start(
+                name,
+                self.probe.server_pid,
+                self.args.perf_all,
+            )?),
+            Some(_) | None => None,
+        };
+        let cpu_before = self.probe.sample();
+        let started = Instant::now();
+        let result = f.await;
+        let wall = started.elapsed();
+        let cpu = self.probe.sample().minus(cpu_before);
+        if let Some(perf) = perf {
+            record.perf_files.push(perf.stop()?);
+        }
+        let (value, details) = result.with_context(|| format!("step {name}"))?;
+        eprintln!(
+            "  {name:<10} {:>8.3} s   cpu: server {:.2} s, broker {:.2} s, postgres {:.2} s, simulator {:.2} s",
+            wall.as_secs_f64(),
+            cpu.server,
+            cpu.broker,
+            cpu.postgres,
+            cpu.simulator
+        );
+        record.steps.push(Step {
+            name,
+            wall_s: wall.as_secs_f64(),
+            cpu_s: cpu,
+            details,
+        });
+        Ok((value, wall))
+    }
+
+    async fn metric(&self, series: &str) -> Result<f64> {
+        Ok(self.client.metric(series).await?.unwrap_or(0.0))
+    }
+
+    async fn scalar(&self, sql: &str) -> Result<i64> {
+        sqlx::query_scalar(sql)
+            .fetch_one(self.db.pool())
+            .await
+            .with_context(|| format!("querying: {sql}"))
+    }
+}
+
+/// Polls `GET /v1/runs/{id}` until completed.
+async fn follow_run(client: &ServerClient, run_id: &str) -> Result<RunView> {
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    loop {
+        let run = client.run(run_id).await?;
+        if run.is_completed() {
+            return Ok(run);
+        }
+        if Instant::now() > deadline {
+            bail!("run {run_id} not completed after {STEP_TIMEOUT:?}: {}", run.counts.summary());
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Waits until the applied-reports counter grew by `n` since `baseline`,
+/// then until `confirm` (a SQL count) reaches `expected`.
+async fn wait_stored(
+    bench: &Bench,
+    baseline: f64,
+    n: u64,
+    confirm: &str,
+    expected: i64,
+) -> Result<()> {
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    loop {
+        let applied = bench.metric(APPLIED).await? - baseline;
+        if applied >= n as f64 && bench.scalar(confirm).await? >= expected {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "server stored {applied} of {n} reports after {STEP_TIMEOUT:?} ({confirm} < {expected})"
+            );
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+fn details(pairs: &[(&'static str, Value)]) -> BTreeMap<&'static str, Value> {
+    pairs.iter().cloned().collect()
+}
+
+fn run_details(run: &RunView, pushes: f64) -> BTreeMap<&'static str, Value> {
+    details(&[
+        ("summary", json!(run.summary)),
+        ("server_duration_ms", json!(run.duration_ms)),
+        ("publishes", json!(pushes)),
+    ])
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = parse_args()?;
+    let fd_limit = raise_fd_limit()?;
+    if fd_limit < args.devices as u64 + 200 {
+        bail!(
+            "open-file limit {fd_limit} is too low for {} devices: raise it (ulimit -n)",
+            args.devices
+        );
+    }
+    let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    eprintln!(
+        "idem-bench: {} devices, {} drifted, {} heartbeats each; load average {}",
+        format_count(args.devices as u64),
+        args.drifted,
+        args.heartbeats,
+        load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    );
+
+    // The system under test: private broker, fresh database, server process.
+    let broker = PrivateMosquitto::start().context("starting a private Mosquitto")?;
+    let db = TestDatabase::create().await.context("creating a fresh database")?;
+    let root = TopicRoot::new(format!("bench/{}", &uuid::Uuid::new_v4().simple().to_string()[..8]))
+        .context("topic root")?;
+    let mut server_env: Vec<(String, String)> = vec![
+        // Unlimited push rate: the full push measures the server, not the pacer.
+        ("IDEM_PUSH_RATE".into(), "0".into()),
+        // Re-drifted devices must wait for our runs, not start their own.
+        ("IDEM_DEBOUNCE".into(), "1h".into()),
+        ("IDEM_RESYNC_INTERVAL".into(), "0".into()),
+        ("RUST_LOG".into(), "warn,idem_server=info".into()),
+    ];
+    for (key, value) in std::env::vars() {
+        if key.starts_with("IDEM_") && !key.starts_with("IDEM_BENCH") {
+            server_env.retain(|(k, _)| *k != key);
+            server_env.push((key, value));
+        }
+    }
+    let env_refs: Vec<(&str, &str)> = server_env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let mut server = ProcessServer::start(
+        &args.server_bin,
+        db.url(),
+        &broker.url(),
+        &root,
+        "bench",
+        &env_refs,
+    )
+    .await
+    .context("starting idem-server")?;
+    let server_pid = server.pid().context("server pid")?;
+    let broker_pid = processes()
+        .into_iter()
+        .find(|(_, ppid, comm)| *ppid == std::process::id() && comm == "mosquitto")
+        .map(|(pid, _, _)| pid);
+    let client = ServerClient::new(&server.url(""))?;
+    let bench = Bench {
+        args: args.clone(),
+        client,
+        db,
+        probe: Probe {
+            server_pid,
+            broker_pid,
+        },
+    };
+    let result = run_steps(&bench, &broker, &root, &server_env, &load_before).await;
+    let log_tail = server.log_tail();
+    let panics = server.panics();
+    if let Err(e) = server.stop() {
+        eprintln!("idem-bench: stopping the server: {e:#}");
+    }
+    drop(broker);
+    match result {
+        Ok(()) if panics.is_empty() => Ok(()),
+        Ok(()) => bail!("the server panicked:\n{}", panics.join("\n")),
+        Err(e) => Err(e.context(format!("--- server log ---\n{log_tail}"))),
+    }
+}
+
+async fn run_steps(
+    bench: &Bench,
+    broker: &PrivateMosquitto,
+    root: &TopicRoot,
+    server_env: &[(String, String)],
+    load_before: &str,
+) -> Result<()> {
+    let n = bench.args.devices;
+    let k = bench.args.heartbeats;
+    let plan = FleetPlan::new("bench-", n)
+        .drifted(bench.args.drifted)
+        .seed(1)
+        .build()?;
+    let drifted_ids = plan.ids_expecting(ExpectedOutcome::Provisioned);
+    let expected_summary = plan.expected_counts().summary();
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let server_idle_rss = bench.probe.server_memory(MemoryField::Rss);
+    let sim_idle_rss = idem_device_sim::memory::rss_bytes().unwrap_or(0);
+    let mut record = Record::default();
+
+    // Registration (not a target; reported for context).
+    let labels = json!({"bench": "1"});
+    let client = bench.client.clone();
+    let devices = plan.devices.clone();
+    let desired = plan.desired_spec.clone();
+    bench
+        .step(&mut record, "register", async {
+            for chunk in devices.chunks(1_000) {
+                client
+                    .register(chunk.iter().map(|d| d.id.as_str()), &labels, &desired)
+                    .await?;
+            }
+            Ok(((), details(&[("devices", json!(n))])))
+        })
+        .await?;
+
+    // Connect: every device connected and its first report stored.
+    let baseline = bench.metric(APPLIED).await?;
+    let mut config = FleetConfig::new(
+        BrokerAddr::new(broker.host(), broker.port()),
+        root.clone(),
+        plan.devices.clone(),
+    );
+    config.connect_rate = 0;
+    let ((fleet, connected_s), connect_wall) = bench
+        .step(&mut record, "connect", async {
+            let started = Instant::now();
+            let fleet = Fleet::start(config)?;
+            let connected = async {
+                fleet.wait_connected(n, STEP_TIMEOUT).await?;
+                anyhow::Ok(started.elapsed().as_secs_f64())
+            };
+            let stored = wait_stored(
+                bench,
+                baseline,
+                n as u64,
+                "SELECT count(*) FROM devices WHERE reported_seq IS NOT NULL",
+                n as i64,
+            );
+            let (connected, stored) = tokio::join!(connected, stored);
+            let connected_s = connected?;
+            stored?;
+            let stats = fleet.stats();
+            Ok((
+                (fleet, connected_s),
+                details(&[
+                    ("all_connected_s", json!(connected_s)),
+                    ("connection_errors", json!(stats.connection_errors)),
+                    ("connections", json!(stats.connections)),
+                ]),
+            ))
+        })
+        .await?;
+    let server_connected_rss = bench.probe.server_memory(MemoryField::Rss);
+
+    // Converged pass: a normal run over the fleet with `drifted` devices off.
+    let client = bench.client.clone();
+    let pushes_before = bench.metric(PUSHES).await?;
+    let (converged, converged_wall) = bench
+        .step(&mut record, "converged", async {
+            let started = client.start_run(&json!({"all": true})).await?;
+            let run = follow_run(&client, &started.run_id).await?;
+            Ok((run, BTreeMap::new()))
+        })
+        .await?;
+    let converged_pushes = bench.metric(PUSHES).await? - pushes_before;
+    record.annotate_last(run_details(&converged, converged_pushes));
+    if converged.summary != expected_summary {
+        bail!(
+            "converged pass summary {:?}, expected {expected_summary:?}",
+            converged.summary
+        );
+    }
+
+    // Payoff: the same fleet, re-drifted, reconciled normally, then forced.
+    redrift(bench, &fleet, &drifted_ids, &plan.desired_spec).await?;
+    let pushes_before = bench.metric(PUSHES).await?;
+    let (normal, normal_wall) = bench
+        .step(&mut record, "normal", async {
+            let started = client.start_run(&json!({"all": true})).await?;
+            let run = follow_run(&client, &started.run_id).await?;
+            Ok((run, BTreeMap::new()))
+        })
+        .await?;
+    let normal_pushes = bench.metric(PUSHES).await? - pushes_before;
+    record.annotate_last(run_details(&normal, normal_pushes));
+    if normal.summary != expected_summary {
+        bail!("normal run summary {:?}, expected {expected_summary:?}", normal.summary);
+    }
+    redrift(bench, &fleet, &drifted_ids, &plan.desired_spec).await?;
+    let pushes_before = bench.metric(PUSHES).await?;
+    let (forced, forced_wall) = bench
+        .step(&mut record, "forced", async {
+            let started = client
+                .start_run(&json!({"all": true, "force": true}))
+                .await?;
+            let run = follow_run(&client, &started.run_id).await?;
+            Ok((run, BTreeMap::new()))
+        })
+        .await?;
+    let forced_pushes = bench.metric(PUSHES).await? - pushes_before;
+    record.annotate_last(run_details(&forced, forced_pushes));
+
+    // Full push: a fleet-wide desired change; every device is pushed to.
+    let new_spec = json!({"firmware": "2.5.0", "version": "2025.2",
+        "telemetry": {"interval_s": 30, "metrics": ["temp", "rssi", "battery"]},
+        "features": {"ota": true, "debug_log": false}});
+    let pushes_before = bench.metric(PUSHES).await?;
+    let (full, full_wall) = bench
+        .step(&mut record, "full_push", async {
+            let started = client
+                .set_desired(&json!({"all": true, "spec": new_spec}))
+                .await?;
+            let run = follow_run(&client, &started.run_id).await?;
+            Ok((run, BTreeMap::new()))
+        })
+        .await?;
+    let full_pushes = bench.metric(PUSHES).await? - pushes_before;
+    record.annotate_last(run_details(&full, full_pushes));
+    if full.counts.provisioned != n as u64 {
+        bail!("full push: {}", full.summary);
+    }
+
+    // Ingest: every device publishes K reports at once; the server's stored
+    // rate against a bare subscriber's received rate, same burst.
+    let total = n as u64 * u64::from(k);
+    let counter = Counter::start(broker, root, total).await?;
+    let baseline = bench.metric(APPLIED).await?;
+    let final_seqs: Vec<(String, i64)> = fleet
+        .states()
+        .into_iter()
+        .map(|s| (s.id.to_string(), i64::try_from(s.seq + u64::from(k)).unwrap_or(i64::MAX)))
+        .collect();
+    let ids: Vec<String> = final_seqs.iter().map(|(id, _)| id.clone()).collect();
+    let seqs: Vec<i64> = final_seqs.iter().map(|(_, s)| *s).collect();
+    let db = bench.db.pool().clone();
+    let ingest = async {
+        let t0 = Instant::now();
+        for _ in 0..k {
+            for id in &ids {
+                let id = idem_protocol::DeviceId::parse(id)?;
+                fleet.request_report(&id)?;
+            }
+        }
+        let deadline = t0 + STEP_TIMEOUT;
+        let subscriber = async {
+            loop {
+                if let Some(at) = counter.reached() {
+                    return anyhow::Ok(at - t0);
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "the bare subscriber got {} of {total} reports",
+                        counter.count.load(Ordering::Relaxed)
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        let server_stored = async {
+            loop {
+                let applied = bench.metric(APPLIED).await? - baseline;
+                if applied >= total as f64 {
+                    let stored: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM devices d \
+                         JOIN UNNEST($1::text[], $2::int8[]) AS s(id, seq) ON d.id = s.id \
+                         WHERE d.reported_seq >= s.seq",
+                    )
+                    .bind(&ids)
+                    .bind(&seqs)
+                    .fetch_one(&db)
+                    .await
+                    .context("counting stored final reports")?;
+                    if stored == n as i64 {
+                        return anyhow::Ok(t0.elapsed());
+                    }
+                }
+                if Instant::now() > deadline {
+                    bail!("the server applied {applied} of {total} reports");
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        };
+        let (subscriber, server_stored) = tokio::join!(subscriber, server_stored);
+        let (subscriber, server_stored) = (subscriber?, server_stored?);
+        let sub_rate = total as f64 / subscriber.as_secs_f64();
+        let server_rate = total as f64 / server_stored.as_secs_f64();
+        Ok((
+            (sub_rate, server_rate),
+            details(&[
+                ("reports", json!(total)),
+                ("subscriber_s", json!(subscriber.as_secs_f64())),
+                ("server_stored_s", json!(server_stored.as_secs_f64())),
+                ("subscriber_reports_per_s", json!(sub_rate)),
+                ("server_reports_per_s", json!(server_rate)),
+            ]),
+        ))
+    };
+    let ((sub_rate, server_rate), _) = bench.step(&mut record, "ingest", ingest).await?;
+    counter.stop().await;
+    let ingest_ratio = server_rate / sub_rate;
+
+    // Memory.
+    let server_peak = bench.probe.server_memory(MemoryField::PeakRss);
+    let server_end_rss = bench.probe.server_memory(MemoryField::Rss);
+    let sim_peak = idem_device_sim::memory::peak_rss_bytes().unwrap_or(0);
+    let stopping = Instant::now();
+    let stats = fleet.shutdown().await;
+    let shutdown_s = stopping.elapsed().as_secs_f64();
+    let per_device = |bytes: u64, idle: u64| bytes.saturating_sub(idle) as f64 / n as f64;
+    let server_steady_per_device = per_device(server_connected_rss, server_idle_rss);
+    let server_peak_per_device = per_device(server_peak, server_idle_rss);
+    let sim_per_device = per_device(sim_peak, sim_idle_rss);
+
+    // The table.
+    let connect_s = connect_wall.as_secs_f64();
+    let duration_ratio = forced_wall.as_secs_f64() / normal_wall.as_secs_f64();
+    let publish_ratio = forced_pushes / normal_pushes.max(1.0);
+    let full_rate = n as f64 / full_wall.as_secs_f64();
+    let nf = format_count(n as u64);
+    let targets = vec![
+        Target {
+            measure: "connect: all connected + first reports stored",
+            result: format!(
+                "{connect_s:.2} s ({:.0} devices/s; all connected after {:.2} s)",
+                n as f64 / connect_s,
+                connected_s
+            ),
+            target: "<= 3 s",
+            met: Some(connect_s <= 3.0),
+        },
+        Target {
+            measure: "converged pass (trigger -> run completed)",
+            result: format!(
+                "{:.3} s (server {} ms): {}",
+                converged_wall.as_secs_f64(),
+                converged.duration_ms.unwrap_or(0),
+                converged.summary
+            ),
+            target: "<= 0.5 s",
+            met: Some(converged_wall.as_secs_f64() <= 0.5),
+        },
+        Target {
+            measure: "full push (all drifted -> all provisioned)",
+            result: format!(
+                "{:.2} s, {full_rate:.0} pushes/s ({} publishes)",
+                full_wall.as_secs_f64(),
+                format_count(full_pushes as u64)
+            ),
+            target: ">= 5,000 devices/s",
+            met: Some(full_rate >= 5_000.0),
+        },
+        Target {
+            measure: "ingest ratio (server stored / bare subscriber)",
+            result: format!(
+                "{ingest_ratio:.2} ({server_rate:.0} vs {sub_rate:.0} reports/s, {} reports)",
+                format_count(total)
+            ),
+            target: ">= 0.9",
+            met: Some(ingest_ratio >= 0.9),
+        },
+        Target {
+            measure: "payoff: forced / normal run duration",
+            result: format!(
+                "{duration_ratio:.1}x ({:.3} s vs {:.3} s)",
+                forced_wall.as_secs_f64(),
+                normal_wall.as_secs_f64()
+            ),
+            target: ">= 20x",
+            met: Some(duration_ratio >= 20.0),
+        },
+        Target {
+            measure: "payoff: forced / normal publishes",
+            result: format!(
+                "{publish_ratio:.0}x ({} vs {})",
+                format_count(forced_pushes as u64),
+                format_count(normal_pushes as u64)
+            ),
+            target: ">= 2,500x",
+            met: Some(publish_ratio >= 2_500.0),
+        },
+        Target {
+            measure: "server RSS per device above idle (steady, after connect)",
+            result: format!(
+                "{} ({} idle -> {} with {nf} devices)",
+                format_bytes(server_steady_per_device),
+                format_bytes(server_idle_rss as f64),
+                format_bytes(server_connected_rss as f64)
+            ),
+            target: "<= 1 KiB",
+            met: Some(server_steady_per_device <= 1024.0),
+        },
+        Target {
+            measure: "server peak RSS per device above idle (VmHWM)",
+            result: format!(
+                "{} (peak {})",
+                format_bytes(server_peak_per_device),
+                format_bytes(server_peak as f64)
+            ),
+            target: "<= 1 KiB",
+            met: Some(server_peak_per_device <= 1024.0),
+        },
+        Target {
+            measure: "simulator peak RSS (VmHWM), per device",
+            result: format!(
+                "{} ({} per device)",
+                format_bytes(sim_peak as f64),
+                format_bytes(sim_per_device)
+            ),
+            target: "(reported)",
+            met: None,
+        },
+    ];
+    print_tables(&targets, &record.steps);
+    for file in &record.perf_files {
+        println!(
+            "perf data: {} (perf report -i {} --no-children)",
+            file.display(),
+            file.display()
+        );
+    }
+
+    let output = json!({
+        "machine": {
+            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "load_average_before": load_before.trim(),
+            "mem_total": std::fs::read_to_string("/proc/meminfo").ok()
+                .and_then(|m| m.lines().next().map(str::to_owned)),
+        },
+        "settings": {
+            "devices": n,
+            "drifted": bench.args.drifted,
+            "heartbeats_per_device": k,
+            "server_env": server_env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
+            "simulator": "one rumqttc v4 client per device in this process, connect rate unlimited",
+        },
+        "targets": targets,
+        "steps": record.steps,
+        "memory": {
+            "server_idle_rss_bytes": server_idle_rss,
+            "server_connected_rss_bytes": server_connected_rss,
+            "server_end_rss_bytes": server_end_rss,
+            "server_peak_rss_bytes": server_peak,
+            "simulator_idle_rss_bytes": sim_idle_rss,
+            "simulator_peak_rss_bytes": sim_peak,
+        },
+        "fleet": stats,
+        "fleet_shutdown_s": shutdown_s,
+    });
+    if let Some(out) = &bench.args.out {
+        if let Some(dir) = out.parent() {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating {}", dir.display()))?;
+        }
+        std::fs::write(out, serde_json::to_string_pretty(&output)?)
+            .with_context(|| format!("writing {}", out.display()))?;
+        println!("results written to {}", out.display());
+    }
+    Ok(())
+}
+
+/// Makes `ids` run a spec other than desired again and waits until the
+/// server has stored their reports.
+async fn redrift(
+    bench: &Bench,
+    fleet: &Fleet,
+    ids: &[idem_protocol::DeviceId],
+    desired: &Value,
+) -> Result<()> {
+    let drifted = drifted_spec(desired);
+    for id in ids {
+        fleet.set_local_spec(id, drifted.clone())?;
+    }
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    loop {
+        let off = bench
+            .scalar(
+                "SELECT count(*) FROM devices WHERE reported_digest IS DISTINCT FROM desired_digest",
+            )
+            .await?;
+        if off >= ids.len() as i64 {
+            // Let the engine see the reports before the next run starts.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("only {off} of {} re-drifted devices stored", ids.len());
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+fn print_tables(targets: &[Target], steps: &[Step]) {
+    let width = targets.iter().map(|t| t.measure.len()).max().unwrap_or(10);
+    println!();
+    println!(
+        "{:<width$} | {:<70} | {:<18} | met",
+        "measure", "result", "target"
+    );
+    println!("{}", "-".repeat(width + 70 + 18 + 12));
+    for t in targets {
+        let met = match t.met {
+            Some(true) => "yes",
+            Some(false) => "NO",
+            None => "-",
+        };
+        println!(
+            "{:<width$} | {:<70} | {:<18} | {met}",
+            t.measure, t.result, t.target
+        );
+    }
+    println!();
+    println!("where the time goes (CPU seconds per step; 2 cores = 2 CPU-s per wall second)");
+    println!(
+        "{:<10} | {:>8} | {:>8} | {:>8} | {:>8} | {:>9}",
+        "step", "wall s", "server", "broker", "postgres", "simulator"
+    );
+    for s in steps {
+        println!(
+            "{:<10} | {:>8.3} | {:>8.2} | {:>8.2} | {:>8.2} | {:>9.2}",
+            s.name, s.wall_s, s.cpu_s.server, s.cpu_s.broker, s.cpu_s.postgres, s.cpu_s.simulator
+        );
+    }
+    println!();
+}
