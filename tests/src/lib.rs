@@ -8,6 +8,7 @@
 //! are picked free at run time and names are unique. A missing service is an
 //! error that says what to install, never a silent skip.
 
+pub mod api_client;
 pub mod broker;
 pub mod database;
 pub mod grafana;
@@ -19,6 +20,7 @@ pub mod server;
 mod support;
 pub mod witness;
 
+pub use api_client::ApiClient;
 pub use broker::{raise_fd_limit, PrivateMosquitto};
 pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};
 pub use postgres::PrivatePostgres;

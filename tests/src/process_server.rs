@@ -21,6 +21,7 @@ use nix::unistd::Pid;
 use serde_json::Value;
 use tempfile::TempDir;
 
+use crate::api_client::ApiClient;
 use crate::support::{free_port, loopback_addr, tail};
 
 /// How long a start gets to answer `GET /readyz` with 200 (migrations, cache
@@ -281,56 +282,32 @@ impl ProcessServer {
         }
     }
 
+    /// A client for the API at the current port.
+    pub fn api(&self) -> ApiClient {
+        ApiClient::with_client(self.addr(), self.http.clone())
+    }
+
     /// GET, returning status and JSON body (`Null` when empty).
     pub async fn get(&self, path: &str) -> Result<(u16, Value)> {
-        let response = self
-            .http
-            .get(self.url(path))
-            .send()
-            .await
-            .with_context(|| format!("GET {path}"))?;
-        decode(response).await
+        self.api().get(path).await
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
-        let response = self
-            .http
-            .post(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .with_context(|| format!("POST {path}"))?;
-        decode(response).await
+        self.api().post(path, body).await
     }
 
     /// `POST /v1/runs` with `body`; returns the run id.
     pub async fn start_run(&self, body: &Value) -> Result<String> {
-        let (status, answer) = self.post("/v1/runs", body).await?;
-        if status != 200 {
-            bail!("POST /v1/runs answered {status}: {answer}");
-        }
-        answer["run_id"]
-            .as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| anyhow!("no run_id in {answer}"))
+        self.api().start_run(body).await
     }
 
-    /// Polls `GET /v1/runs/{id}` until the run is completed.
+    /// Polls `GET /v1/runs/{id}` until the run is completed; the error
+    /// carries the server log's tail.
     pub async fn wait_run_completed(&self, run_id: &str, timeout: Duration) -> Result<Value> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let (status, run) = self.get(&format!("/v1/runs/{run_id}")).await?;
-            if status == 200 && run["state"] == "completed" {
-                return Ok(run);
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "run {run_id} not completed after {timeout:?}: {run}\n--- server log ---\n{}",
-                    self.log_tail()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.api()
+            .wait_run_completed(run_id, timeout)
+            .await
+            .with_context(|| format!("--- server log ---\n{}", self.log_tail()))
     }
 
     /// Spawns on `self.port`, falling back to fresh ports when the server
@@ -428,15 +405,4 @@ fn append(path: &Path) -> Result<File> {
         .append(true)
         .open(path)
         .with_context(|| format!("opening {} for the server's output", path.display()))
-}
-
-async fn decode(response: reqwest::Response) -> Result<(u16, Value)> {
-    let status = response.status().as_u16();
-    let text = response.text().await.context("reading the response body")?;
-    let body = if text.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_str(&text).with_context(|| format!("response is not JSON: {text}"))?
-    };
-    Ok((status, body))
 }

@@ -12,20 +12,21 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use idem_protocol::{Channel, TopicRoot};
 use rumqttc::{AsyncClient, Event, Packet, QoS};
-use serde_json::Value;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::api_client::ApiClient;
 use crate::broker::PrivateMosquitto;
 use crate::database::TestDatabase;
 
-/// A running server and a client for its API.
+/// A running server; its API client is reached through `Deref`
+/// (`server.get("/v1/fleet")`).
 pub struct TestServer {
     pub addr: SocketAddr,
     pub topic_root: TopicRoot,
     /// The server's instance name (CloudEvents source `/idem/{instance}`).
     pub instance: String,
-    http: reqwest::Client,
+    api: ApiClient,
     token: CancellationToken,
     task: Option<JoinHandle<Result<(), idem_server::ServerError>>>,
 }
@@ -103,10 +104,7 @@ impl TestServer {
             addr,
             topic_root,
             instance,
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(30))
-                .build()
-                .context("HTTP client")?,
+            api: ApiClient::new(addr)?,
             token,
             task: Some(task),
         };
@@ -114,135 +112,16 @@ impl TestServer {
         Ok(server)
     }
 
-    pub fn url(&self, path: &str) -> String {
-        format!("http://{}{}", self.addr, path)
-    }
-
     async fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Ok(response) = self.http.get(self.url("/readyz")).send().await {
-                if response.status().is_success() {
-                    return Ok(());
-                }
+            if let Ok((200, _)) = self.api.get("/readyz").await {
+                return Ok(());
             }
             if Instant::now() > deadline {
                 bail!("idem server at {} not ready after {timeout:?}", self.addr);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// GET, returning status and JSON body.
-    pub async fn get(&self, path: &str) -> Result<(u16, Value)> {
-        let response = self
-            .http
-            .get(self.url(path))
-            .send()
-            .await
-            .with_context(|| format!("GET {path}"))?;
-        decode(response).await
-    }
-
-    pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
-        let response = self
-            .http
-            .post(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .with_context(|| format!("POST {path}"))?;
-        decode(response).await
-    }
-
-    pub async fn put(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
-        let response = self
-            .http
-            .put(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .with_context(|| format!("PUT {path}"))?;
-        decode(response).await
-    }
-
-    /// POST with a raw body, for malformed-input tests.
-    pub async fn post_raw(&self, path: &str, body: &'static str) -> Result<(u16, Value)> {
-        let response = self
-            .http
-            .post(self.url(path))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .with_context(|| format!("POST {path}"))?;
-        decode(response).await
-    }
-
-    /// The `/metrics` text.
-    pub async fn metrics(&self) -> Result<String> {
-        let response = self
-            .http
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .context("GET /metrics")?;
-        response.text().await.context("reading /metrics")
-    }
-
-    /// The value of one exposed series, e.g. `idem_reports_total{result="stale"}`.
-    pub async fn metric(&self, series: &str) -> Result<f64> {
-        let text = self.metrics().await?;
-        for line in text.lines() {
-            if let Some(value) = line
-                .strip_prefix(series)
-                .and_then(|rest| rest.strip_prefix(' '))
-            {
-                return value
-                    .trim()
-                    .parse()
-                    .with_context(|| format!("parsing {series} value {value:?}"));
-            }
-        }
-        bail!("series {series} not found in /metrics")
-    }
-
-    /// Polls `GET /v1/runs/{id}` until the run is completed.
-    pub async fn wait_run_completed(&self, run_id: &str, timeout: Duration) -> Result<Value> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let (status, run) = self.get(&format!("/v1/runs/{run_id}")).await?;
-            if status == 200 && run["state"] == "completed" {
-                return Ok(run);
-            }
-            if Instant::now() > deadline {
-                bail!("run {run_id} not completed after {timeout:?}: {run}");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// Every outcome of a run, across pages: device id → outcome row.
-    pub async fn run_outcomes(&self, run_id: &str) -> Result<HashMap<String, Value>> {
-        let mut out = HashMap::new();
-        let mut after: Option<String> = None;
-        loop {
-            let path = match &after {
-                Some(a) => format!("/v1/runs/{run_id}/outcomes?limit=1000&after={a}"),
-                None => format!("/v1/runs/{run_id}/outcomes?limit=1000"),
-            };
-            let (status, page) = self.get(&path).await?;
-            if status != 200 {
-                bail!("GET {path} answered {status}: {page}");
-            }
-            for row in page["outcomes"].as_array().cloned().unwrap_or_default() {
-                let id = row["device_id"].as_str().unwrap_or_default().to_owned();
-                out.insert(id, row);
-            }
-            match page["next_after"].as_str() {
-                Some(next) => after = Some(next.to_owned()),
-                None => return Ok(out),
-            }
         }
     }
 
@@ -258,21 +137,17 @@ impl TestServer {
     }
 }
 
+impl std::ops::Deref for TestServer {
+    type Target = ApiClient;
+    fn deref(&self) -> &ApiClient {
+        &self.api
+    }
+}
+
 impl Drop for TestServer {
     fn drop(&mut self) {
         self.token.cancel();
     }
-}
-
-async fn decode(response: reqwest::Response) -> Result<(u16, Value)> {
-    let status = response.status().as_u16();
-    let text = response.text().await.context("reading the response body")?;
-    let body = if text.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_str(&text).with_context(|| format!("response is not JSON: {text}"))?
-    };
-    Ok((status, body))
 }
 
 /// Counts desired-state publishes per device, as a separate subscriber on

@@ -104,9 +104,7 @@ async fn a_second_demo_with_the_same_devices_is_refused_because_their_state_is_k
 async fn a_demo_on_a_server_with_other_devices_runs_only_its_own_fleet() {
     let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
     let first = FleetPlan::new("first-", 10).seed(1).build().unwrap();
-    let earlier = run_demo(settings_for(&scenario, first), &())
-        .await
-        .unwrap();
+    let earlier = run_demo(settings_for(&scenario, first), &()).await.unwrap();
     earlier.fleet.shutdown().await;
 
     // The first fleet is now offline on the server; a run over "all" would
@@ -116,9 +114,7 @@ async fn a_demo_on_a_server_with_other_devices_runs_only_its_own_fleet() {
         .seed(2)
         .build()
         .unwrap();
-    let demo = run_demo(settings_for(&scenario, plan), &())
-        .await
-        .unwrap();
+    let demo = run_demo(settings_for(&scenario, plan), &()).await.unwrap();
     assert_eq!(demo.report.targeting, "label");
     assert_eq!(
         demo.report.summary,

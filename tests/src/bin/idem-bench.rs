@@ -85,7 +85,10 @@ fn parse_args() -> Result<Args> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{flag} needs a value\n{USAGE}"));
+        let mut value = || {
+            it.next()
+                .with_context(|| format!("{flag} needs a value\n{USAGE}"))
+        };
         match flag.as_str() {
             "--server-bin" => args.server_bin = PathBuf::from(value()?),
             "--out" => args.out = Some(PathBuf::from(value()?)),
@@ -232,7 +235,9 @@ impl Perf {
     fn start(step: &str, server_pid: u32, all: bool) -> Result<Self> {
         let output = PathBuf::from(format!("perf-{step}.data"));
         let mut command = Command::new("perf");
-        command.args(["record", "-F", "499", "-g", "-o"]).arg(&output);
+        command
+            .args(["record", "-F", "499", "-g", "-o"])
+            .arg(&output);
         if all {
             command.arg("-a");
         } else {
@@ -349,7 +354,12 @@ impl Record {
 
 impl Bench {
     /// Runs `f` as step `name`, with CPU accounting (and perf, if asked).
-    async fn step<T, F>(&self, record: &mut Record, name: &'static str, f: F) -> Result<(T, Duration)>
+    async fn step<T, F>(
+        &self,
+        record: &mut Record,
+        name: &'static str,
+        f: F,
+    ) -> Result<(T, Duration)>
     where
         F: std::future::Future<Output = Result<(T, BTreeMap<&'static str, Value>)>>,
     {
@@ -408,7 +418,10 @@ async fn follow_run(client: &ServerClient, run_id: &str) -> Result<RunView> {
             return Ok(run);
         }
         if Instant::now() > deadline {
-            bail!("run {run_id} not completed after {STEP_TIMEOUT:?}: {}", run.counts.summary());
+            bail!(
+                "run {run_id} not completed after {STEP_TIMEOUT:?}: {}",
+                run.counts.summary()
+            );
         }
         tokio::time::sleep(POLL).await;
     }
@@ -466,14 +479,23 @@ async fn main() -> Result<()> {
         format_count(args.devices as u64),
         args.drifted,
         args.heartbeats,
-        load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+        load_before
+            .split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
     );
 
     // The system under test: private broker, fresh database, server process.
     let broker = PrivateMosquitto::start().context("starting a private Mosquitto")?;
-    let db = TestDatabase::create().await.context("creating a fresh database")?;
-    let root = TopicRoot::new(format!("bench/{}", &uuid::Uuid::new_v4().simple().to_string()[..8]))
-        .context("topic root")?;
+    let db = TestDatabase::create()
+        .await
+        .context("creating a fresh database")?;
+    let root = TopicRoot::new(format!(
+        "bench/{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ))
+    .context("topic root")?;
     let mut server_env: Vec<(String, String)> = vec![
         // Unlimited push rate: the full push measures the server, not the pacer.
         ("IDEM_PUSH_RATE".into(), "0".into()),
@@ -639,7 +661,10 @@ async fn run_steps(
     let normal_pushes = bench.metric(PUSHES).await? - pushes_before;
     record.annotate_last(run_details(&normal, normal_pushes));
     if normal.summary != expected_summary {
-        bail!("normal run summary {:?}, expected {expected_summary:?}", normal.summary);
+        bail!(
+            "normal run summary {:?}, expected {expected_summary:?}",
+            normal.summary
+        );
     }
     redrift(bench, &fleet, &drifted_ids, &plan.desired_spec).await?;
     let pushes_before = bench.metric(PUSHES).await?;
@@ -683,7 +708,12 @@ async fn run_steps(
     let final_seqs: Vec<(String, i64)> = fleet
         .states()
         .into_iter()
-        .map(|s| (s.id.to_string(), i64::try_from(s.seq + u64::from(k)).unwrap_or(i64::MAX)))
+        .map(|s| {
+            (
+                s.id.to_string(),
+                i64::try_from(s.seq + u64::from(k)).unwrap_or(i64::MAX),
+            )
+        })
         .collect();
     let ids: Vec<String> = final_seqs.iter().map(|(id, _)| id.clone()).collect();
     let seqs: Vec<i64> = final_seqs.iter().map(|(_, s)| *s).collect();
@@ -903,8 +933,7 @@ async fn run_steps(
     });
     if let Some(out) = &bench.args.out {
         if let Some(dir) = out.parent() {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
         std::fs::write(out, serde_json::to_string_pretty(&output)?)
             .with_context(|| format!("writing {}", out.display()))?;

@@ -1,0 +1,179 @@
+//! A small JSON client for the idem HTTP API, shared by the in-process and
+//! the out-of-process test servers.
+//!
+//! Owns no server; it only speaks HTTP to one.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::Value;
+
+/// Requests to one server's API.
+#[derive(Debug, Clone)]
+pub struct ApiClient {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl ApiClient {
+    pub fn new(addr: SocketAddr) -> Result<Self> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .context("building the HTTP client")?;
+        Ok(Self {
+            base: format!("http://{addr}"),
+            http,
+        })
+    }
+
+    /// A client for `addr` reusing an existing HTTP connection pool.
+    pub fn with_client(addr: SocketAddr, http: reqwest::Client) -> Self {
+        Self {
+            base: format!("http://{addr}"),
+            http,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// GET, returning status and JSON body (`Null` when empty).
+    pub async fn get(&self, path: &str) -> Result<(u16, Value)> {
+        let response = self
+            .http
+            .get(self.url(path))
+            .send()
+            .await
+            .with_context(|| format!("GET {path}"))?;
+        decode(response).await
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
+        let response = self
+            .http
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .with_context(|| format!("POST {path}"))?;
+        decode(response).await
+    }
+
+    pub async fn put(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
+        let response = self
+            .http
+            .put(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .with_context(|| format!("PUT {path}"))?;
+        decode(response).await
+    }
+
+    /// POST with a raw body, for malformed-input tests.
+    pub async fn post_raw(&self, path: &str, body: &'static str) -> Result<(u16, Value)> {
+        let response = self
+            .http
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .with_context(|| format!("POST {path}"))?;
+        decode(response).await
+    }
+
+    /// The `/metrics` text.
+    pub async fn metrics(&self) -> Result<String> {
+        let response = self
+            .http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .context("GET /metrics")?;
+        response.text().await.context("reading /metrics")
+    }
+
+    /// The value of one exposed series, e.g. `idem_reports_total{result="stale"}`.
+    pub async fn metric(&self, series: &str) -> Result<f64> {
+        let text = self.metrics().await?;
+        for line in text.lines() {
+            if let Some(value) = line
+                .strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+            {
+                return value
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("parsing {series} value {value:?}"));
+            }
+        }
+        bail!("series {series} not found in /metrics")
+    }
+
+    /// `POST /v1/runs` with `body`; returns the run id.
+    pub async fn start_run(&self, body: &Value) -> Result<String> {
+        let (status, answer) = self.post("/v1/runs", body).await?;
+        if status != 200 {
+            bail!("POST /v1/runs answered {status}: {answer}");
+        }
+        answer["run_id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow!("no run_id in {answer}"))
+    }
+
+    /// Polls `GET /v1/runs/{id}` until the run is completed.
+    pub async fn wait_run_completed(&self, run_id: &str, timeout: Duration) -> Result<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (status, run) = self.get(&format!("/v1/runs/{run_id}")).await?;
+            if status == 200 && run["state"] == "completed" {
+                return Ok(run);
+            }
+            if Instant::now() > deadline {
+                bail!("run {run_id} not completed after {timeout:?}: {run}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Every outcome of a run, across pages: device id → outcome row.
+    pub async fn run_outcomes(&self, run_id: &str) -> Result<HashMap<String, Value>> {
+        let mut out = HashMap::new();
+        let mut after: Option<String> = None;
+        loop {
+            let path = match &after {
+                Some(a) => format!("/v1/runs/{run_id}/outcomes?limit=1000&after={a}"),
+                None => format!("/v1/runs/{run_id}/outcomes?limit=1000"),
+            };
+            let (status, page) = self.get(&path).await?;
+            if status != 200 {
+                bail!("GET {path} answered {status}: {page}");
+            }
+            for row in page["outcomes"].as_array().cloned().unwrap_or_default() {
+                let id = row["device_id"].as_str().unwrap_or_default().to_owned();
+                out.insert(id, row);
+            }
+            match page["next_after"].as_str() {
+                Some(next) => after = Some(next.to_owned()),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+async fn decode(response: reqwest::Response) -> Result<(u16, Value)> {
+    let status = response.status().as_u16();
+    let text = response.text().await.context("reading the response body")?;
+    let body = if text.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&text).with_context(|| format!("response is not JSON: {text}"))?
+    };
+    Ok((status, body))
+}
