@@ -122,3 +122,37 @@ async fn event_sequences_stay_gap_free_when_a_transaction_rolls_back(pool: PgPoo
     );
     tx.commit().await.unwrap();
 }
+
+async fn append_events(pool: &PgPool, count: usize, age: chrono::Duration) {
+    use idem_server::events::{finalize, EventDraft, EventType};
+    let drafts = (0..count)
+        .map(|i| EventDraft {
+            event_type: EventType::RunStarted,
+            subject: format!("run-{i}"),
+            run_id: None,
+            generation: None,
+            data: json!({}),
+        })
+        .collect();
+    let mut tx = pool.begin().await.unwrap();
+    let first = events::reserve_sequences(&mut tx, count).await.unwrap();
+    let rows = finalize(drafts, first, "/idem/test", chrono::Utc::now() - age).unwrap();
+    events::insert(&mut tx, &rows).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn pruning_keeps_unrelayed_events_and_removes_old_or_excess_ones(pool: PgPool) {
+    append_events(&pool, 5, chrono::Duration::days(10)).await; // sequences 1..=5, old
+    append_events(&pool, 5, chrono::Duration::zero()).await; // 6..=10, fresh
+    let week = std::time::Duration::from_secs(7 * 86_400);
+
+    // Only events up to the relay's cursor may go: 1..=3 of the old ones.
+    assert_eq!(events::prune(&pool, 3, week, 1_000).await.unwrap(), 3);
+    assert_eq!(events::oldest_sequence(&pool).await.unwrap(), Some(4));
+    // Everything relayed: the rest of the old ones, then the count limit.
+    assert_eq!(events::prune(&pool, 10, week, 1_000).await.unwrap(), 2);
+    assert_eq!(events::prune(&pool, 10, week, 3).await.unwrap(), 2);
+    assert_eq!(events::oldest_sequence(&pool).await.unwrap(), Some(8));
+    assert_eq!(events::last_sequence(&pool).await.unwrap(), 10);
+}

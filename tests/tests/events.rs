@@ -245,3 +245,46 @@ async fn an_mqtt_subscriber_gets_one_valid_cloudevent_per_device_and_metrics_mat
     pump.abort();
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_filters_by_type_device_and_run() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("filter-", 20)
+        .drifted(3)
+        .seed(2)
+        .build()
+        .unwrap();
+    let fleet = scenario.register_and_start(&plan, 20).await.unwrap();
+    let (first_run, _) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    let (second_run, _) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    let base = scenario.server.url("/v1/events");
+
+    let mut provisioned = SseClient::connect(
+        &format!("{base}?after=0&type=io.idem.device.provisioned"),
+        None,
+    )
+    .await;
+    for _ in 0..3 {
+        let event: Value = serde_json::from_str(&provisioned.next().await.data).unwrap();
+        assert_eq!(event["type"], "io.idem.device.provisioned");
+        assert_eq!(event["runid"], first_run.as_str());
+    }
+
+    let device = plan.devices[7].id.as_str();
+    let mut one_device = SseClient::connect(&format!("{base}?after=0&device={device}"), None).await;
+    for run in [&first_run, &second_run] {
+        let event: Value = serde_json::from_str(&one_device.next().await.data).unwrap();
+        assert_eq!(event["subject"], device);
+        assert_eq!(event["runid"], run.as_str());
+    }
+
+    let mut second = SseClient::connect(&format!("{base}?after=0&run={second_run}"), None).await;
+    let started: Value = serde_json::from_str(&second.next().await.data).unwrap();
+    assert_eq!(started["type"], "io.idem.run.started");
+    for _ in 0..20 {
+        let event: Value = serde_json::from_str(&second.next().await.data).unwrap();
+        assert_eq!(event["type"], "io.idem.device.already_converged");
+        assert_eq!(event["runid"], second_run.as_str());
+    }
+    fleet.shutdown().await;
+}
