@@ -45,6 +45,10 @@ pub struct ServerSettings {
     pub debounce: Duration,
     /// Zero = no periodic resync.
     pub resync_interval: Duration,
+    /// At resync, devices whose last report is older are asked to report.
+    pub stale_after: Duration,
+    /// Reuse this topic root (e.g. a second server over the same fleet).
+    pub topic_root: Option<String>,
     pub instance: Option<String>,
 }
 
@@ -59,6 +63,8 @@ impl Default for ServerSettings {
             push_rate: 0,
             debounce: Duration::from_millis(200),
             resync_interval: Duration::ZERO,
+            stale_after: Duration::from_secs(300),
+            topic_root: None,
             instance: None,
         }
     }
@@ -87,6 +93,10 @@ impl TestServer {
         config.push_rate = settings.push_rate;
         config.debounce = settings.debounce;
         config.resync_interval = settings.resync_interval;
+        config.stale_after = settings.stale_after;
+        if let Some(root) = settings.topic_root {
+            config.topic_root = root;
+        }
         if let Some(instance) = settings.instance {
             config.instance = instance;
         }

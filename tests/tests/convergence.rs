@@ -479,3 +479,74 @@ async fn reported_health_is_recorded_with_outcomes_and_unhealthy_devices_are_lis
     assert_eq!(ids, vec![sick.as_str()]);
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_periodic_resync_rechecks_every_device_and_asks_stale_ones_to_report() {
+    let settings = ServerSettings {
+        resync_interval: Duration::from_millis(1_500),
+        stale_after: Duration::from_millis(500),
+        ..ServerSettings::default()
+    };
+    let scenario = Scenario::start(settings).await.unwrap();
+    let plan = FleetPlan::new("resync-", 6).drifted(1).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 6).await.unwrap();
+    wait_for(
+        "a completed resync run",
+        Duration::from_secs(20),
+        || async { !runs_with_trigger(&scenario, "resync").await.is_empty() },
+    )
+    .await;
+    let resync = runs_with_trigger(&scenario, "resync").await.pop().unwrap();
+    assert_eq!(
+        resync["summary"], "5 already converged, 1 provisioned, 0 failed",
+        "{resync}"
+    );
+    wait_for(
+        "stale devices asked to report",
+        Duration::from_secs(10),
+        || async { fleet.states().iter().all(|d| d.get_received >= 1) },
+    )
+    .await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_reconciles_the_whole_fleet_at_start_up() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("boot-", 8).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 8).await.unwrap();
+    let Scenario { server, db, broker } = scenario;
+    let root = server.topic_root.to_string();
+    server.stop().await.unwrap();
+
+    let settings = ServerSettings {
+        topic_root: Some(root),
+        ..ServerSettings::default()
+    };
+    let server = idem_tests::TestServer::start(&db, &broker, settings)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let startup = loop {
+        let (_, body) = server.get("/v1/runs").await.unwrap();
+        let found = body["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["trigger"] == "startup")
+            .cloned();
+        if let Some(run) = found.filter(|r| r["state"] == "completed") {
+            break run;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no completed startup run: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert_eq!(
+        startup["summary"],
+        "8 already converged, 0 provisioned, 0 failed"
+    );
+    fleet.shutdown().await;
+}

@@ -41,6 +41,7 @@ use serde_json::{json, Value};
 const USAGE: &str = "\
 usage: idem-bench --server-bin PATH [--out FILE] [--devices N] [--drifted N]
                   [--heartbeats K] [--perf STEP] [--perf-scope server|all]
+                  [--server-log FILE]
 
   --server-bin PATH   the idem-server binary to benchmark (release build)
   --out FILE          where to write the JSON results
@@ -50,8 +51,11 @@ usage: idem-bench --server-bin PATH [--out FILE] [--devices N] [--drifted N]
   --perf STEP         run `perf record -g` during STEP (connect, converged,
                       normal, forced, full_push, ingest); data in perf-STEP.data
   --perf-scope S      profile the server only (default) or all CPUs
+  --server-log FILE   keep the server's log there (e.g. with
+                      RUST_LOG=info,sqlx::query=debug for statement timings)
 
-Every IDEM_* variable in the environment is passed on to the server.";
+Every IDEM_* variable (and RUST_LOG) in the environment is passed on to the
+server.";
 
 /// Linux's fixed `USER_HZ`: /proc reports CPU time in these ticks.
 const TICKS_PER_SECOND: f64 = 100.0;
@@ -71,6 +75,7 @@ struct Args {
     heartbeats: u32,
     perf: Option<String>,
     perf_all: bool,
+    server_log: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -82,6 +87,7 @@ fn parse_args() -> Result<Args> {
         heartbeats: 10,
         perf: None,
         perf_all: false,
+        server_log: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -96,6 +102,7 @@ fn parse_args() -> Result<Args> {
             "--drifted" => args.drifted = value()?.parse().context("--drifted")?,
             "--heartbeats" => args.heartbeats = value()?.parse().context("--heartbeats")?,
             "--perf" => args.perf = Some(value()?),
+            "--server-log" => args.server_log = Some(PathBuf::from(value()?)),
             "--perf-scope" => {
                 args.perf_all = match value()?.as_str() {
                     "all" => true,
@@ -505,7 +512,7 @@ async fn main() -> Result<()> {
         ("RUST_LOG".into(), "warn,idem_server=info".into()),
     ];
     for (key, value) in std::env::vars() {
-        if key.starts_with("IDEM_") && !key.starts_with("IDEM_BENCH") {
+        if (key.starts_with("IDEM_") && !key.starts_with("IDEM_BENCH")) || key == "RUST_LOG" {
             server_env.retain(|(k, _)| *k != key);
             server_env.push((key, value));
         }
@@ -541,6 +548,10 @@ async fn main() -> Result<()> {
     };
     let result = run_steps(&bench, &broker, &root, &server_env, &load_before).await;
     let log_tail = server.log_tail();
+    if let Some(path) = &args.server_log {
+        std::fs::write(path, server.log_text())
+            .with_context(|| format!("writing the server log to {}", path.display()))?;
+    }
     let panics = server.panics();
     if let Err(e) = server.stop() {
         eprintln!("idem-bench: stopping the server: {e:#}");
