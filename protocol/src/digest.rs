@@ -17,40 +17,59 @@ use sha2::{Digest as _, Sha256};
 /// Floats with an integral value up to this magnitude are written as integers.
 const MAX_EXACT_INTEGER_IN_F64: f64 = 9_007_199_254_740_992.0;
 
-/// `sha256:<64 hex digits>` of a spec's canonical JSON.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct SpecDigest(String);
+/// SHA-256 of a spec's canonical JSON; written `sha256:<64 hex digits>`.
+///
+/// Kept as the 32 raw bytes (the server holds two per device in memory) and
+/// rendered as text only at the edges (JSON, database, logs).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SpecDigest([u8; 32]);
+
+const PREFIX: &str = "sha256:";
+
+/// A string that is not `sha256:` followed by 64 lowercase hex digits.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not a spec digest (expected `sha256:` and 64 hex digits): {0:?}")]
+pub struct InvalidDigest(pub String);
 
 impl SpecDigest {
     /// Digest of `spec` in its canonical form.
     pub fn of(spec: &Value) -> Self {
-        let hash = Sha256::digest(canonical_json(spec).as_bytes());
-        Self(format!("sha256:{}", hex::encode(hash)))
+        Self(Sha256::digest(canonical_json(spec).as_bytes()).into())
     }
 
-    /// Wraps a digest read back from storage. The caller vouches that it was
-    /// produced by [`SpecDigest::of`].
-    pub fn from_stored(stored: String) -> Self {
-        Self(stored)
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
+    /// Parses the text form, e.g. a digest read back from storage.
+    pub fn parse(text: &str) -> Result<Self, InvalidDigest> {
+        let invalid = || InvalidDigest(text.to_owned());
+        let hex_digits = text.strip_prefix(PREFIX).ok_or_else(invalid)?;
+        let mut bytes = [0u8; 32];
+        hex::decode_to_slice(hex_digits, &mut bytes).map_err(|_| invalid())?;
+        Ok(Self(bytes))
     }
 }
 
 impl fmt::Display for SpecDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        write!(f, "{PREFIX}{}", hex::encode(self.0))
     }
 }
 
 impl fmt::Debug for SpecDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The first 12 hex digits are plenty to tell digests apart in logs.
-        let short = self.0.get(..19).unwrap_or(&self.0);
-        write!(f, "SpecDigest({short}…)")
+        // The first 6 bytes are plenty to tell digests apart in logs.
+        write!(f, "SpecDigest({PREFIX}{}…)", hex::encode(&self.0[..6]))
+    }
+}
+
+impl Serialize for SpecDigest {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for SpecDigest {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        SpecDigest::parse(&text).map_err(serde::de::Error::custom)
     }
 }
 
@@ -159,10 +178,22 @@ mod tests {
     }
 
     #[test]
-    fn digest_has_the_documented_shape() {
+    fn digest_has_the_documented_shape_and_parses_back() {
         let d = digest_of("{}");
-        assert!(d.as_str().starts_with("sha256:"));
-        assert_eq!(d.as_str().len(), "sha256:".len() + 64);
+        let text = d.to_string();
+        assert!(text.starts_with("sha256:"));
+        assert_eq!(text.len(), "sha256:".len() + 64);
+        assert_eq!(SpecDigest::parse(&text), Ok(d));
+        assert_eq!(
+            serde_json::to_value(d).unwrap(),
+            serde_json::Value::String(text.clone())
+        );
+        assert_eq!(
+            serde_json::from_value::<SpecDigest>(text.into()).unwrap(),
+            d
+        );
+        assert!(SpecDigest::parse("md5:abc").is_err());
+        assert!(SpecDigest::parse("sha256:xyz").is_err());
     }
 
     fn arb_json() -> impl Strategy<Value = Value> {

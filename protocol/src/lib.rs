@@ -10,7 +10,7 @@ pub mod payload;
 pub mod topic;
 
 pub use device_id::{DeviceId, InvalidDeviceId};
-pub use digest::{canonical_json, SpecDigest};
+pub use digest::{canonical_json, InvalidDigest, SpecDigest};
 pub use payload::{
     DecodeError, Desired, Health, Rejection, Reported, Status, DEFAULT_MAX_PAYLOAD_BYTES,
     GET_PAYLOAD,

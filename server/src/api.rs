@@ -232,13 +232,10 @@ async fn register_devices(
     let counts = store::devices::register(&mut tx, &registrations).await?;
     let mut desired_changes = Vec::new();
     for (digest, (spec, group)) in &specs {
-        let written = store::devices::set_desired(&mut tx, group, spec, digest.as_str()).await?;
+        let written =
+            store::devices::set_desired(&mut tx, group, spec, &digest.to_string()).await?;
         let spec = Arc::new(spec.clone());
-        desired_changes.extend(
-            written
-                .into_iter()
-                .map(|w| (w, digest.clone(), spec.clone())),
-        );
+        desired_changes.extend(written.into_iter().map(|w| (w, *digest, spec.clone())));
     }
     tx.commit()
         .await

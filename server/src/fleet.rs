@@ -4,6 +4,7 @@
 //! Postgres stays the source of truth: entries change only after the write
 //! that they mirror has committed. Never hold a guard across `.await`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -49,7 +50,7 @@ impl DeviceEntry {
     pub fn desired_for_decision(&self) -> Option<decide::Desired> {
         self.desired.as_ref().map(|d| decide::Desired {
             generation: d.generation,
-            digest: d.digest.clone(),
+            digest: d.digest,
         })
     }
 
@@ -57,19 +58,33 @@ impl DeviceEntry {
         self.reported.as_ref().map(|r| r.seq)
     }
 
-    fn from_row(row: &DeviceRow) -> Self {
+    /// `specs` interns desired specs by digest, so a fleet sharing one
+    /// desired spec holds it once.
+    fn from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) -> Self {
         let desired = match (&row.desired_spec, &row.desired_digest) {
-            (Some(spec), Some(digest)) if row.desired_generation > 0 => Some(DesiredState {
-                generation: to_u64(row.desired_generation),
-                digest: SpecDigest::from_stored(digest.clone()),
-                spec: Arc::new(spec.clone()),
-            }),
+            (Some(spec), Some(stored)) if row.desired_generation > 0 => {
+                let digest = stored_digest(stored, spec);
+                let spec = specs
+                    .entry(digest)
+                    .or_insert_with(|| Arc::new(spec.clone()))
+                    .clone();
+                Some(DesiredState {
+                    generation: to_u64(row.desired_generation),
+                    digest,
+                    spec,
+                })
+            }
             _ => None,
         };
         let reported = match (&row.reported_digest, row.reported_seq) {
-            (Some(digest), Some(seq)) => Some(ReportedState {
+            (Some(stored), Some(seq)) => Some(ReportedState {
                 seq: to_u64(seq),
-                digest: SpecDigest::from_stored(digest.clone()),
+                digest: match &row.reported_spec {
+                    Some(spec) => stored_digest(stored, spec),
+                    None => {
+                        SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(&Value::Null))
+                    }
+                },
                 generation: row.reported_generation.map(to_u64),
                 rejection: match (row.reported_error_generation, &row.reported_error) {
                     (Some(g), Some(msg)) => Some((to_u64(g), msg.clone())),
@@ -90,6 +105,12 @@ impl DeviceEntry {
     }
 }
 
+/// A stored digest, or the spec's digest recomputed if the stored text is
+/// not a digest (a hand edit): the spec is the truth.
+fn stored_digest(stored: &str, spec: &Value) -> SpecDigest {
+    SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(spec))
+}
+
 /// Every registered device, by id.
 #[derive(Debug, Default)]
 pub struct Fleet {
@@ -99,11 +120,12 @@ pub struct Fleet {
 impl Fleet {
     pub fn from_rows(rows: &[DeviceRow]) -> Self {
         let devices = DashMap::with_capacity(rows.len());
+        let mut specs = HashMap::new();
         for row in rows {
             // Ids in the table were validated on the way in; skip any that a
             // hand edit made invalid rather than refusing to start.
             if let Ok(id) = DeviceId::parse(&row.id) {
-                devices.insert(id, DeviceEntry::from_row(row));
+                devices.insert(id, DeviceEntry::from_row(row, &mut specs));
             }
         }
         Self { devices }

@@ -361,7 +361,7 @@ mod tests {
         };
         Actual::Reported(ReportedState {
             seq,
-            digest: desired.digest.clone(),
+            digest: desired.digest,
             generation: Some(desired.generation),
             rejection: None,
         })

@@ -229,6 +229,8 @@ pub struct Engine {
     debounced: HashMap<Trigger, Debounced>,
     pending: Pending,
     last_flush: Instant,
+    /// Cancelled at shutdown; a write retrying against a dead database gives up then.
+    shutdown: CancellationToken,
 }
 
 impl Engine {
@@ -244,6 +246,7 @@ impl Engine {
             debounced: HashMap::new(),
             pending: Pending::default(),
             last_flush: Instant::now(),
+            shutdown: CancellationToken::new(),
         }
     }
 
@@ -253,6 +256,7 @@ impl Engine {
         mut commands: mpsc::Receiver<EngineCommand>,
         token: CancellationToken,
     ) {
+        self.shutdown = token.clone();
         let mut next_scan = Instant::now() + SCAN_INTERVAL;
         let mut next_resync = self
             .ctx
@@ -293,10 +297,10 @@ impl Engine {
             if self.pending.outcomes.len() >= FLUSH_SIZE
                 || (!self.pending.is_empty() && self.last_flush.elapsed() >= FLUSH_INTERVAL)
             {
-                self.flush(&token).await;
+                self.flush().await;
             }
         }
-        self.flush(&token).await;
+        self.flush().await;
     }
 
     fn next_wake(&self, next_scan: Instant, next_resync: Option<Instant>) -> Instant {
@@ -390,9 +394,13 @@ impl Engine {
             );
             if let Some(skip) = gate(entry.status, entry.online, entry.desired.is_some()) {
                 self.finish(&id, Outcome::Skipped(skip), &entry, None);
-                continue;
+            } else {
+                self.advance(&id, false).await;
             }
-            self.advance(&id, false).await;
+            // Large runs are written in slices, bounding memory per write.
+            if self.pending.outcomes.len() >= FLUSH_SIZE {
+                self.flush().await;
+            }
         }
     }
 
@@ -703,8 +711,8 @@ impl Engine {
             run_id: None,
             generation: Some(desired.generation),
             data: json!({
-                "desired_digest": desired.digest.as_str(),
-                "reported_digest": reported.digest.as_str(),
+                "desired_digest": desired.digest.to_string(),
+                "reported_digest": reported.digest.to_string(),
                 "reported_seq": reported.seq,
             }),
         });
@@ -841,7 +849,8 @@ impl Engine {
 
     /// Writes pending results in one transaction, retrying until it commits
     /// or the engine is cancelled.
-    async fn flush(&mut self, token: &CancellationToken) {
+    async fn flush(&mut self) {
+        let token = self.shutdown.clone();
         self.last_flush = Instant::now();
         if self.pending.is_empty() {
             return;

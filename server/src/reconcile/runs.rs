@@ -82,7 +82,7 @@ pub async fn commit_run(
         let mut ids = target_ids.clone();
         store::devices::lock_in_order(&mut tx, &mut ids).await?;
         desired_changes =
-            store::devices::set_desired(&mut tx, &target_ids, spec, digest.as_str()).await?;
+            store::devices::set_desired(&mut tx, &target_ids, spec, &digest.to_string()).await?;
     }
     store::runs::create(
         &mut tx,
@@ -114,7 +114,7 @@ pub async fn commit_run(
                     &id,
                     DesiredState {
                         generation,
-                        digest: digest.clone(),
+                        digest,
                         spec: spec.clone(),
                     },
                 );
