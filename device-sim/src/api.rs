@@ -331,14 +331,11 @@ impl ServerClient {
                 source,
             })?;
         let status = response.status().as_u16();
-        let body = response
-            .text()
-            .await
-            .map_err(|source| ApiError::Request {
-                method: "GET",
-                url: url.clone(),
-                source,
-            })?;
+        let body = response.text().await.map_err(|source| ApiError::Request {
+            method: "GET",
+            url: url.clone(),
+            source,
+        })?;
         if status != 200 {
             return Err(ApiError::Status {
                 method: "GET",
@@ -381,14 +378,11 @@ impl ServerClient {
             source,
         })?;
         let status = response.status().as_u16();
-        let body = response
-            .text()
-            .await
-            .map_err(|source| ApiError::Request {
-                method,
-                url: url.clone(),
-                source,
-            })?;
+        let body = response.text().await.map_err(|source| ApiError::Request {
+            method,
+            url: url.clone(),
+            source,
+        })?;
         if !(200..300).contains(&status) {
             return Err(ApiError::Status {
                 method,
@@ -414,13 +408,10 @@ pub fn metric_value(text: &str, series: &str) -> Result<Option<f64>, ApiError> {
             .and_then(|rest| rest.strip_prefix(' '))
         {
             let value = value.trim();
-            return value
-                .parse()
-                .map(Some)
-                .map_err(|_| ApiError::MetricValue {
-                    series: series.to_owned(),
-                    value: value.to_owned(),
-                });
+            return value.parse().map(Some).map_err(|_| ApiError::MetricValue {
+                series: series.to_owned(),
+                value: value.to_owned(),
+            });
         }
     }
     Ok(None)

@@ -113,7 +113,9 @@ pub fn check_outcomes(plan: &Plan, rows: &[OutcomeRow]) -> GroundTruthCheck {
         let actual = row.outcome.as_deref();
         let problem = match actual {
             None => Some(format!("expected {want}, but it is still undecided")),
-            Some(got) if got != want.as_str() => Some(format!("expected {want}, server says {got}")),
+            Some(got) if got != want.as_str() => {
+                Some(format!("expected {want}, server says {got}"))
+            }
             Some(_) => reject_messages.get(id).and_then(|message| {
                 let quoted = row.reason.as_deref().is_some_and(|r| r.contains(message));
                 (!quoted).then(|| {

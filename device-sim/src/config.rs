@@ -15,6 +15,12 @@ use crate::error::SimError;
 /// Default MQTT port when a broker URL names none.
 pub const DEFAULT_MQTT_PORT: u16 = 1883;
 
+/// Default bound on connection attempts in flight: Mosquitto's listen backlog
+/// (100), so a fleet starting at once never overflows its accept queue.
+/// Measured here with 10,000 devices: 2.5 s to connect at 100, 3.0 s at 64,
+/// 3.3–4.0 s unbounded (thousands of handshakes dropped and retried 1 s later).
+pub const DEFAULT_MAX_CONNECTING: usize = 100;
+
 /// Where the broker listens. Plain TCP only: the simulator does not do TLS.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerAddr {
@@ -218,6 +224,12 @@ pub struct FleetConfig {
     /// New connections per second during the start-up ramp; 0 = no limit.
     /// Reconnects after errors use `backoff` instead.
     pub connect_rate: u32,
+    /// Connection attempts (TCP connect until CONNACK) in flight at once when
+    /// a device (re)starts its session; 0 = unbounded. Why: Mosquitto listens
+    /// with a backlog of 100, so thousands of simultaneous connects overflow
+    /// its accept queue, and every dropped handshake waits out the kernel's
+    /// 1 s retransmission timeout. Reconnects inside a session use `backoff`.
+    pub max_connecting: usize,
     pub backoff: Backoff,
     /// TCP connect + CONNACK timeout per attempt.
     pub connect_timeout: Duration,
@@ -236,7 +248,8 @@ pub struct FleetConfig {
 }
 
 impl FleetConfig {
-    /// Defaults: keep-alive 60 s, no connect-rate limit, backoff 250 ms..30 s,
+    /// Defaults: keep-alive 60 s, no connect-rate limit, at most
+    /// [`DEFAULT_MAX_CONNECTING`] connects in flight, backoff 250 ms..30 s,
     /// connect timeout 10 s, no heartbeats, channel 10, inflight 10, packets up
     /// to 72 KiB.
     pub fn new(broker: BrokerAddr, topic_root: TopicRoot, devices: Vec<SimDevice>) -> Self {
@@ -247,6 +260,7 @@ impl FleetConfig {
             keep_alive: Duration::from_secs(60),
             connect_rate: 0,
             backoff: Backoff::default(),
+            max_connecting: DEFAULT_MAX_CONNECTING,
             connect_timeout: Duration::from_secs(10),
             report_interval: None,
             request_channel_capacity: 10,

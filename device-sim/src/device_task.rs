@@ -20,7 +20,7 @@ use rumqttc::{
     AsyncClient, Event, EventLoop, MqttOptions, NetworkOptions, Outgoing, Packet, Publish, QoS,
     SubscribeFilter,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{sleep, sleep_until, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -106,6 +106,9 @@ pub(crate) struct DeviceTask {
     pub(crate) report_interval: Option<Duration>,
     /// This device's slot in the connection ramp.
     pub(crate) start_at: Instant,
+    /// Bounds connection attempts in flight across the fleet (see
+    /// `FleetConfig::max_connecting`); `None` = unbounded.
+    pub(crate) connect_gate: Option<Arc<Semaphore>>,
     pub(crate) token: CancellationToken,
     pub(crate) commands: mpsc::UnboundedReceiver<Command>,
 }
@@ -148,6 +151,14 @@ impl DeviceTask {
     /// One MQTT client lifetime: connect, reconnect as needed, until
     /// cancelled or taken offline.
     async fn session(&mut self) -> SessionEnd {
+        // Held from before the connect until CONNACK or the first failure.
+        let connecting = match self.connect_gate.clone() {
+            None => None,
+            Some(gate) => tokio::select! {
+                _ = self.token.cancelled() => return SessionEnd::Cancelled,
+                permit = gate.acquire_owned() => permit.ok(),
+            },
+        };
         let (client, mut eventloop) = AsyncClient::new(
             self.options.clone(),
             self.options.request_channel_capacity(),
@@ -167,6 +178,7 @@ impl DeviceTask {
             retry_at: None,
             applies: VecDeque::new(),
             next_heartbeat: None,
+            connecting,
         };
 
         let end = loop {
@@ -226,6 +238,7 @@ impl DeviceTask {
     fn on_wire(&self, s: &mut Session, event: Wire) {
         match event {
             Wire::Connected => {
+                s.connecting = None;
                 // Count first: `set_connected` wakes waiters that read stats.
                 FleetCounters::bump(&self.counters.connections);
                 self.set_connected(true);
@@ -252,6 +265,7 @@ impl DeviceTask {
                 }
             }
             Wire::Disconnected(error) => {
+                s.connecting = None;
                 if self.is_connected() {
                     tracing::debug!(device = %self.shared.id, %error, "connection lost");
                 } else {
@@ -425,6 +439,9 @@ struct Session {
     /// (one latency per device, so deadlines are sorted).
     applies: VecDeque<(Instant, Desired)>,
     next_heartbeat: Option<Instant>,
+    /// The fleet-wide connect permit, until this session's first CONNACK or
+    /// failure.
+    connecting: Option<OwnedSemaphorePermit>,
 }
 
 /// A deadline for disabled `select!` branches, whose futures are still built.

@@ -11,7 +11,7 @@ use std::time::Duration;
 use idem_protocol::{Channel, DeviceId, Health, Rejection, TopicRoot};
 use rumqttc::{LastWill, MqttOptions, NetworkOptions, QoS};
 use serde_json::Value;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -137,6 +137,8 @@ impl Fleet {
         let tracker = TaskTracker::new();
         let seq_base = seq_base_now();
         let t0 = Instant::now();
+        let connect_gate =
+            (config.max_connecting > 0).then(|| Arc::new(Semaphore::new(config.max_connecting)));
         let mut network = NetworkOptions::new();
         network.set_connection_timeout(config.connect_timeout.as_secs().max(1));
 
@@ -189,6 +191,7 @@ impl Fleet {
                 backoff: config.backoff,
                 report_interval: config.report_interval,
                 start_at,
+                connect_gate: connect_gate.clone(),
                 token: token.clone(),
                 commands: commands_rx,
             };

@@ -44,7 +44,10 @@ pub mod plan;
 pub use api::{ApiError, OutcomeRow, RunCounts, RunView, ServerClient};
 pub use behaviour::{respond_to_desired, seq_base_now, DeviceBehaviour, DeviceState};
 pub use check::{check_outcomes, GroundTruthCheck, Mismatch};
-pub use config::{Backoff, BrokerAddr, FleetConfig, OfflineMode, SimDevice, DEFAULT_MQTT_PORT};
+pub use config::{
+    Backoff, BrokerAddr, FleetConfig, OfflineMode, SimDevice, DEFAULT_MAX_CONNECTING,
+    DEFAULT_MQTT_PORT,
+};
 pub use demo::{run_demo, DemoError, DemoObserver, DemoPhase, DemoReport, DemoRun, DemoSettings};
 pub use error::{PlanError, SimError};
 pub use fleet::{DeviceSnapshot, Fleet, FleetStats};

@@ -168,10 +168,14 @@ fn text_lines(report: &DemoReport, peak_rss: Option<u64>) -> Vec<String> {
     let t = &report.timings;
     let n = format_count(report.devices as u64);
     let mut lines = vec![
-        format!("registered {n} devices with their desired spec in {:.2} s", t.register_s),
         format!(
-            "connected {n} devices in {:.2} s; first reports stored after {:.2} s",
-            t.connect_s, t.reports_stored_s
+            "registered {n} devices with their desired spec in {:.2} s",
+            t.register_s
+        ),
+        format!(
+            "connected {n} devices in {:.2} s; server stored their first reports after {:.2} s \
+             (its applied-reports counter; confirmed device by device through the API at {:.2} s)",
+            t.connect_s, t.reports_counted_s, t.reports_stored_s
         ),
         format!(
             "run {} ({} devices, targeting {}):",
@@ -195,7 +199,10 @@ fn text_lines(report: &DemoReport, peak_rss: Option<u64>) -> Vec<String> {
             latency_text(c),
             apply
                 .as_ref()
-                .map(|a| format!("; on the device, desired received → confirmed: {}", latency_text(a)))
+                .map(|a| format!(
+                    "; on the device, desired received → confirmed: {}",
+                    latency_text(a)
+                ))
                 .unwrap_or_default()
         )),
         (None, _) => lines.push("convergence: no device needed a push".to_owned()),
@@ -356,6 +363,7 @@ mod tests {
             timings: idem_device_sim::demo::DemoTimings {
                 register_s: 0.1,
                 connect_s: 0.2,
+                reports_counted_s: 0.25,
                 reports_stored_s: 0.3,
                 run_s: 0.05,
                 server_run_ms: Some(40),

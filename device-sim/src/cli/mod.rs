@@ -133,6 +133,12 @@ pub struct FleetArgs {
     #[arg(long, env = "IDEM_SIM_CONNECT_RATE", default_value_t = 0)]
     pub connect_rate: u32,
 
+    /// Connection attempts in flight at once (0 = unbounded); keep it at or
+    /// below the broker's listen backlog (Mosquitto: 100) so no handshake is
+    /// dropped and retried a second later.
+    #[arg(long, env = "IDEM_SIM_MAX_CONNECTING", default_value_t = idem_device_sim::DEFAULT_MAX_CONNECTING)]
+    pub max_connecting: usize,
+
     /// MQTT keep-alive in seconds (0 = off).
     #[arg(long, env = "IDEM_SIM_KEEP_ALIVE_SECS", default_value_t = 60)]
     pub keep_alive_secs: u64,
@@ -173,6 +179,7 @@ impl FleetArgs {
         );
         config.keep_alive = Duration::from_secs(self.keep_alive_secs);
         config.connect_rate = self.connect_rate;
+        config.max_connecting = self.max_connecting;
         config.report_interval =
             (self.report_interval_secs > 0).then(|| Duration::from_secs(self.report_interval_secs));
         config.client_id_prefix = self.client_id_prefix.clone();

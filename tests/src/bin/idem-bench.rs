@@ -41,13 +41,15 @@ use serde_json::{json, Value};
 const USAGE: &str = "\
 usage: idem-bench --server-bin PATH [--out FILE] [--devices N] [--drifted N]
                   [--heartbeats K] [--perf STEP] [--perf-scope server|all]
-                  [--server-log FILE]
+                  [--connect-rate R] [--max-connecting M] [--server-log FILE]
 
   --server-bin PATH   the idem-server binary to benchmark (release build)
   --out FILE          where to write the JSON results
   --devices N         fleet size (default 10000)
   --drifted N         devices drifted for the converged pass (default 4)
   --heartbeats K      reports per device in the ingest burst (default 10)
+  --connect-rate R    new device connections per second (default 0 = all at once)
+  --max-connecting M  connection attempts in flight (default 100; 0 = unbounded)
   --perf STEP         run `perf record -g` during STEP (connect, converged,
                       normal, forced, full_push, ingest); data in perf-STEP.data
   --perf-scope S      profile the server only (default) or all CPUs
@@ -73,6 +75,8 @@ struct Args {
     devices: usize,
     drifted: usize,
     heartbeats: u32,
+    connect_rate: u32,
+    max_connecting: usize,
     perf: Option<String>,
     perf_all: bool,
     server_log: Option<PathBuf>,
@@ -85,6 +89,8 @@ fn parse_args() -> Result<Args> {
         devices: 10_000,
         drifted: 4,
         heartbeats: 10,
+        connect_rate: 0,
+        max_connecting: idem_device_sim::DEFAULT_MAX_CONNECTING,
         perf: None,
         perf_all: false,
         server_log: None,
@@ -101,6 +107,10 @@ fn parse_args() -> Result<Args> {
             "--devices" => args.devices = value()?.parse().context("--devices")?,
             "--drifted" => args.drifted = value()?.parse().context("--drifted")?,
             "--heartbeats" => args.heartbeats = value()?.parse().context("--heartbeats")?,
+            "--connect-rate" => args.connect_rate = value()?.parse().context("--connect-rate")?,
+            "--max-connecting" => {
+                args.max_connecting = value()?.parse().context("--max-connecting")?
+            }
             "--perf" => args.perf = Some(value()?),
             "--server-log" => args.server_log = Some(PathBuf::from(value()?)),
             "--perf-scope" => {
@@ -163,6 +173,23 @@ fn processes() -> Vec<(u32, u32, String)> {
         .collect()
 }
 
+/// Machine-wide `(busy, steal)` CPU seconds from the first line of
+/// `/proc/stat` (busy = user + nice + system + irq + softirq).
+fn machine_cpu() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let fields: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    let at = |i: usize| fields.get(i).copied().unwrap_or(0.0);
+    let busy = at(0) + at(1) + at(2) + at(5) + at(6);
+    (busy / TICKS_PER_SECOND, at(7) / TICKS_PER_SECOND)
+}
+
 /// CPU seconds so far of the parts of the system under test.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 struct Cpu {
@@ -173,6 +200,11 @@ struct Cpu {
     postgres: f64,
     /// This process: the simulated fleet (and the bare subscriber).
     simulator: f64,
+    /// Everything else on the machine (busy CPU not spent by the four above):
+    /// a noisy neighbour shows up here.
+    other: f64,
+    /// CPU time the hypervisor took away.
+    steal: f64,
 }
 
 impl Cpu {
@@ -182,6 +214,8 @@ impl Cpu {
             broker: self.broker - earlier.broker,
             postgres: self.postgres - earlier.postgres,
             simulator: self.simulator - earlier.simulator,
+            other: self.other - earlier.other,
+            steal: self.steal - earlier.steal,
         }
     }
 }
@@ -198,11 +232,18 @@ impl Probe {
             .filter(|(_, _, comm)| comm == "postgres")
             .filter_map(|(pid, _, _)| cpu_seconds(*pid))
             .sum();
+        let server = cpu_seconds(self.server_pid).unwrap_or(0.0);
+        let broker = self.broker_pid.and_then(cpu_seconds).unwrap_or(0.0);
+        let simulator = cpu_seconds(std::process::id()).unwrap_or(0.0);
+        let (busy, steal) = machine_cpu();
         Cpu {
-            server: cpu_seconds(self.server_pid).unwrap_or(0.0),
-            broker: self.broker_pid.and_then(cpu_seconds).unwrap_or(0.0),
+            server,
+            broker,
             postgres,
-            simulator: cpu_seconds(std::process::id()).unwrap_or(0.0),
+            simulator,
+            // Cumulative totals; only differences between samples mean anything.
+            other: busy - server - broker - postgres - simulator,
+            steal,
         }
     }
 
@@ -386,14 +427,24 @@ impl Bench {
         if let Some(perf) = perf {
             record.perf_files.push(perf.stop()?);
         }
-        let (value, details) = result.with_context(|| format!("step {name}"))?;
+        let (value, mut details) = result.with_context(|| format!("step {name}"))?;
+        details.insert(
+            "server_rss_after_bytes",
+            json!(self.probe.server_memory(MemoryField::Rss)),
+        );
+        details.insert(
+            "server_peak_rss_after_bytes",
+            json!(self.probe.server_memory(MemoryField::PeakRss)),
+        );
         eprintln!(
-            "  {name:<10} {:>8.3} s   cpu: server {:.2} s, broker {:.2} s, postgres {:.2} s, simulator {:.2} s",
+            "  {name:<10} {:>8.3} s   cpu: server {:.2} s, broker {:.2} s, postgres {:.2} s, simulator {:.2} s, other {:.2} s, steal {:.2} s",
             wall.as_secs_f64(),
             cpu.server,
             cpu.broker,
             cpu.postgres,
-            cpu.simulator
+            cpu.simulator,
+            cpu.other,
+            cpu.steal
         );
         record.steps.push(Step {
             name,
@@ -426,7 +477,8 @@ async fn follow_run(client: &ServerClient, run_id: &str) -> Result<RunView> {
         }
         if Instant::now() > deadline {
             bail!(
-                "run {run_id} not completed after {STEP_TIMEOUT:?}: {}",
+                "run {run_id} not completed after {STEP_TIMEOUT:?}: {}\n{}",
+                diagnose_client(client).await,
                 run.counts.summary()
             );
         }
@@ -456,6 +508,64 @@ async fn wait_stored(
         }
         tokio::time::sleep(POLL).await;
     }
+}
+
+/// `pid, state, wait_event_type, wait_event, query` of a database session.
+type Session = (
+    i32,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+/// What the server and its database are doing, for a step that timed out:
+/// the database sessions of the test database (state, lock waits, query)
+/// and the server's in-flight gauges.
+async fn diagnose(bench: &Bench) -> String {
+    let sessions: Vec<Session> = sqlx::query_as(
+        "SELECT pid, state, wait_event_type, wait_event, left(query, 160) \
+             FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(bench.db.pool())
+    .await
+    .unwrap_or_default();
+    let mut out = String::from("--- database sessions ---\n");
+    for (pid, state, wait_type, wait, query) in sessions {
+        out.push_str(&format!(
+            "{pid} {} {}/{} {}\n",
+            state.unwrap_or_default(),
+            wait_type.unwrap_or_default(),
+            wait.unwrap_or_default(),
+            query.unwrap_or_default().replace('\n', " ")
+        ));
+    }
+    out.push_str(&diagnose_client(&bench.client).await);
+    out
+}
+
+/// The server's in-flight gauges and report counters from `/metrics`.
+async fn diagnose_client(client: &ServerClient) -> String {
+    let text = client.metrics_text().await.unwrap_or_default();
+    let mut out = String::from("--- server gauges ---\n");
+    for line in text.lines().filter(|l| {
+        !l.starts_with('#')
+            && [
+                "idem_reports_total",
+                "idem_attempts_in_flight",
+                "idem_pushes_in_flight",
+                "idem_push_queue_depth",
+                "idem_mqtt_connected",
+                "idem_event_log_lag_events",
+                "idem_pushes_total",
+            ]
+            .iter()
+            .any(|m| l.starts_with(m))
+    }) {
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
 }
 
 fn details(pairs: &[(&'static str, Value)]) -> BTreeMap<&'static str, Value> {
@@ -608,7 +718,8 @@ async fn run_steps(
         root.clone(),
         plan.devices.clone(),
     );
-    config.connect_rate = 0;
+    config.connect_rate = bench.args.connect_rate;
+    config.max_connecting = bench.args.max_connecting;
     let ((fleet, connected_s), connect_wall) = bench
         .step(&mut record, "connect", async {
             let started = Instant::now();
@@ -638,6 +749,8 @@ async fn run_steps(
             ))
         })
         .await?;
+    // Steady state with the fleet connected: after the ingest settled.
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let server_connected_rss = bench.probe.server_memory(MemoryField::Rss);
 
     // Converged pass: a normal run over the fleet with `drifted` devices off.
@@ -737,7 +850,7 @@ async fn run_steps(
                 fleet.request_report(&id)?;
             }
         }
-        let deadline = t0 + STEP_TIMEOUT;
+        let deadline = t0 + Duration::from_secs(120);
         let subscriber = async {
             loop {
                 if let Some(at) = counter.reached() {
@@ -771,7 +884,10 @@ async fn run_steps(
                     }
                 }
                 if Instant::now() > deadline {
-                    bail!("the server applied {applied} of {total} reports");
+                    bail!(
+                        "the server applied {applied} of {total} reports\n{}",
+                        diagnose(bench).await
+                    );
                 }
                 tokio::time::sleep(POLL).await;
             }
@@ -817,9 +933,14 @@ async fn run_steps(
         Target {
             measure: "connect: all connected + first reports stored",
             result: format!(
-                "{connect_s:.2} s ({:.0} devices/s; all connected after {:.2} s)",
+                "{connect_s:.2} s ({:.0} devices/s; all connected after {connected_s:.2} s; {})",
                 n as f64 / connect_s,
-                connected_s
+                match (bench.args.connect_rate, bench.args.max_connecting) {
+                    (0, 0) => "no ramp, unbounded".to_owned(),
+                    (0, m) => format!("<= {m} connecting at once"),
+                    (rate, 0) => format!("ramp {rate}/s"),
+                    (rate, m) => format!("ramp {rate}/s, <= {m} at once"),
+                }
             ),
             target: "<= 3 s",
             met: Some(connect_s <= 3.0),
@@ -927,7 +1048,9 @@ async fn run_steps(
             "drifted": bench.args.drifted,
             "heartbeats_per_device": k,
             "server_env": server_env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
-            "simulator": "one rumqttc v4 client per device in this process, connect rate unlimited",
+            "simulator": "one rumqttc v4 client per device in this process",
+            "connect_rate_per_s": bench.args.connect_rate,
+            "max_connecting": bench.args.max_connecting,
         },
         "targets": targets,
         "steps": record.steps,
@@ -1006,13 +1129,14 @@ fn print_tables(targets: &[Target], steps: &[Step]) {
     println!();
     println!("where the time goes (CPU seconds per step; 2 cores = 2 CPU-s per wall second)");
     println!(
-        "{:<10} | {:>8} | {:>8} | {:>8} | {:>8} | {:>9}",
-        "step", "wall s", "server", "broker", "postgres", "simulator"
+        "{:<10} | {:>8} | {:>8} | {:>8} | {:>8} | {:>9} | {:>6} | {:>6}",
+        "step", "wall s", "server", "broker", "postgres", "simulator", "other", "steal"
     );
     for s in steps {
+        let c = &s.cpu_s;
         println!(
-            "{:<10} | {:>8.3} | {:>8.2} | {:>8.2} | {:>8.2} | {:>9.2}",
-            s.name, s.wall_s, s.cpu_s.server, s.cpu_s.broker, s.cpu_s.postgres, s.cpu_s.simulator
+            "{:<10} | {:>8.3} | {:>8.2} | {:>8.2} | {:>8.2} | {:>9.2} | {:>6.2} | {:>6.2}",
+            s.name, s.wall_s, c.server, c.broker, c.postgres, c.simulator, c.other, c.steal
         );
     }
     println!();
