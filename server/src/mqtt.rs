@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_protocol::{Channel, DeviceId, TopicRoot, GET_PAYLOAD};
-use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS, SubscribeFilter};
+use rumqttc::{
+    AsyncClient, ClientError, Event, EventLoop, MqttOptions, Packet, Publish, QoS, Request, SubscribeFilter,
+};
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -174,25 +176,15 @@ impl Publisher {
             }
         };
         let topic = self.root.topic(device, Channel::Desired);
-        if let Err(e) = self
-            .client
-            .publish(topic, QoS::AtLeastOnce, true, payload)
-            .await
-        {
-            tracing::error!(%device, error = %e, "could not publish desired state");
-        }
+        let sent = self.client.try_publish(topic, QoS::AtLeastOnce, true, payload);
+        self.detach_if_full(sent, "desired state");
     }
 
     /// Asks the device to report now.
     pub async fn ask_for_report(&self, device: &DeviceId) {
         let topic = self.root.topic(device, Channel::Get);
-        if let Err(e) = self
-            .client
-            .publish(topic, QoS::AtLeastOnce, false, GET_PAYLOAD)
-            .await
-        {
-            tracing::error!(%device, error = %e, "could not publish report request");
-        }
+        let sent = self.client.try_publish(topic, QoS::AtLeastOnce, false, GET_PAYLOAD);
+        self.detach_if_full(sent, "report request");
     }
 
     /// Publishes one CloudEvent (structured JSON) on an event topic.
@@ -204,8 +196,43 @@ impl Publisher {
 
     /// Acknowledges an inbound publish (manual acks).
     pub async fn ack(&self, publish: &Publish) {
-        if let Err(e) = self.client.ack(publish).await {
-            tracing::warn!(error = %e, "could not queue an MQTT ack");
+        match self.client.try_ack(publish) {
+            Ok(()) => {}
+            Err(ClientError::TryRequest(_)) => {
+                // Wait for room in a task of its own (see `detach_if_full`).
+                let client = self.client.clone();
+                let publish = publish.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = client.ack(&publish).await {
+                        tracing::warn!(error = %e, "could not queue an MQTT ack");
+                    }
+                });
+            }
+            Err(e @ ClientError::Request(_)) => tracing::warn!(error = %e, "could not queue an MQTT ack"),
+        }
+    }
+
+    /// The engine and the ingest never wait for room in the client's request
+    /// channel: the event loop that drains it may itself be waiting for them
+    /// (inbound channel full), which would deadlock. When the channel is
+    /// full, a task of its own waits instead; at most one per in-flight push,
+    /// report request or ack.
+    fn detach_if_full(&self, sent: Result<(), ClientError>, what: &'static str) {
+        match sent {
+            Ok(()) => {}
+            Err(ClientError::TryRequest(request)) => {
+                let Request::Publish(p) = request else {
+                    tracing::error!(what, "unexpected request returned by the MQTT client");
+                    return;
+                };
+                let client = self.client.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = client.publish(p.topic, p.qos, p.retain, p.payload.to_vec()).await {
+                        tracing::error!(error = %e, what, "could not publish");
+                    }
+                });
+            }
+            Err(e @ ClientError::Request(_)) => tracing::error!(error = %e, what, "could not publish"),
         }
     }
 

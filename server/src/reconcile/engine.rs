@@ -38,7 +38,7 @@ const SCAN_INTERVAL: Duration = Duration::from_millis(50);
 /// Results are written at least this often while there are any.
 const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
 /// Write at once when this many outcomes are waiting.
-const FLUSH_SIZE: usize = 2_000;
+const FLUSH_SIZE: usize = 10_000;
 /// Most commands handled before their results are written.
 const MAX_COMMANDS_PER_BATCH: usize = 256;
 /// Pacing headroom: pushes are spaced `1.1 s / rate` apart and at most
