@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use idem_protocol::{Channel, DeviceId, TopicRoot, GET_PAYLOAD};
 use rumqttc::{
-    AsyncClient, ClientError, Event, EventLoop, MqttOptions, Packet, Publish, QoS, Request, SubscribeFilter,
+    AsyncClient, ClientError, Event, EventLoop, MqttOptions, Packet, Publish, QoS, Request,
+    SubscribeFilter,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -176,14 +177,18 @@ impl Publisher {
             }
         };
         let topic = self.root.topic(device, Channel::Desired);
-        let sent = self.client.try_publish(topic, QoS::AtLeastOnce, true, payload);
+        let sent = self
+            .client
+            .try_publish(topic, QoS::AtLeastOnce, true, payload);
         self.detach_if_full(sent, "desired state");
     }
 
     /// Asks the device to report now.
     pub async fn ask_for_report(&self, device: &DeviceId) {
         let topic = self.root.topic(device, Channel::Get);
-        let sent = self.client.try_publish(topic, QoS::AtLeastOnce, false, GET_PAYLOAD);
+        let sent = self
+            .client
+            .try_publish(topic, QoS::AtLeastOnce, false, GET_PAYLOAD);
         self.detach_if_full(sent, "report request");
     }
 
@@ -208,7 +213,9 @@ impl Publisher {
                     }
                 });
             }
-            Err(e @ ClientError::Request(_)) => tracing::warn!(error = %e, "could not queue an MQTT ack"),
+            Err(e @ ClientError::Request(_)) => {
+                tracing::warn!(error = %e, "could not queue an MQTT ack")
+            }
         }
     }
 
@@ -227,12 +234,17 @@ impl Publisher {
                 };
                 let client = self.client.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = client.publish(p.topic, p.qos, p.retain, p.payload.to_vec()).await {
+                    if let Err(e) = client
+                        .publish(p.topic, p.qos, p.retain, p.payload.to_vec())
+                        .await
+                    {
                         tracing::error!(error = %e, what, "could not publish");
                     }
                 });
             }
-            Err(e @ ClientError::Request(_)) => tracing::error!(error = %e, what, "could not publish"),
+            Err(e @ ClientError::Request(_)) => {
+                tracing::error!(error = %e, what, "could not publish")
+            }
         }
     }
 
