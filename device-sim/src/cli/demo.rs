@@ -86,7 +86,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         println!(
             "device-sim demo: {} devices ({} drifted, {} rejecting, {} silent; seed {}) against {}",
             format_count(f.devices as u64),
-            f.drifted,
+            f.drifted_count().unwrap_or(f.drifted),
             f.reject,
             f.silent,
             f.seed,

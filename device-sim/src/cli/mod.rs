@@ -96,6 +96,10 @@ pub struct FleetArgs {
     #[arg(long, env = "IDEM_SIM_DRIFTED", default_value_t = 0)]
     pub drifted: usize,
 
+    /// Fraction of the devices (0.0–1.0) that start drifted; replaces `--drifted`.
+    #[arg(long, env = "IDEM_SIM_DRIFT_RATIO", conflicts_with = "drifted")]
+    pub drift_ratio: Option<f64>,
+
     /// Devices that start off-spec and reject every push.
     #[arg(long, env = "IDEM_SIM_REJECT", default_value_t = 0)]
     pub reject: usize,
@@ -154,11 +158,20 @@ pub struct FleetArgs {
 }
 
 impl FleetArgs {
+    /// `--drifted`, or `--drift-ratio` of `--devices` rounded to a whole device.
+    pub fn drifted_count(&self) -> anyhow::Result<usize> {
+        match self.drift_ratio {
+            None => Ok(self.drifted),
+            Some(r) if (0.0..=1.0).contains(&r) => Ok((r * self.devices as f64).round() as usize),
+            Some(r) => anyhow::bail!("--drift-ratio must be between 0.0 and 1.0, got {r}"),
+        }
+    }
+
     /// The plan (device configs + ground truth) these arguments describe.
     pub fn plan(&self) -> anyhow::Result<Plan> {
         FleetPlan::new(self.id_prefix.clone(), self.devices)
             .desired_spec(self.desired_spec.clone().unwrap_or_else(default_desired_spec))
-            .drifted(self.drifted)
+            .drifted(self.drifted_count()?)
             .rejecting(self.reject)
             .reject_message(self.reject_message.clone())
             .silent(self.silent)
@@ -242,6 +255,38 @@ mod tests {
     #[test]
     fn the_cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_drift_ratio_picks_that_share_of_the_fleet() {
+        let cli = Cli::try_parse_from([
+            "device-sim",
+            "run",
+            "--devices",
+            "10000",
+            "--drift-ratio",
+            "0.0004",
+        ])
+        .unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("expected run")
+        };
+        assert_eq!(args.fleet.drifted_count().unwrap(), 4);
+        assert_eq!(args.fleet.plan().unwrap().expected_counts().provisioned, 4);
+        let cli = Cli::try_parse_from(["device-sim", "run", "--drift-ratio", "1.5"]).unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("expected run")
+        };
+        assert!(args.fleet.drifted_count().is_err());
+        assert!(Cli::try_parse_from([
+            "device-sim",
+            "run",
+            "--drifted",
+            "1",
+            "--drift-ratio",
+            "0.1"
+        ])
+        .is_err());
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         format_count(plan.devices.len() as u64),
         config.broker,
         config.topic_root,
-        args.fleet.drifted,
+        args.fleet.drifted_count().unwrap_or(args.fleet.drifted),
         args.fleet.reject,
         args.fleet.silent,
         args.fleet.ignore_pushes,
