@@ -61,11 +61,12 @@ impl ExpectedCounts {
     /// `N already converged, N provisioned, N failed`, with thousands
     /// separators, in the order of the server's run summary.
     pub fn summary(&self) -> String {
-        format!(
-            "{} already converged, {} provisioned, {} failed",
-            format_count(self.already_converged as u64),
-            format_count(self.provisioned as u64),
-            format_count(self.failed as u64)
+        idem_protocol::summary::summary_line(
+            self.already_converged as u64,
+            self.provisioned as u64,
+            self.failed as u64,
+            0,
+            0,
         )
     }
 }
@@ -76,18 +77,8 @@ impl fmt::Display for ExpectedCounts {
     }
 }
 
-/// `9996` → `9,996`.
-pub fn format_count(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
+/// `9996` → `9,996` (the server's own formatting).
+pub use idem_protocol::summary::with_thousands as format_count;
 
 /// A small, realistic desired spec used when the caller gives none.
 pub fn default_desired_spec() -> Value {
@@ -377,15 +368,6 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn counts_are_formatted_with_thousands_separators() {
-        assert_eq!(format_count(0), "0");
-        assert_eq!(format_count(999), "999");
-        assert_eq!(format_count(1000), "1,000");
-        assert_eq!(format_count(9996), "9,996");
-        assert_eq!(format_count(1_234_567), "1,234,567");
-    }
 
     #[test]
     fn a_plan_of_10000_with_4_drifted_expects_9996_converged_and_4_provisioned() {

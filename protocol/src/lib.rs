@@ -7,6 +7,7 @@
 pub mod device_id;
 pub mod digest;
 pub mod payload;
+pub mod summary;
 pub mod topic;
 
 pub use device_id::{DeviceId, InvalidDeviceId};

@@ -75,17 +75,6 @@ impl OutcomeKind {
     pub fn parse(raw: &str) -> Option<Self> {
         OutcomeKind::ALL.into_iter().find(|k| k.as_str() == raw)
     }
-
-    /// Words used in the summary line.
-    fn summary_words(self) -> &'static str {
-        match self {
-            OutcomeKind::AlreadyConverged => "already converged",
-            OutcomeKind::Provisioned => "provisioned",
-            OutcomeKind::Failed => "failed",
-            OutcomeKind::Skipped => "skipped",
-            OutcomeKind::Superseded => "superseded",
-        }
-    }
 }
 
 impl fmt::Display for OutcomeKind {
@@ -187,37 +176,16 @@ impl OutcomeCounts {
         OutcomeKind::ALL.iter().map(|k| self.get(*k)).sum()
     }
 
-    /// `N already converged, N provisioned, N failed`, then `, N skipped` and
-    /// `, N superseded` only when non-zero. Numbers use `,` thousands separators.
+    /// The summary line (see `idem_protocol::summary::summary_line`).
     pub fn summary(&self) -> String {
-        let mut parts = Vec::with_capacity(5);
-        for kind in OutcomeKind::ALL {
-            let always_shown = match kind {
-                OutcomeKind::AlreadyConverged | OutcomeKind::Provisioned | OutcomeKind::Failed => {
-                    true
-                }
-                OutcomeKind::Skipped | OutcomeKind::Superseded => false,
-            };
-            let n = self.get(kind);
-            if always_shown || n > 0 {
-                parts.push(format!("{} {}", with_thousands(n), kind.summary_words()));
-            }
-        }
-        parts.join(", ")
+        idem_protocol::summary::summary_line(
+            self.already_converged,
+            self.provisioned,
+            self.failed,
+            self.skipped,
+            self.superseded,
+        )
     }
-}
-
-/// `9996` → `9,996`.
-pub fn with_thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 #[cfg(test)]
@@ -258,14 +226,6 @@ mod tests {
             counts.summary(),
             "0 already converged, 0 provisioned, 0 failed, 1,000,000 superseded"
         );
-    }
-
-    #[test]
-    fn thousands_separators_are_placed_every_three_digits() {
-        assert_eq!(with_thousands(0), "0");
-        assert_eq!(with_thousands(999), "999");
-        assert_eq!(with_thousands(1_000), "1,000");
-        assert_eq!(with_thousands(12_345_678), "12,345,678");
     }
 
     #[test]
