@@ -16,7 +16,9 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
-use crate::support::{find_binary_in, free_port, loopback_addr, tail, wait_for_tcp, LOOPBACK};
+use crate::support::{
+    find_binary_in, free_port, kill_and_reap, loopback_addr, tail, wait_for_tcp, LOOPBACK,
+};
 
 /// How long the broker gets to accept TCP connections after it is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -310,15 +312,7 @@ fn append(path: &Path) -> Result<File> {
 
 impl Drop for PrivateMosquitto {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let pid = child.id();
-            if let Err(e) = child.kill() {
-                eprintln!("idem-tests: killing private mosquitto (pid {pid}) failed: {e}");
-            }
-            if let Err(e) = child.wait() {
-                eprintln!("idem-tests: reaping private mosquitto (pid {pid}) failed: {e}");
-            }
-        }
+        kill_and_reap(self.child.take(), "private mosquitto");
     }
 }
 

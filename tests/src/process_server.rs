@@ -22,7 +22,7 @@ use serde_json::Value;
 use tempfile::TempDir;
 
 use crate::api_client::ApiClient;
-use crate::support::{free_port, loopback_addr, tail};
+use crate::support::{free_port, kill_and_reap, loopback_addr, tail};
 
 /// How long a start gets to answer `GET /readyz` with 200 (migrations, cache
 /// load, MQTT connect and subscribe, resumption of unfinished runs).
@@ -387,15 +387,7 @@ impl ProcessServer {
 
 impl Drop for ProcessServer {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let pid = child.id();
-            if let Err(e) = child.kill() {
-                eprintln!("idem-tests: killing idem-server (pid {pid}) failed: {e}");
-            }
-            if let Err(e) = child.wait() {
-                eprintln!("idem-tests: reaping idem-server (pid {pid}) failed: {e}");
-            }
-        }
+        kill_and_reap(self.child.take(), "idem-server");
     }
 }
 

@@ -18,7 +18,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 use tempfile::TempDir;
 
-use crate::support::{find_binary, free_port, tail, LOOPBACK};
+use crate::support::{find_binary, free_port, kill_and_reap, tail, LOOPBACK};
 
 /// How long Prometheus gets to answer `/-/ready` after it is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -506,15 +506,7 @@ fn sample_value(pair: &Value) -> Result<f64> {
 
 impl Drop for PrivatePrometheus {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let pid = child.id();
-            if let Err(e) = child.kill() {
-                eprintln!("idem-tests: killing private prometheus (pid {pid}) failed: {e}");
-            }
-            if let Err(e) = child.wait() {
-                eprintln!("idem-tests: reaping private prometheus (pid {pid}) failed: {e}");
-            }
-        }
+        kill_and_reap(self.child.take(), "private prometheus");
     }
 }
 

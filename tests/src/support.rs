@@ -113,6 +113,20 @@ pub(crate) fn wait_for_tcp(
     }
 }
 
+/// Kills and reaps a child this process owns (by its own handle, so only
+/// that process), for `Drop` implementations: failures are reported on
+/// stderr, never panicked on.
+pub(crate) fn kill_and_reap(child: Option<std::process::Child>, what: &str) {
+    let Some(mut child) = child else { return };
+    let pid = child.id();
+    if let Err(e) = child.kill() {
+        eprintln!("idem-tests: killing {what} (pid {pid}) failed: {e}");
+    }
+    if let Err(e) = child.wait() {
+        eprintln!("idem-tests: reaping {what} (pid {pid}) failed: {e}");
+    }
+}
+
 pub(crate) fn loopback_addr(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use idem_device_sim::{drifted_spec, DeviceBehaviour, FleetPlan, OfflineMode, SimDevice};
+use idem_device_sim::{drifted_spec, DeviceBehaviour, Fleet, FleetPlan, OfflineMode, SimDevice};
 use idem_protocol::{DeviceId, Health};
 use idem_tests::{DesiredWatcher, Scenario, ServerSettings};
 use serde_json::{json, Value};
@@ -59,16 +59,21 @@ async fn runs_with_trigger(scenario: &Scenario, trigger: &str) -> Vec<Value> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_device_that_rejects_twice_is_provisioned_on_the_third_attempt() {
+/// A scenario with one drifted device that rejects its first `rejections`
+/// pushes with `message`, registered, connected and reported.
+async fn one_device_rejecting(
+    prefix: &str,
+    rejections: u32,
+    message: &str,
+) -> (Scenario, Fleet, DeviceId) {
     let scenario = Scenario::start(retrying()).await.unwrap();
-    let plan = FleetPlan::new("flaky-", 1).build().unwrap();
+    let plan = FleetPlan::new(prefix, 1).build().unwrap();
     let id = plan.devices[0].id.clone();
     let device = SimDevice::new(id.clone(), drifted_spec(&plan.desired_spec))
         .with_generation(Some(1))
         .with_behaviour(DeviceBehaviour::RejectTimes {
-            times: 2,
-            message: "busy".into(),
+            times: rejections,
+            message: message.into(),
         });
     scenario
         .register(std::slice::from_ref(&device), &plan.desired_spec)
@@ -79,6 +84,12 @@ async fn a_device_that_rejects_twice_is_provisioned_on_the_third_attempt() {
         .wait_reports_stored(1, Duration::from_secs(10))
         .await
         .unwrap();
+    (scenario, fleet, id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_rejects_twice_is_provisioned_on_the_third_attempt() {
+    let (scenario, fleet, id) = one_device_rejecting("flaky-", 2, "busy").await;
 
     let (run_id, run) = scenario.run_all(Duration::from_secs(20)).await.unwrap();
     assert_eq!(
@@ -121,25 +132,8 @@ async fn a_device_that_rejects_twice_is_provisioned_on_the_third_attempt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_that_keeps_rejecting_is_quarantined_once_and_released_by_an_operator_retry() {
-    let scenario = Scenario::start(retrying()).await.unwrap();
-    let plan = FleetPlan::new("stubborn-", 1).build().unwrap();
-    let id = plan.devices[0].id.clone();
     // Rejects the three attempts the server allows, accepts the fourth.
-    let device = SimDevice::new(id.clone(), drifted_spec(&plan.desired_spec))
-        .with_generation(Some(1))
-        .with_behaviour(DeviceBehaviour::RejectTimes {
-            times: 3,
-            message: "no".into(),
-        });
-    scenario
-        .register(std::slice::from_ref(&device), &plan.desired_spec)
-        .await
-        .unwrap();
-    let fleet = scenario.start_fleet(vec![device]).await.unwrap();
-    scenario
-        .wait_reports_stored(1, Duration::from_secs(10))
-        .await
-        .unwrap();
+    let (scenario, fleet, id) = one_device_rejecting("stubborn-", 3, "no").await;
 
     let (run_id, run) = scenario.run_all(Duration::from_secs(20)).await.unwrap();
     assert_eq!(
