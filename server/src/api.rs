@@ -224,6 +224,7 @@ async fn register_devices(
         });
         ids.push(id);
     }
+    let _one_writer = state.device_writes.lock().await;
     let mut tx = state
         .pool
         .begin()
@@ -597,12 +598,18 @@ async fn create_run(
         force,
         spec,
     };
-    let command = commit_run(&state.pool, &state.fleet, &state.event_source, run)
-        .await
-        .map_err(|e| match e {
-            CommitRunError::Store(e) => ApiError::from(e),
-            CommitRunError::Event(e) => ApiError::from(e),
-        })?;
+    let command = commit_run(
+        &state.pool,
+        &state.device_writes,
+        &state.fleet,
+        &state.event_source,
+        run,
+    )
+    .await
+    .map_err(|e| match e {
+        CommitRunError::Store(e) => ApiError::from(e),
+        CommitRunError::Event(e) => ApiError::from(e),
+    })?;
     state.events_wake.notify_one();
     state.metrics.events_committed.increment(1);
     let run_id = match &command {

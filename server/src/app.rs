@@ -24,7 +24,7 @@ use crate::reconcile::policy::RetryPolicy;
 use crate::reconcile::runs::Trigger;
 use crate::relay::{EventRelay, Retention};
 use crate::store::events::StoredEvent;
-use crate::store::{self, StoreError};
+use crate::store::{self, DeviceWrites, StoreError};
 
 /// Inbound MQTT messages buffered between the event loop and the ingest.
 const INBOUND_CAPACITY: usize = 16_384;
@@ -45,6 +45,7 @@ pub struct AppState {
     pub events_wake: Arc<Notify>,
     pub mqtt: Arc<MqttStatus>,
     pub engine_stats: Arc<EngineStats>,
+    pub device_writes: DeviceWrites,
     pub event_source: String,
     pub config: ValidConfig,
 }
@@ -79,6 +80,7 @@ pub async fn run(
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
     let (notices, _) = broadcast::channel(1_024);
     let event_source = format!("/idem/{}", config.config.instance);
+    let device_writes = DeviceWrites::default();
     let (live_events, _) = broadcast::channel(LIVE_EVENTS_CAPACITY);
     let events_wake = Arc::new(Notify::new());
 
@@ -121,6 +123,7 @@ pub async fn run(
         stats: engine_stats.clone(),
         event_source: event_source.clone(),
         settings,
+        device_writes: device_writes.clone(),
     });
     let engine_task = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
     let ingest = Ingest {
@@ -132,6 +135,7 @@ pub async fn run(
         root: config.topic_root.clone(),
         max_payload: config.config.max_payload_bytes,
         auto_register: config.config.auto_register,
+        device_writes: device_writes.clone(),
     };
     let ingest_task = tokio::spawn(ingest.run(inbound_rx, intake_token.clone()));
     let upkeep_task = tokio::spawn(metrics_upkeep(
@@ -179,6 +183,7 @@ pub async fn run(
         events_wake,
         mqtt: mqtt_status,
         engine_stats,
+        device_writes,
         event_source,
         config,
     });

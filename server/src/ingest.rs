@@ -20,7 +20,7 @@ use crate::mqtt::Publisher;
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::engine::EngineCommand;
 use crate::store::devices::ReportRow;
-use crate::store::{self, StoreError};
+use crate::store::{self, DeviceWrites, StoreError};
 
 /// Most messages stored in one database batch.
 const MAX_BATCH: usize = 4_096;
@@ -107,6 +107,7 @@ pub struct Ingest {
     pub root: TopicRoot,
     pub max_payload: usize,
     pub auto_register: bool,
+    pub device_writes: DeviceWrites,
 }
 
 /// A batch's accepted work, latest report per device.
@@ -274,16 +275,11 @@ impl Ingest {
     }
 
     async fn write(&self, rows: &[ReportRow], online: &[(String, bool)]) -> Result<(), StoreError> {
+        let _one_writer = self.device_writes.lock().await;
         let mut tx = self.pool.begin().await.map_err(|e| StoreError::Db {
             context: "starting a transaction",
             source: e,
         })?;
-        let mut touched: Vec<String> = rows
-            .iter()
-            .map(|r| r.id.clone())
-            .chain(online.iter().map(|(id, _)| id.clone()))
-            .collect();
-        store::devices::lock_in_order(&mut tx, &mut touched).await?;
         store::devices::apply_reports(&mut tx, rows, self.auto_register).await?;
         store::devices::set_online(&mut tx, online).await?;
         tx.commit().await.map_err(|e| StoreError::Db {

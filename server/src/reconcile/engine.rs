@@ -27,7 +27,7 @@ use crate::fleet::{DeviceEntry, Fleet};
 use crate::metrics::Metrics;
 use crate::mqtt::Publisher;
 use crate::store::devices::AttemptRow;
-use crate::store::{self, runs::OutcomeRow, StoreError};
+use crate::store::{self, runs::OutcomeRow, DeviceWrites, StoreError};
 
 /// Most device outcomes listed in a `run.completed` event; the full list
 /// stays queryable through the API.
@@ -113,6 +113,7 @@ pub struct EngineContext {
     /// CloudEvents `source`.
     pub event_source: String,
     pub settings: EngineSettings,
+    pub device_writes: DeviceWrites,
 }
 
 struct RunProgress {
@@ -794,7 +795,15 @@ impl Engine {
             force: false,
             spec: None,
         };
-        match commit_run(&self.ctx.pool, &self.ctx.fleet, &self.ctx.event_source, run).await {
+        match commit_run(
+            &self.ctx.pool,
+            &self.ctx.device_writes,
+            &self.ctx.fleet,
+            &self.ctx.event_source,
+            run,
+        )
+        .await
+        {
             Ok(EngineCommand::StartRun {
                 run_id,
                 trigger,
@@ -888,21 +897,13 @@ impl Engine {
     }
 
     async fn write(&self, pending: &Pending) -> Result<Committed, FlushError> {
+        let _one_writer = self.ctx.device_writes.lock().await;
         let mut tx = self.ctx.pool.begin().await.map_err(|e| StoreError::Db {
             context: "starting a transaction",
             source: e,
         })?;
         let per_run: Vec<(Uuid, OutcomeCounts)> =
             pending.per_run.iter().map(|(k, v)| (*k, *v)).collect();
-        let mut touched: Vec<String> = pending
-            .statuses
-            .iter()
-            .map(|(id, _)| id.clone())
-            .chain(pending.attempts.iter().map(|a| a.device_id.clone()))
-            .chain(pending.resets.iter().cloned())
-            .chain(pending.outcomes.iter().map(|o| o.device_id.clone()))
-            .collect();
-        store::devices::lock_in_order(&mut tx, &mut touched).await?;
         let mut by_status: HashMap<DeviceStatus, Vec<String>> = HashMap::new();
         for (id, status) in &pending.statuses {
             by_status.entry(*status).or_default().push(id.clone());

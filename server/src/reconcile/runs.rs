@@ -12,7 +12,7 @@ use uuid::Uuid;
 use super::engine::EngineCommand;
 use crate::events::{self, EventDraft, EventError, EventType};
 use crate::fleet::{DesiredState, Fleet};
-use crate::store::{self, StoreError};
+use crate::store::{self, DeviceWrites, StoreError};
 
 /// Why a run was started; stored as `runs.trigger`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -66,12 +66,18 @@ pub struct NewRun {
 /// Commits `run` and returns the command that starts it in the engine.
 pub async fn commit_run(
     pool: &PgPool,
+    device_writes: &DeviceWrites,
     fleet: &Fleet,
     event_source: &str,
     run: NewRun,
 ) -> Result<EngineCommand, CommitRunError> {
     let run_id = Uuid::now_v7();
     let target_ids: Vec<String> = run.targets.iter().map(DeviceId::to_string).collect();
+    // Only a desired change updates many device rows.
+    let _one_writer = match run.spec {
+        Some(_) => Some(device_writes.lock().await),
+        None => None,
+    };
     let mut tx = pool.begin().await.map_err(|e| StoreError::Db {
         context: "starting a transaction",
         source: e,
@@ -79,8 +85,6 @@ pub async fn commit_run(
     let digest_and_spec = run.spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
     let mut desired_changes = Vec::new();
     if let Some((digest, spec)) = &digest_and_spec {
-        let mut ids = target_ids.clone();
-        store::devices::lock_in_order(&mut tx, &mut ids).await?;
         desired_changes =
             store::devices::set_desired(&mut tx, &target_ids, spec, &digest.to_string()).await?;
     }

@@ -152,8 +152,6 @@ pub async fn register(
     .await
     .context("registering new devices")?
     .rows_affected();
-    let mut touched: Vec<String> = ids.iter().map(|id| (*id).to_owned()).collect();
-    lock_in_order(tx, &mut touched).await?;
     let updated = sqlx::query(
         "UPDATE devices d SET labels = r.labels::jsonb, updated_at = now() \
          FROM UNNEST($1::text[], $2::text[]) AS r(id, labels) \
@@ -464,25 +462,4 @@ pub async fn count_unhealthy_converged(pool: &PgPool) -> Result<i64, StoreError>
     .fetch_one(pool)
     .await
     .context("counting unhealthy converged devices")
-}
-
-/// Locks the rows of `ids` in id order for the rest of the transaction.
-/// Every transaction that updates several devices calls this first, so two
-/// writers (ingest and engine) always take row locks in the same order and
-/// never deadlock.
-pub async fn lock_in_order(
-    tx: &mut Transaction<'_, Postgres>,
-    ids: &mut Vec<String>,
-) -> Result<(), StoreError> {
-    if ids.is_empty() {
-        return Ok(());
-    }
-    ids.sort_unstable();
-    ids.dedup();
-    sqlx::query("SELECT 1 FROM devices WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE")
-        .bind(&*ids)
-        .execute(&mut **tx)
-        .await
-        .context("locking device rows")?;
-    Ok(())
 }

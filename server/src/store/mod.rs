@@ -12,6 +12,13 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
+/// Held for the whole of every transaction that updates many device rows
+/// (report batches, outcome batches, bulk desired changes, registrations):
+/// such transactions lock rows in whatever order PostgreSQL's plan visits
+/// them, so two at once can deadlock. One at a time, they cannot; they are
+/// bound by the database anyway.
+pub type DeviceWrites = std::sync::Arc<tokio::sync::Mutex<()>>;
+
 /// The schema, embedded from `migrations/` (the only schema source).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
