@@ -272,20 +272,11 @@ impl ServerClient {
 
     /// Every outcome row of a run, all pages, in device-id order.
     pub async fn outcomes(&self, run_id: &str) -> Result<Vec<OutcomeRow>, ApiError> {
-        let mut rows = Vec::new();
-        let mut after: Option<String> = None;
-        loop {
-            let path = match &after {
-                Some(a) => format!("/v1/runs/{run_id}/outcomes?limit={MAX_PAGE}&after={a}"),
-                None => format!("/v1/runs/{run_id}/outcomes?limit={MAX_PAGE}"),
-            };
-            let page: OutcomePage = self.get(&path).await?;
-            rows.extend(page.outcomes);
-            match page.next_after {
-                Some(next) => after = Some(next),
-                None => return Ok(rows),
-            }
-        }
+        self.all_pages(
+            &format!("/v1/runs/{run_id}/outcomes?limit={MAX_PAGE}"),
+            |p: OutcomePage| (p.outcomes, p.next_after),
+        )
+        .await
     }
 
     /// Every device carrying label `key: value`, all pages.
@@ -294,18 +285,28 @@ impl ServerClient {
         key: &str,
         value: &str,
     ) -> Result<Vec<DeviceRow>, ApiError> {
-        let mut rows = Vec::new();
-        let mut after: Option<String> = None;
         let label = query_escape(&format!("{key}:{value}"));
+        self.all_pages(
+            &format!("/v1/devices?label={label}&limit={MAX_PAGE}"),
+            |p: DevicePage| (p.devices, p.next_after),
+        )
+        .await
+    }
+
+    /// Follows `next_after` cursors from `first` (a path with a query) until
+    /// the last page; `split` takes a page apart into rows and cursor.
+    async fn all_pages<P: DeserializeOwned, T>(
+        &self,
+        first: &str,
+        split: impl Fn(P) -> (Vec<T>, Option<String>),
+    ) -> Result<Vec<T>, ApiError> {
+        let mut rows = Vec::new();
+        let mut path = first.to_owned();
         loop {
-            let path = match &after {
-                Some(a) => format!("/v1/devices?label={label}&limit={MAX_PAGE}&after={a}"),
-                None => format!("/v1/devices?label={label}&limit={MAX_PAGE}"),
-            };
-            let page: DevicePage = self.get(&path).await?;
-            rows.extend(page.devices);
-            match page.next_after {
-                Some(next) => after = Some(next),
+            let (page, next) = split(self.get(&path).await?);
+            rows.extend(page);
+            match next {
+                Some(after) => path = format!("{first}&after={after}"),
                 None => return Ok(rows),
             }
         }

@@ -282,8 +282,7 @@ impl PrivateMosquitto {
             }
             Err(e) => {
                 // Never leave a half-started child behind.
-                let _ = child.kill();
-                let _ = child.wait();
+                kill_and_reap(Some(child), "half-started private mosquitto");
                 Err(e.context(format!(
                     "private Mosquitto on {addr} did not become ready\n\
                      --- {} ---\n{}\n--- stderr ---\n{}",

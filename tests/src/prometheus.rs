@@ -308,8 +308,7 @@ impl PrivatePrometheus {
             }
             Err(e) => {
                 // Never leave a half-started child behind.
-                let _ = child.kill();
-                let _ = child.wait();
+                kill_and_reap(Some(child), "half-started private prometheus");
                 Err(e.context(format!(
                     "private Prometheus on port {} did not become ready\n--- {} ---\n{}",
                     self.port,
