@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_protocol::{Channel, Desired, DeviceId, Status, TopicRoot, DEFAULT_MAX_PAYLOAD_BYTES};
+use idem_protocol::{Channel, Desired, DeviceId, SpecBudget, Status, TopicRoot};
 use rand::Rng;
 use rumqttc::{
     AsyncClient, Event, EventLoop, MqttOptions, NetworkOptions, Outgoing, Packet, Publish, QoS,
@@ -281,7 +281,7 @@ impl DeviceTask {
 
     fn on_message(&self, s: &mut Session, publish: &Publish) {
         if publish.topic == self.topics.desired {
-            let desired = match Desired::decode(&publish.payload, DEFAULT_MAX_PAYLOAD_BYTES) {
+            let desired = match Desired::decode(&publish.payload, SpecBudget::default()) {
                 Ok(desired) => desired,
                 Err(error) => {
                     FleetCounters::bump(&self.counters.invalid_messages);

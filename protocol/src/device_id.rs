@@ -11,6 +11,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// Longest allowed device id, in bytes.
 pub const MAX_DEVICE_ID_LEN: usize = 128;
 
+/// Ids that match the rule but name a topic level the protocol itself uses
+/// (`{root}/events/...` carries the outcome events).
+pub const RESERVED_DEVICE_IDS: [&str; 1] = ["events"];
+
 /// A device id that is known to satisfy the protocol's id rule.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DeviceId(String);
@@ -26,6 +30,8 @@ pub enum InvalidDeviceId {
     BadFirstCharacter(char),
     #[error("device id contains {0:?}; allowed are letters, digits, '_', '.' and '-'")]
     BadCharacter(char),
+    #[error("device id {0:?} is reserved by the protocol (its topics would overlap `{{root}}/events/#`)")]
+    Reserved(&'static str),
 }
 
 impl DeviceId {
@@ -53,8 +59,12 @@ fn validate(raw: &str) -> Result<(), InvalidDeviceId> {
     if !first.is_ascii_alphanumeric() {
         return Err(InvalidDeviceId::BadFirstCharacter(first));
     }
-    match chars.find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))) {
-        Some(bad) => Err(InvalidDeviceId::BadCharacter(bad)),
+    if let Some(bad) = chars.find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')))
+    {
+        return Err(InvalidDeviceId::BadCharacter(bad));
+    }
+    match RESERVED_DEVICE_IDS.iter().find(|r| **r == raw) {
+        Some(reserved) => Err(InvalidDeviceId::Reserved(reserved)),
         None => Ok(()),
     }
 }
@@ -157,6 +167,16 @@ mod tests {
             DeviceId::parse(&"x".repeat(129)),
             Err(InvalidDeviceId::TooLong { len: 129 })
         );
+    }
+
+    #[test]
+    fn the_events_level_is_reserved() {
+        assert_eq!(
+            DeviceId::parse("events"),
+            Err(InvalidDeviceId::Reserved("events"))
+        );
+        assert!(DeviceId::parse("Events").is_ok());
+        assert!(DeviceId::parse("events-1").is_ok());
     }
 
     #[test]

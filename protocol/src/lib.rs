@@ -6,14 +6,13 @@
 
 pub mod device_id;
 pub mod digest;
+pub mod limits;
 pub mod payload;
 pub mod summary;
 pub mod topic;
 
 pub use device_id::{DeviceId, InvalidDeviceId};
 pub use digest::{canonical_json, InvalidDigest, SpecDigest};
-pub use payload::{
-    DecodeError, Desired, Health, Rejection, Reported, Status, DEFAULT_MAX_PAYLOAD_BYTES,
-    GET_PAYLOAD,
-};
+pub use limits::{SpecBudget, SpecError, DEFAULT_MAX_SPEC_BYTES, MAX_COUNTER};
+pub use payload::{DecodeError, Desired, Health, Rejection, Reported, Status, GET_PAYLOAD};
 pub use topic::{Channel, ParsedTopic, TopicError, TopicRoot, DEFAULT_TOPIC_ROOT};

@@ -1,13 +1,15 @@
 //! Payload types of the v1 topics and their decoding rules.
 //!
-//! Decoding is strict about structure (unknown fields are ignored, wrong types
-//! are not) and bounded in size; it never panics on any input.
+//! Decoding is strict about structure (a report is a JSON object; unknown
+//! fields are ignored, wrong types are not), bounded in size by the spec
+//! budget, and refuses every value the server could not store (NUL in a
+//! string, counters beyond a signed 64-bit integer). It never panics on any
+//! input.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// Default upper bound for a report payload, in bytes.
-pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 64 * 1024;
+use crate::limits::{nul_path, storable_text, SpecBudget, MAX_COUNTER, MAX_ERROR_MESSAGE_BYTES};
 
 /// `{root}/{id}/reported`: what the device actually runs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,30 +40,51 @@ pub struct Rejection {
 }
 
 /// Device-reported health after applying (or keeping) a configuration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+///
+/// A report whose `health` is not one of the three words is kept, with its
+/// health recorded as `Unknown` (a newer firmware's vocabulary must not cost
+/// the server the spec it reported).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Health {
     Healthy,
     Degraded,
     Unhealthy,
+    /// The device sent a health value the protocol does not define.
+    Unknown,
 }
 
 impl Health {
+    pub const ALL: [Health; 4] = [
+        Health::Healthy,
+        Health::Degraded,
+        Health::Unhealthy,
+        Health::Unknown,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Health::Healthy => "healthy",
             Health::Degraded => "degraded",
             Health::Unhealthy => "unhealthy",
+            Health::Unknown => "unknown",
         }
     }
 
     pub fn parse(raw: &str) -> Option<Self> {
-        match raw {
-            "healthy" => Some(Health::Healthy),
-            "degraded" => Some(Health::Degraded),
-            "unhealthy" => Some(Health::Unhealthy),
-            _ => None,
-        }
+        Health::ALL.into_iter().find(|h| h.as_str() == raw)
+    }
+}
+
+impl<'de> Deserialize<'de> for Health {
+    /// Any value but the three protocol words (and `null`, handled by
+    /// `Option`) becomes [`Health::Unknown`].
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = Value::deserialize(deserializer)?;
+        Ok(match value.as_str().and_then(Health::parse) {
+            Some(Health::Unknown) | None => Health::Unknown,
+            Some(known) => known,
+        })
     }
 }
 
@@ -106,8 +129,12 @@ pub const GET_PAYLOAD: &[u8] = b"{}";
 pub enum DecodeError {
     #[error("payload is {len} bytes; the limit is {limit}")]
     TooLarge { len: usize, limit: usize },
+    #[error("spec is {bytes} bytes in canonical form; the limit is {limit}")]
+    SpecTooLarge { bytes: usize, limit: usize },
     #[error("payload is not valid JSON of the expected shape: {0}")]
     Malformed(String),
+    #[error("spec holds a NUL character (\\u0000) at {path}, which cannot be stored")]
+    Nul { path: String },
     #[error("status payload must be exactly `online` or `offline`")]
     InvalidStatus,
 }
@@ -116,17 +143,46 @@ impl DecodeError {
     /// Stable, low-cardinality name of the reason, for counters and logs.
     pub fn reason(&self) -> &'static str {
         match self {
-            DecodeError::TooLarge { .. } => "oversized",
+            DecodeError::TooLarge { .. } | DecodeError::SpecTooLarge { .. } => "oversized",
             DecodeError::Malformed(_) => "malformed",
+            DecodeError::Nul { .. } => "nul_character",
             DecodeError::InvalidStatus => "invalid_status",
         }
     }
 }
 
 impl Reported {
-    /// Decodes a report, refusing payloads over `limit` bytes before parsing.
-    pub fn decode(payload: &[u8], limit: usize) -> Result<Self, DecodeError> {
-        decode_json(payload, limit)
+    /// Decodes a report under `budget`: the raw size is checked before
+    /// parsing ([`SpecBudget::max_report_bytes`]), then the shape (a JSON
+    /// object), then the values: `seq`, `generation` and `error.generation`
+    /// at most 2^63−1, no NUL in the spec, the spec within the budget in
+    /// canonical form. `error.message` is kept storable (NUL replaced, cut
+    /// to 1 KiB) rather than costing the report.
+    pub fn decode(payload: &[u8], budget: SpecBudget) -> Result<Self, DecodeError> {
+        check_size(payload, budget.max_report_bytes())?;
+        require_object(payload)?;
+        let mut report: Reported =
+            serde_json::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        check_counter("seq", Some(report.seq))?;
+        check_counter("generation", report.generation)?;
+        check_counter(
+            "error.generation",
+            report.error.as_ref().map(|e| e.generation),
+        )?;
+        if let Some(path) = nul_path(&report.spec) {
+            return Err(DecodeError::Nul { path });
+        }
+        let bytes = crate::digest::canonical_json(&report.spec).len();
+        if bytes > budget.max_spec_bytes() {
+            return Err(DecodeError::SpecTooLarge {
+                bytes,
+                limit: budget.max_spec_bytes(),
+            });
+        }
+        if let Some(error) = &mut report.error {
+            error.message = storable_text(&error.message, MAX_ERROR_MESSAGE_BYTES);
+        }
+        Ok(report)
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -135,9 +191,16 @@ impl Reported {
 }
 
 impl Desired {
-    /// Decodes a desired message, refusing payloads over `limit` bytes.
-    pub fn decode(payload: &[u8], limit: usize) -> Result<Self, DecodeError> {
-        decode_json(payload, limit)
+    /// Decodes a desired message (a JSON object) of at most
+    /// `budget.max_report_bytes()` bytes — generous on purpose: a device
+    /// must not refuse what a server with a larger budget sends.
+    pub fn decode(payload: &[u8], budget: SpecBudget) -> Result<Self, DecodeError> {
+        check_size(payload, budget.max_report_bytes())?;
+        require_object(payload)?;
+        let desired: Desired =
+            serde_json::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        check_counter("generation", Some(desired.generation))?;
+        Ok(desired)
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -145,17 +208,34 @@ impl Desired {
     }
 }
 
-fn decode_json<T: serde::de::DeserializeOwned>(
-    payload: &[u8],
-    limit: usize,
-) -> Result<T, DecodeError> {
+fn check_size(payload: &[u8], limit: usize) -> Result<(), DecodeError> {
     if payload.len() > limit {
         return Err(DecodeError::TooLarge {
             len: payload.len(),
             limit,
         });
     }
-    serde_json::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))
+    Ok(())
+}
+
+/// serde maps a JSON array onto a struct's fields in order; the protocol
+/// only has objects.
+fn require_object(payload: &[u8]) -> Result<(), DecodeError> {
+    match payload.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => Ok(()),
+        Some(_) | None => Err(DecodeError::Malformed(
+            "the payload must be a JSON object".to_owned(),
+        )),
+    }
+}
+
+fn check_counter(field: &str, value: Option<u64>) -> Result<(), DecodeError> {
+    match value {
+        Some(n) if n > MAX_COUNTER => Err(DecodeError::Malformed(format!(
+            "{field} {n} is above the maximum {MAX_COUNTER}"
+        ))),
+        Some(_) | None => Ok(()),
+    }
 }
 
 fn encode_json<T: Serialize>(value: &T) -> Vec<u8> {
@@ -169,9 +249,13 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn budget() -> SpecBudget {
+        SpecBudget::new(1024)
+    }
+
     #[test]
     fn a_minimal_report_decodes() {
-        let r = Reported::decode(br#"{"seq":3,"spec":{"fw":"1.2"}}"#, 1024).unwrap();
+        let r = Reported::decode(br#"{"seq":3,"spec":{"fw":"1.2"}}"#, budget()).unwrap();
         assert_eq!(r.seq, 3);
         assert_eq!(r.generation, None);
         assert_eq!(r.spec, json!({"fw": "1.2"}));
@@ -190,20 +274,52 @@ mod tests {
                 message: "flash full".into(),
             }),
         };
-        assert_eq!(Reported::decode(&r.encode(), 1024).unwrap(), r);
+        assert_eq!(Reported::decode(&r.encode(), budget()).unwrap(), r);
     }
 
     #[test]
     fn oversized_payloads_are_refused_before_parsing() {
-        let err = Reported::decode(&[b' '; 100], 99).unwrap_err();
+        let limit = budget().max_report_bytes();
+        let err = Reported::decode(&vec![b' '; limit + 1], budget()).unwrap_err();
         assert_eq!(
             err,
             DecodeError::TooLarge {
-                len: 100,
-                limit: 99
+                len: limit + 1,
+                limit
             }
         );
         assert_eq!(err.reason(), "oversized");
+    }
+
+    #[test]
+    fn a_spec_over_the_budget_is_oversized_even_when_the_payload_fits() {
+        let payload = format!(r#"{{"seq":1,"spec":"{}"}}"#, "x".repeat(1100));
+        let err = Reported::decode(payload.as_bytes(), budget()).unwrap_err();
+        assert!(
+            matches!(err, DecodeError::SpecTooLarge { limit: 1024, .. }),
+            "{err}"
+        );
+        assert_eq!(err.reason(), "oversized");
+    }
+
+    #[test]
+    fn a_faithful_confirmation_of_a_spec_at_the_budget_fits() {
+        // The largest spec the API accepts, echoed back pretty-printed with
+        // every character escaped, still fits the report limit.
+        let spec = json!({"x": "é".repeat(490)});
+        assert!(budget().check_spec(&spec).is_ok());
+        let escaped: String = serde_json::to_string_pretty(&spec)
+            .unwrap()
+            .replace('é', "\\u00e9");
+        let payload = format!(
+            r#"{{"seq": 1, "generation": 9223372036854775807, "health": "healthy", "spec": {escaped}}}"#
+        );
+        assert!(
+            payload.len() > 2 * 1024,
+            "the test must exceed the budget raw"
+        );
+        let report = Reported::decode(payload.as_bytes(), budget()).unwrap();
+        assert_eq!(report.spec, spec);
     }
 
     #[test]
@@ -213,12 +329,65 @@ mod tests {
             br#"{"spec":{}}"#,
             br#"{"seq":-1,"spec":{}}"#,
             br#"{"seq":"1","spec":{}}"#,
-            br#"{"seq":1,"spec":{},"health":"fine"}"#,
+            br#"{"seq":1,"seq":2,"spec":{}}"#,
+            br#"{"seq":1.0,"spec":{}}"#,
+            br#"{"seq":9223372036854775808,"spec":{}}"#,
+            br#"{"seq":1,"generation":9223372036854775808,"spec":{}}"#,
+            br#"{"seq":1,"spec":{},"error":{"generation":9223372036854775808,"message":"x"}}"#,
+            br#"[1, null, {}]"#,
+            br#"  [1, {}]"#,
+            br#""a string""#,
+            b"",
             b"\xff\xfe",
         ] {
-            let err = Reported::decode(bad, 1024).unwrap_err();
-            assert_eq!(err.reason(), "malformed", "{bad:?}");
+            let err = Reported::decode(bad, budget()).unwrap_err();
+            assert_eq!(
+                err.reason(),
+                "malformed",
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
         }
+    }
+
+    #[test]
+    fn a_nul_in_the_spec_refuses_the_report_with_its_own_reason() {
+        let err = Reported::decode(br#"{"seq":1,"spec":{"x":"\u0000"}}"#, budget()).unwrap_err();
+        assert_eq!(err.reason(), "nul_character");
+        assert!(err.to_string().contains("/x"), "{err}");
+    }
+
+    #[test]
+    fn an_unknown_health_word_keeps_the_report() {
+        for raw in [r#""HEALTHY""#, r#""fine""#, "3", r#"{"cpu":1}"#] {
+            let payload = format!(r#"{{"seq":1,"spec":{{"a":1}},"health":{raw}}}"#);
+            let r = Reported::decode(payload.as_bytes(), budget()).unwrap();
+            assert_eq!(r.health, Some(Health::Unknown), "{raw}");
+            assert_eq!(r.spec, json!({"a": 1}));
+        }
+        let r = Reported::decode(br#"{"seq":1,"spec":1,"health":null}"#, budget()).unwrap();
+        assert_eq!(r.health, None);
+        let r = Reported::decode(br#"{"seq":1,"spec":1,"health":"degraded"}"#, budget()).unwrap();
+        assert_eq!(r.health, Some(Health::Degraded));
+    }
+
+    #[test]
+    fn a_device_error_message_is_kept_storable() {
+        let long = "é".repeat(2000);
+        let payload =
+            format!(r#"{{"seq":1,"spec":1,"error":{{"generation":2,"message":"a\u0000{long}"}}}}"#);
+        let r = Reported::decode(payload.as_bytes(), SpecBudget::new(4096)).unwrap();
+        let message = r.error.unwrap().message;
+        assert!(message.len() <= MAX_ERROR_MESSAGE_BYTES);
+        assert!(message.starts_with("a\u{fffd}é"));
+    }
+
+    #[test]
+    fn desired_messages_must_be_objects() {
+        let d = Desired::decode(br#"{"generation":2,"spec":{"a":1}}"#, budget()).unwrap();
+        assert_eq!(d.generation, 2);
+        assert!(Desired::decode(br#"[2,{"a":1}]"#, budget()).is_err());
+        assert!(Desired::decode(b"", budget()).is_err());
     }
 
     #[test]

@@ -7,8 +7,8 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use idem_protocol::{Reported, TopicRoot};
-use idem_server::ingest::{classify, seq_verdict, Inbound};
+use idem_protocol::{Reported, SpecBudget, TopicRoot, MAX_COUNTER};
+use idem_server::ingest::{classify, seq_verdict, Inbound, IngestRules};
 use idem_server::metrics::Metrics;
 use serde_json::json;
 
@@ -54,7 +54,11 @@ fn time(f: impl FnOnce()) -> Duration {
 
 fn run(root: &TopicRoot, messages: &[(String, Vec<u8>)], metrics: Option<&Metrics>) {
     for (topic, payload) in messages {
-        match classify(root, topic, payload, 64 * 1024) {
+        let rules = IngestRules {
+            budget: SpecBudget::default(),
+            seq_ceiling: MAX_COUNTER,
+        };
+        match classify(root, topic, payload, None, rules) {
             Inbound::Report { report, .. } => {
                 let verdict = seq_verdict(report.seq, Some(report.seq.saturating_sub(1)));
                 if let Some(m) = metrics {
@@ -62,9 +66,9 @@ fn run(root: &TopicRoot, messages: &[(String, Vec<u8>)], metrics: Option<&Metric
                 }
                 black_box(report);
             }
-            Inbound::Status { .. } | Inbound::Rejected { .. } => {
+            Inbound::Status { .. } | Inbound::StatusCleared | Inbound::Rejected { .. } => {
                 if let Some(m) = metrics {
-                    m.reject("malformed");
+                    m.reject_report("malformed");
                 }
             }
         }

@@ -21,6 +21,7 @@ use uuid::Uuid;
 use crate::app::AppState;
 use crate::events;
 use crate::fleet::DesiredState;
+use crate::input::{self, InputError};
 use crate::reconcile::engine::EngineCommand;
 use crate::reconcile::policy::DeviceStatus;
 use crate::reconcile::runs::{commit_run, CommitRunError, NewRun, Trigger};
@@ -91,20 +92,46 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Database errors are logged with their detail and answered without it:
+/// SQL text and PostgreSQL messages never reach a client.
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         tracing::error!(error = %e, "request failed on the database");
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "database_unavailable",
-            e.to_string(),
-        )
+        if e.is_unavailable() {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database_unavailable",
+                "the database is unavailable; try again later (details are in the server log)",
+            )
+        } else {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "the database refused the request (details are in the server log)",
+            )
+        }
     }
 }
 
 impl From<events::EventError> for ApiError {
     fn from(e: events::EventError) -> Self {
-        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+        tracing::error!(error = %e, "building an event failed");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "an event could not be built (details are in the server log)",
+        )
+    }
+}
+
+impl From<InputError> for ApiError {
+    fn from(e: InputError) -> Self {
+        let status = if e.is_too_large() {
+            StatusCode::PAYLOAD_TOO_LARGE
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        ApiError::new(status, e.code(), e.to_string())
     }
 }
 
@@ -169,19 +196,10 @@ fn registered(state: &AppState, raw: &str) -> Result<DeviceId, ApiError> {
 fn parse_labels(labels: Option<Value>) -> Result<Option<Value>, ApiError> {
     match labels {
         None => Ok(None),
-        Some(Value::Object(map)) => {
-            if let Some((k, _)) = map.iter().find(|(_, v)| !v.is_string()) {
-                return Err(ApiError::bad_request(
-                    "invalid_labels",
-                    format!("label {k:?} must have a string value"),
-                ));
-            }
-            Ok(Some(Value::Object(map)))
+        Some(labels) => {
+            input::check_labels(&labels)?;
+            Ok(Some(labels))
         }
-        Some(_) => Err(ApiError::bad_request(
-            "invalid_labels",
-            "labels must be an object of string values",
-        )),
     }
 }
 
@@ -199,6 +217,7 @@ async fn register_devices(
     State(state): State<Arc<AppState>>,
     ApiJson(body): ApiJson<Vec<DeviceRegistration>>,
 ) -> Result<Json<Value>, ApiError> {
+    input::check_count("devices", body.len(), input::MAX_REGISTRATIONS_PER_REQUEST)?;
     let mut seen = HashSet::with_capacity(body.len());
     let mut registrations = Vec::with_capacity(body.len());
     let mut specs: BTreeMap<SpecDigest, (Value, Vec<String>)> = BTreeMap::new();
@@ -212,6 +231,7 @@ async fn register_devices(
             ));
         }
         if let Some(spec) = item.spec {
+            input::check_spec(state.config.budget, &spec)?;
             specs
                 .entry(SpecDigest::of(&spec))
                 .or_insert_with(|| (spec, Vec::new()))
@@ -342,10 +362,16 @@ async fn list_devices(
             ));
         }
     }
+    if let Some(after) = &query.after {
+        input::check_query_text("after", after)?;
+    }
     let labels = match &query.label {
         None => None,
         Some(pair) => match pair.split_once(':') {
-            Some((k, v)) if !k.is_empty() => Some(json!({ k: v })),
+            Some((k, v)) if !k.is_empty() => {
+                input::check_label_pair(k, v)?;
+                Some(json!({ k: v }))
+            }
             _ => {
                 return Err(ApiError::bad_request(
                     "invalid_label",
@@ -453,6 +479,7 @@ async fn set_device_desired(
     ApiJson(body): ApiJson<DeviceDesired>,
 ) -> Result<Json<Value>, ApiError> {
     let id = registered(&state, &raw_id)?;
+    input::check_spec(state.config.budget, &body.spec)?;
     let run = create_run(
         &state,
         vec![id.clone()],
@@ -496,6 +523,7 @@ async fn set_desired_bulk(
             "`spec` is required; to re-check without a change use POST /v1/runs",
         ));
     };
+    input::check_spec(state.config.budget, &spec)?;
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
     let run = create_run(&state, targets, Trigger::Desired, body.force, Some(spec)).await?;
@@ -533,6 +561,7 @@ async fn resolve_targets(state: &AppState, body: &Targeting) -> Result<Vec<Devic
         if raw.is_empty() {
             return Err(ApiError::bad_request("empty_targets", "`devices` is empty"));
         }
+        input::check_count("devices", raw.len(), input::MAX_TARGET_IDS_PER_REQUEST)?;
         let mut seen = HashSet::with_capacity(raw.len());
         let mut ids = Vec::with_capacity(raw.len());
         for r in raw {
@@ -565,6 +594,10 @@ async fn resolve_targets(state: &AppState, body: &Targeting) -> Result<Vec<Devic
                 "empty_selector",
                 "selector.labels is empty; name at least one label, or use `all: true`",
             ));
+        }
+        input::check_count("selector labels", selector.labels.len(), input::MAX_LABELS)?;
+        for (key, value) in &selector.labels {
+            input::check_label_pair(key, value)?;
         }
         let labels = serde_json::to_value(&selector.labels).unwrap_or_default();
         store::devices::ids_matching_labels(&state.pool, &labels).await?
@@ -774,6 +807,9 @@ async fn run_outcomes(
     Query(query): Query<OutcomeQuery>,
 ) -> Result<Json<Value>, ApiError> {
     let id = parse_run_id(&raw)?;
+    if let Some(after) = &query.after {
+        input::check_query_text("after", after)?;
+    }
     if let Some(o) = &query.outcome {
         if OutcomeKind::parse(o).is_none() {
             let names: Vec<&str> = OutcomeKind::ALL.iter().map(|k| k.as_str()).collect();
@@ -846,18 +882,41 @@ async fn healthz() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
+/// Ready when the database answers, the broker connection is subscribed,
+/// and neither the ingest nor the engine has been failing to commit for
+/// longer than [`crate::stall::STUCK_AFTER`] (a worker can be stuck while a
+/// plain `SELECT 1` still succeeds).
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     let ping = tokio::time::timeout(READINESS_DB_TIMEOUT, store::ping(&state.pool)).await;
     let database = matches!(ping, Ok(Ok(())));
     let mqtt = state.mqtt.is_ready();
-    let status = if database && mqtt {
+    let now = std::time::Instant::now();
+    let stuck: BTreeMap<&str, String> = [
+        ("ingest", state.stalls.ingest.stuck_for(now)),
+        ("engine", state.stalls.engine.stuck_for(now)),
+    ]
+    .into_iter()
+    .filter_map(|(worker, stuck)| {
+        stuck.map(|d| {
+            (
+                worker,
+                format!(
+                    "no write committed for {} s while work waits (see the server log)",
+                    d.as_secs()
+                ),
+            )
+        })
+    })
+    .collect();
+    let ready = database && mqtt && stuck.is_empty();
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (
         status,
-        Json(json!({"ready": database && mqtt, "database": database, "mqtt": mqtt})),
+        Json(json!({"ready": ready, "database": database, "mqtt": mqtt, "stuck": stuck})),
     )
         .into_response()
 }

@@ -23,6 +23,7 @@ use crate::reconcile::engine::{
 use crate::reconcile::policy::RetryPolicy;
 use crate::reconcile::runs::Trigger;
 use crate::relay::{EventRelay, Retention};
+use crate::stall::Stall;
 use crate::store::events::StoredEvent;
 use crate::store::{self, DeviceWrites, StoreError};
 
@@ -48,6 +49,15 @@ pub struct AppState {
     pub device_writes: DeviceWrites,
     pub event_source: String,
     pub config: ValidConfig,
+    /// Failing-write marks of the ingest and the engine, for `/readyz`.
+    pub stalls: Stalls,
+}
+
+/// The workers whose stuck writes make the server not ready.
+#[derive(Debug, Default, Clone)]
+pub struct Stalls {
+    pub ingest: Arc<Stall>,
+    pub engine: Arc<Stall>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,8 +84,14 @@ pub async fn run(
 
     let metrics = Arc::new(Metrics::new());
     let mqtt_status = Arc::new(MqttStatus::default());
+    let stalls = Stalls::default();
     let (client, eventloop) = mqtt::connect(&config);
-    let publisher = Publisher::new(client.clone(), config.topic_root.clone());
+    let publisher = Publisher::new(
+        client.clone(),
+        config.topic_root.clone(),
+        config.budget,
+        metrics.clone(),
+    );
     let (inbound_tx, inbound_rx) = mpsc::channel(INBOUND_CAPACITY);
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
     let (notices, _) = broadcast::channel(1_024);
@@ -93,6 +109,7 @@ pub async fn run(
         eventloop,
         client,
         config.topic_root.clone(),
+        config.budget,
         inbound_tx,
         mqtt_status.clone(),
         metrics.clone(),
@@ -124,6 +141,7 @@ pub async fn run(
         event_source: event_source.clone(),
         settings,
         device_writes: device_writes.clone(),
+        stall: stalls.engine.clone(),
     });
     let engine_task = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
     let ingest = Ingest {
@@ -133,9 +151,10 @@ pub async fn run(
         publisher: publisher.clone(),
         engine: engine_tx.clone(),
         root: config.topic_root.clone(),
-        max_payload: config.config.max_payload_bytes,
+        budget: config.budget,
         auto_register: config.config.auto_register,
         device_writes: device_writes.clone(),
+        stall: stalls.ingest.clone(),
     };
     let ingest_task = tokio::spawn(ingest.run(inbound_rx, intake_token.clone()));
     let upkeep_task = tokio::spawn(metrics_upkeep(
@@ -186,6 +205,7 @@ pub async fn run(
         device_writes,
         event_source,
         config,
+        stalls,
     });
     let app = crate::api::router(state.clone());
     let http_token = token.clone();

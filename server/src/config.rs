@@ -5,7 +5,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use idem_protocol::{TopicRoot, DEFAULT_MAX_PAYLOAD_BYTES};
+use idem_protocol::limits::{MAX_MAX_SPEC_BYTES, MIN_MAX_SPEC_BYTES};
+use idem_protocol::{SpecBudget, TopicRoot, DEFAULT_MAX_SPEC_BYTES};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -44,9 +45,11 @@ pub struct Config {
     #[arg(long, env = "IDEM_INSTANCE", default_value = "idem-1")]
     pub instance: String,
 
-    /// Largest accepted report payload, in bytes.
-    #[arg(long, env = "IDEM_MAX_PAYLOAD_BYTES", default_value_t = DEFAULT_MAX_PAYLOAD_BYTES)]
-    pub max_payload_bytes: usize,
+    /// The spec budget: the largest desired or reported spec, in canonical
+    /// JSON bytes. The API refuses larger specs, reports may be up to
+    /// `2 × budget + 8 KiB` raw, and the MQTT packet limits derive from it.
+    #[arg(long, env = "IDEM_MAX_SPEC_BYTES", default_value_t = DEFAULT_MAX_SPEC_BYTES)]
+    pub max_spec_bytes: usize,
 
     /// Accept reports from device ids that were never registered, registering them.
     #[arg(long, env = "IDEM_AUTO_REGISTER", default_value_t = false)]
@@ -125,9 +128,9 @@ pub enum ConfigError {
     )]
     Instance(String),
     #[error(
-        "IDEM_MAX_PAYLOAD_BYTES / --max-payload-bytes must be between 256 and 268435455 (got {0})"
+        "IDEM_MAX_SPEC_BYTES / --max-spec-bytes must be between {MIN_MAX_SPEC_BYTES} and {MAX_MAX_SPEC_BYTES} (got {0})"
     )]
-    MaxPayload(usize),
+    MaxSpec(usize),
     #[error("IDEM_MAX_ATTEMPTS / --max-attempts must be at least 1 (got {0})")]
     MaxAttempts(u32),
     #[error("IDEM_MAX_IN_FLIGHT / --max-in-flight must be at least 1 (got {0})")]
@@ -175,8 +178,8 @@ impl Config {
         if !instance_ok {
             return Err(ConfigError::Instance(self.instance.clone()));
         }
-        if !(256..=268_435_455).contains(&self.max_payload_bytes) {
-            return Err(ConfigError::MaxPayload(self.max_payload_bytes));
+        if !(MIN_MAX_SPEC_BYTES..=MAX_MAX_SPEC_BYTES).contains(&self.max_spec_bytes) {
+            return Err(ConfigError::MaxSpec(self.max_spec_bytes));
         }
         if self.max_attempts < 1 {
             return Err(ConfigError::MaxAttempts(self.max_attempts));
@@ -203,6 +206,7 @@ impl Config {
             config: self.clone(),
             broker,
             topic_root,
+            budget: SpecBudget::new(self.max_spec_bytes),
         })
     }
 
@@ -220,6 +224,8 @@ pub struct ValidConfig {
     pub config: Config,
     pub broker: BrokerAddr,
     pub topic_root: TopicRoot,
+    /// The one size budget every limit derives from.
+    pub budget: SpecBudget,
 }
 
 pub fn parse_mqtt_url(url: &str) -> Option<BrokerAddr> {

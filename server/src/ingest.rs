@@ -2,23 +2,30 @@
 //! reports in batches, acknowledges them only after their batch commits, then
 //! tells the engine which devices have news.
 //!
-//! Bad input is refused with a counted reason and never stops the batch.
+//! Bad input is refused with a counted reason and never stops the batch:
+//! everything PostgreSQL would refuse is caught by `classify` first, and a
+//! batch the database still refuses is split until the refused report is
+//! alone; that one is dropped (counted `db_refused`, acknowledged so the
+//! broker stops redelivering it) and the rest commit.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use idem_protocol::{Channel, DeviceId, Reported, SpecDigest, Status, TopicRoot};
-use rumqttc::Publish;
+use idem_protocol::limits::seq_ceiling;
+use idem_protocol::{
+    Channel, DeviceId, Health, Reported, SpecBudget, SpecDigest, Status, TopicRoot,
+};
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::fleet::Fleet;
 use crate::metrics::{Metrics, ReportResult};
-use crate::mqtt::Publisher;
+use crate::mqtt::{Publisher, Received};
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::engine::EngineCommand;
+use crate::stall::Stall;
 use crate::store::devices::ReportRow;
 use crate::store::{self, DeviceWrites, StoreError};
 
@@ -36,32 +43,66 @@ pub enum Inbound {
         device: DeviceId,
         online: bool,
     },
+    /// An empty retained `status`: the retained message was cleared (by the
+    /// server when a device is deleted). Nothing to do.
+    StatusCleared,
     Rejected {
         reason: &'static str,
         detail: String,
+        /// Arrived on a `reported` topic (counted as a rejected report).
+        report: bool,
     },
 }
 
-/// Parses topic and payload. Pure: no state, no IO.
-pub fn classify(root: &TopicRoot, topic: &str, payload: &[u8], max_payload: usize) -> Inbound {
+/// What `classify` checks a message against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IngestRules {
+    pub budget: SpecBudget,
+    /// The highest acceptable `seq` now (see `idem_protocol::limits::seq_ceiling`).
+    pub seq_ceiling: u64,
+}
+
+/// Parses topic and payload. Pure: no state, no IO. `oversized` is the
+/// original payload length when the MQTT adapter already dropped the payload
+/// for being over the report limit.
+pub fn classify(
+    root: &TopicRoot,
+    topic: &str,
+    payload: &[u8],
+    oversized: Option<usize>,
+    rules: IngestRules,
+) -> Inbound {
     let parsed = match root.parse(topic) {
         Ok(p) => p,
         Err(e) => {
             return Inbound::Rejected {
                 reason: e.reason(),
                 detail: e.to_string(),
-            }
+                // `{root}/bad$id/reported` is still a report, if a bad one.
+                report: topic.ends_with("/reported"),
+            };
         }
     };
+    let report_channel = parsed.channel == Channel::Reported;
+    if let Some(len) = oversized {
+        return Inbound::Rejected {
+            reason: "oversized",
+            detail: format!(
+                "payload is {len} bytes; the limit is {}",
+                rules.budget.max_report_bytes()
+            ),
+            report: report_channel,
+        };
+    }
     match parsed.channel {
-        Channel::Reported => match Reported::decode(payload, max_payload) {
-            Ok(report) if i64::try_from(report.seq).is_err() => Inbound::Rejected {
-                reason: "malformed",
+        Channel::Reported => match Reported::decode(payload, rules.budget) {
+            Ok(report) if report.seq > rules.seq_ceiling => Inbound::Rejected {
+                reason: "seq_out_of_range",
                 detail: format!(
-                    "seq {} is above the supported maximum {}",
-                    report.seq,
-                    i64::MAX
+                    "seq {} is more than a day ahead of the server's clock in Unix microseconds (at most {})",
+                    report.seq, rules.seq_ceiling
                 ),
+                report: true,
             },
             Ok(report) => Inbound::Report {
                 device: parsed.device,
@@ -70,8 +111,10 @@ pub fn classify(root: &TopicRoot, topic: &str, payload: &[u8], max_payload: usiz
             Err(e) => Inbound::Rejected {
                 reason: e.reason(),
                 detail: e.to_string(),
+                report: true,
             },
         },
+        Channel::Status if payload.is_empty() => Inbound::StatusCleared,
         Channel::Status => match Status::decode(payload) {
             Ok(status) => Inbound::Status {
                 device: parsed.device,
@@ -80,11 +123,13 @@ pub fn classify(root: &TopicRoot, topic: &str, payload: &[u8], max_payload: usiz
             Err(e) => Inbound::Rejected {
                 reason: e.reason(),
                 detail: e.to_string(),
+                report: false,
             },
         },
         Channel::Desired | Channel::Get => Inbound::Rejected {
             reason: "unknown_channel",
             detail: format!("{} is a server-to-device topic", parsed.channel.as_str()),
+            report: false,
         },
     }
 }
@@ -98,6 +143,17 @@ pub fn seq_verdict(seq: u64, highest: Option<u64>) -> ReportResult {
     }
 }
 
+/// The current seq ceiling from the wall clock.
+fn current_rules(budget: SpecBudget) -> IngestRules {
+    let micros = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    IngestRules {
+        budget,
+        seq_ceiling: seq_ceiling(micros),
+    }
+}
+
 pub struct Ingest {
     pub pool: PgPool,
     pub fleet: Arc<Fleet>,
@@ -105,9 +161,11 @@ pub struct Ingest {
     pub publisher: Publisher,
     pub engine: mpsc::Sender<EngineCommand>,
     pub root: TopicRoot,
-    pub max_payload: usize,
+    pub budget: SpecBudget,
     pub auto_register: bool,
     pub device_writes: DeviceWrites,
+    /// Set while batches fail to commit (read by `/readyz`).
+    pub stall: Arc<Stall>,
 }
 
 /// A batch's accepted work, latest report per device.
@@ -117,8 +175,14 @@ struct Batch {
     online: HashMap<DeviceId, bool>,
 }
 
+/// How a write failed: worth retrying as is, or refused for its content.
+enum WriteFailure {
+    Transient(StoreError),
+    Refused(StoreError),
+}
+
 impl Ingest {
-    pub async fn run(self, mut inbound: mpsc::Receiver<Publish>, token: CancellationToken) {
+    pub async fn run(self, mut inbound: mpsc::Receiver<Received>, token: CancellationToken) {
         let mut messages = Vec::with_capacity(MAX_BATCH);
         loop {
             let received = tokio::select! {
@@ -133,12 +197,15 @@ impl Ingest {
         }
     }
 
-    async fn process(&self, messages: &[Publish], token: &CancellationToken) {
-        let batch = self.sort(messages);
-        if !self.store(&batch, token).await {
+    async fn process(&self, messages: &[Received], token: &CancellationToken) {
+        let mut batch = self.sort(messages);
+        let Some(refused) = self.store(&batch, token).await else {
             // Cancelled before the batch committed: leave the messages
             // unacknowledged so the broker delivers them again.
             return;
+        };
+        for device in &refused {
+            batch.reports.remove(device);
         }
         let mut applied = Vec::with_capacity(batch.reports.len());
         for (device, (report, digest)) in batch.reports {
@@ -157,8 +224,8 @@ impl Ingest {
                 connectivity.push((device, online));
             }
         }
-        for publish in messages {
-            self.publisher.ack(publish).await;
+        for received in messages {
+            self.publisher.ack(&received.publish).await;
         }
         if !connectivity.is_empty() {
             self.tell_engine(EngineCommand::Connectivity(connectivity))
@@ -177,18 +244,21 @@ impl Ingest {
     }
 
     /// Classifies every message and keeps the newest report per device.
-    fn sort(&self, messages: &[Publish]) -> Batch {
+    fn sort(&self, messages: &[Received]) -> Batch {
+        let rules = current_rules(self.budget);
         let mut batch = Batch::default();
-        for publish in messages {
+        for received in messages {
+            let publish = &received.publish;
             match classify(
                 &self.root,
                 &publish.topic,
                 &publish.payload,
-                self.max_payload,
+                received.oversized,
+                rules,
             ) {
                 Inbound::Report { device, report } => {
                     let Some(stored) = self.known_seq(&device) else {
-                        self.metrics.reject("unknown_device");
+                        self.metrics.reject_report("unknown_device");
                         tracing::debug!(%device, "report from an unregistered device refused");
                         continue;
                     };
@@ -197,6 +267,9 @@ impl Ingest {
                     self.metrics.report(verdict).increment(1);
                     match verdict {
                         ReportResult::Applied => {
+                            if report.health == Some(Health::Unknown) {
+                                self.metrics.health_unknown.increment(1);
+                            }
                             let digest = SpecDigest::of(&report.spec);
                             batch.reports.insert(device, (report, digest));
                         }
@@ -207,11 +280,20 @@ impl Ingest {
                     if self.fleet.contains(&device) {
                         batch.online.insert(device, online);
                     } else {
-                        self.metrics.reject("unknown_device");
+                        self.metrics.reject_message("unknown_device");
                     }
                 }
-                Inbound::Rejected { reason, detail } => {
-                    self.metrics.reject(reason);
+                Inbound::StatusCleared => {}
+                Inbound::Rejected {
+                    reason,
+                    detail,
+                    report,
+                } => {
+                    if report {
+                        self.metrics.reject_report(reason);
+                    } else {
+                        self.metrics.reject_message(reason);
+                    }
                     tracing::debug!(topic = %publish.topic, reason, %detail, "inbound message refused");
                 }
             }
@@ -228,64 +310,114 @@ impl Ingest {
         }
     }
 
-    /// Stores the batch, retrying until it commits; false if cancelled first.
-    async fn store(&self, batch: &Batch, token: &CancellationToken) -> bool {
+    /// Stores the batch, retrying transient failures until it commits and
+    /// isolating reports the database refuses. Returns the devices whose
+    /// report was dropped, or `None` if cancelled before everything committed.
+    async fn store(&self, batch: &Batch, token: &CancellationToken) -> Option<Vec<DeviceId>> {
         if batch.reports.is_empty() && batch.online.is_empty() {
-            return true;
+            return Some(Vec::new());
         }
-        let rows: Vec<ReportRow> = batch
+        let rows: Vec<(DeviceId, ReportRow)> = batch
             .reports
             .iter()
-            .map(|(device, (report, digest))| ReportRow {
-                id: device.to_string(),
-                seq: report.seq,
-                spec: report.spec.clone(),
-                digest: digest.to_string(),
-                generation: report.generation,
-                error_generation: report.error.as_ref().map(|e| e.generation),
-                error: report.error.as_ref().map(|e| e.message.clone()),
-                health: report.health.map(|h| h.as_str().to_owned()),
-            })
+            .map(|(device, (report, digest))| (device.clone(), report_row(device, report, digest)))
             .collect();
         let online: Vec<(String, bool)> = batch
             .online
             .iter()
             .map(|(d, o)| (d.to_string(), *o))
             .collect();
+        let mut refused = Vec::new();
+        // Report slices still to write; the connection state goes with the
+        // first write that commits (alone, if every report was refused).
+        let mut pending: Vec<&[(DeviceId, ReportRow)]> = vec![&rows];
+        let mut online: &[(String, bool)] = &online;
         let mut backoff = Duration::from_millis(100);
         loop {
+            let slice = match pending.pop() {
+                Some(slice) => slice,
+                None if online.is_empty() => break,
+                None => &[],
+            };
             let started = Instant::now();
-            match self.write(&rows, &online).await {
+            match self.write(slice, online).await {
                 Ok(()) => {
                     self.metrics
                         .db_batch_ingest
                         .record(started.elapsed().as_secs_f64());
-                    return true;
+                    self.stall.progressed();
+                    online = &[];
+                    backoff = Duration::from_millis(100);
                 }
-                Err(e) => {
+                Err(WriteFailure::Refused(e)) if slice.len() > 1 => {
+                    tracing::warn!(error = %e, reports = slice.len(), "the database refused a report batch; splitting it to find the refused report");
+                    let (first, second) = slice.split_at(slice.len() / 2);
+                    pending.push(second);
+                    pending.push(first);
+                }
+                Err(WriteFailure::Refused(e)) if slice.len() == 1 => {
+                    let (device, _) = &slice[0];
+                    self.metrics.reject_report("db_refused");
+                    tracing::error!(%device, error = %e, "the database refused this device's report; it is dropped");
+                    refused.push(device.clone());
+                }
+                // Without reports only the connection state was written:
+                // nothing to isolate, so it is retried like a transient failure.
+                Err(WriteFailure::Refused(e) | WriteFailure::Transient(e)) => {
+                    self.stall.failing();
                     tracing::error!(error = %e, "storing reports failed; retrying in {backoff:?}");
                     tokio::select! {
-                        () = token.cancelled() => return false,
+                        () = token.cancelled() => return None,
                         () = tokio::time::sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
+                    pending.push(slice);
                 }
             }
         }
+        Some(refused)
     }
 
-    async fn write(&self, rows: &[ReportRow], online: &[(String, bool)]) -> Result<(), StoreError> {
+    async fn write(
+        &self,
+        rows: &[(DeviceId, ReportRow)],
+        online: &[(String, bool)],
+    ) -> Result<(), WriteFailure> {
+        let classify_failure = |e: StoreError| {
+            if e.is_refused_data() {
+                WriteFailure::Refused(e)
+            } else {
+                WriteFailure::Transient(e)
+            }
+        };
+        let reports: Vec<&ReportRow> = rows.iter().map(|(_, row)| row).collect();
         let _one_writer = self.device_writes.lock().await;
-        let mut tx = self.pool.begin().await.map_err(|e| StoreError::Db {
-            context: "starting a transaction",
-            source: e,
-        })?;
-        store::devices::apply_reports(&mut tx, rows, self.auto_register).await?;
-        store::devices::set_online(&mut tx, online).await?;
-        tx.commit().await.map_err(|e| StoreError::Db {
-            context: "committing reports",
-            source: e,
-        })
+        let mut tx =
+            self.pool.begin().await.map_err(|e| {
+                WriteFailure::Transient(StoreError::db("starting a transaction", e))
+            })?;
+        store::devices::apply_reports(&mut tx, &reports, self.auto_register)
+            .await
+            .map_err(classify_failure)?;
+        store::devices::set_online(&mut tx, online)
+            .await
+            .map_err(classify_failure)?;
+        tx.commit()
+            .await
+            .map_err(|e| classify_failure(StoreError::db("committing reports", e)))
+    }
+}
+
+fn report_row(device: &DeviceId, report: &Reported, digest: &SpecDigest) -> ReportRow {
+    ReportRow {
+        id: device.to_string(),
+        seq: report.seq,
+        spec: report.spec.clone(),
+        digest: digest.to_string(),
+        generation: report.generation,
+        error_generation: report.error.as_ref().map(|e| e.generation),
+        error: report.error.as_ref().map(|e| e.message.clone()),
+        health: report.health.map(|h| h.as_str().to_owned()),
     }
 }
 
@@ -297,14 +429,20 @@ mod tests {
         TopicRoot::new("idem/v1").unwrap()
     }
 
+    fn rules() -> IngestRules {
+        IngestRules {
+            budget: SpecBudget::new(1024),
+            seq_ceiling: 1_000_000,
+        }
+    }
+
+    fn classify_plain(topic: &str, payload: &[u8]) -> Inbound {
+        classify(&root(), topic, payload, None, rules())
+    }
+
     #[test]
     fn a_valid_report_is_classified_with_its_device() {
-        let got = classify(
-            &root(),
-            "idem/v1/pump-1/reported",
-            br#"{"seq":5,"spec":{"a":1}}"#,
-            1024,
-        );
+        let got = classify_plain("idem/v1/pump-1/reported", br#"{"seq":5,"spec":{"a":1}}"#);
         let Inbound::Report { device, report } = got else {
             panic!("expected a report, got {got:?}")
         };
@@ -314,26 +452,57 @@ mod tests {
 
     #[test]
     fn bad_messages_are_rejected_with_a_reason() {
-        let cases: [(&str, &[u8], &str); 6] = [
-            ("idem/v1/pump-1/reported", b"{oops", "malformed"),
-            ("idem/v1/pump-1/reported", &[b' '; 2000], "oversized"),
+        let too_big = vec![b' '; rules().budget.max_report_bytes() + 1];
+        let cases: [(&str, &[u8], &str, bool); 10] = [
+            ("idem/v1/pump-1/reported", b"{oops", "malformed", true),
+            ("idem/v1/pump-1/reported", &too_big, "oversized", true),
             (
                 "idem/v1/$bad/reported",
                 br#"{"seq":1,"spec":{}}"#,
                 "invalid_device_id",
+                true,
             ),
-            ("idem/v1/pump-1/status", b"maybe", "invalid_status"),
-            ("idem/v1/pump-1/desired", b"{}", "unknown_channel"),
+            ("idem/v1/pump-1/status", b"maybe", "invalid_status", false),
+            ("idem/v1/pump-1/desired", b"{}", "unknown_channel", false),
             (
                 "idem/v1/pump-1/reported",
                 br#"{"seq":18446744073709551615,"spec":{}}"#,
                 "malformed",
+                true,
+            ),
+            (
+                "idem/v1/pump-1/reported",
+                br#"[5, null, {"a": 1}]"#,
+                "malformed",
+                true,
+            ),
+            (
+                "idem/v1/pump-1/reported",
+                br#"{"seq":1,"spec":{"x":"\u0000"}}"#,
+                "nul_character",
+                true,
+            ),
+            (
+                "idem/v1/pump-1/reported",
+                br#"{"seq":1000001,"spec":{}}"#,
+                "seq_out_of_range",
+                true,
+            ),
+            (
+                "idem/v1/events/status",
+                b"online",
+                "invalid_device_id",
+                false,
             ),
         ];
-        for (topic, payload, expected) in cases {
-            match classify(&root(), topic, payload, 1024) {
-                Inbound::Rejected { reason, .. } => assert_eq!(reason, expected, "{topic}"),
-                other @ (Inbound::Report { .. } | Inbound::Status { .. }) => {
+        for (topic, payload, expected, is_report) in cases {
+            match classify_plain(topic, payload) {
+                Inbound::Rejected { reason, report, .. } => {
+                    assert_eq!((reason, report), (expected, is_report), "{topic}")
+                }
+                other @ (Inbound::Report { .. }
+                | Inbound::Status { .. }
+                | Inbound::StatusCleared) => {
                     panic!("{topic}: expected rejection, got {other:?}")
                 }
             }
@@ -341,13 +510,44 @@ mod tests {
     }
 
     #[test]
+    fn a_payload_the_adapter_dropped_is_oversized_with_its_length() {
+        let got = classify(
+            &root(),
+            "idem/v1/pump-1/reported",
+            b"",
+            Some(5_000_000),
+            rules(),
+        );
+        let Inbound::Rejected {
+            reason,
+            detail,
+            report,
+        } = got
+        else {
+            panic!("expected a rejection, got {got:?}")
+        };
+        assert_eq!((reason, report), ("oversized", true));
+        assert!(detail.contains("5000000"), "{detail}");
+    }
+
+    #[test]
+    fn a_seq_at_the_ceiling_is_accepted() {
+        let got = classify_plain("idem/v1/pump-1/reported", br#"{"seq":1000000,"spec":{}}"#);
+        assert!(matches!(got, Inbound::Report { .. }), "{got:?}");
+    }
+
+    #[test]
     fn status_messages_carry_online_or_offline() {
         assert_eq!(
-            classify(&root(), "idem/v1/d/status", b"offline", 1024),
+            classify_plain("idem/v1/d/status", b"offline"),
             Inbound::Status {
                 device: DeviceId::parse("d").unwrap(),
                 online: false
             }
+        );
+        assert_eq!(
+            classify_plain("idem/v1/d/status", b""),
+            Inbound::StatusCleared
         );
     }
 

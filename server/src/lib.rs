@@ -12,11 +12,13 @@ pub mod config;
 pub mod events;
 pub mod fleet;
 pub mod ingest;
+pub mod input;
 pub mod metrics;
 pub mod mqtt;
 pub mod reconcile;
 pub mod relay;
 pub mod sse;
+pub mod stall;
 pub mod store;
 
 pub use app::{run, AppState, ServerError};

@@ -19,15 +19,22 @@ const METADATA: Metadata<'static> = Metadata::new("idem", Level::INFO, Some(modu
 
 /// Why an inbound MQTT message was refused; label values of
 /// `idem_reports_rejected_total`.
-pub const REJECT_REASONS: [&str; 7] = [
+pub const REJECT_REASONS: [&str; 10] = [
     "malformed",
     "oversized",
+    "nul_character",
+    "seq_out_of_range",
     "invalid_device_id",
     "invalid_topic",
     "unknown_channel",
     "unknown_device",
     "invalid_status",
+    "db_refused",
 ];
+
+/// What the server refused to hand its MQTT client; label values of
+/// `idem_publishes_refused_total`.
+pub const REFUSED_PUBLISH_KINDS: [&str; 2] = ["desired", "event"];
 
 /// Results of an inbound report; label values of `idem_reports_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +70,12 @@ pub struct Metrics {
     outcomes: [Counter; 5],
     reports: [Counter; 4],
     rejects: [Counter; REJECT_REASONS.len()],
+    refused_publishes: [Counter; REFUSED_PUBLISH_KINDS.len()],
+    /// Applied reports whose `health` was not a protocol word.
+    pub health_unknown: Counter,
+    /// Retained desired messages refreshed without a push (the device
+    /// already ran the new desired spec, or was not attempted).
+    pub retained_updates: Counter,
     pub pushes: Counter,
     pub report_requests: Counter,
     pub runs_started: Counter,
@@ -126,6 +139,21 @@ impl Metrics {
             r,
             "idem_reports_rejected_total",
             "Inbound MQTT messages refused, by reason",
+        );
+        describe_counter(
+            r,
+            "idem_publishes_refused_total",
+            "Messages not handed to the MQTT client because they exceed the size budget, by kind",
+        );
+        describe_counter(
+            r,
+            "idem_reports_health_unknown_total",
+            "Applied reports whose health was not healthy, degraded or unhealthy (kept, health unknown)",
+        );
+        describe_counter(
+            r,
+            "idem_retained_updates_total",
+            "Retained desired messages refreshed without a push, so the retained state is always current",
         );
         describe_counter(r, "idem_pushes_total", "Desired-state publishes to devices");
         describe_counter(
@@ -230,10 +258,15 @@ impl Metrics {
             .map(|res| counter(r, "idem_reports_total", &[("result", res.as_str())]));
         let rejects = REJECT_REASONS
             .map(|reason| counter(r, "idem_reports_rejected_total", &[("reason", reason)]));
+        let refused_publishes = REFUSED_PUBLISH_KINDS
+            .map(|kind| counter(r, "idem_publishes_refused_total", &[("kind", kind)]));
         let metrics = Self {
             outcomes,
             reports,
             rejects,
+            refused_publishes,
+            health_unknown: counter(r, "idem_reports_health_unknown_total", &[]),
+            retained_updates: counter(r, "idem_retained_updates_total", &[]),
             pushes: counter(r, "idem_pushes_total", &[]),
             report_requests: counter(r, "idem_report_requests_total", &[]),
             runs_started: counter(r, "idem_runs_started_total", &[]),
@@ -270,9 +303,12 @@ impl Metrics {
             .iter()
             .chain(&metrics.reports)
             .chain(&metrics.rejects)
+            .chain(&metrics.refused_publishes)
         {
             c.increment(0);
         }
+        metrics.health_unknown.increment(0);
+        metrics.retained_updates.increment(0);
         metrics.pushes.increment(0);
         metrics.report_requests.increment(0);
         metrics.runs_started.increment(0);
@@ -335,11 +371,26 @@ impl Metrics {
         &self.reports[index]
     }
 
-    /// Counts a refused message under `reason` (one of [`REJECT_REASONS`]).
-    pub fn reject(&self, reason: &str) {
+    /// Counts a refused report under `reason` (one of [`REJECT_REASONS`]):
+    /// `idem_reports_total{result="rejected"}` and the reason.
+    pub fn reject_report(&self, reason: &str) {
         self.report(ReportResult::Rejected).increment(1);
+        self.reject_message(reason);
+    }
+
+    /// Counts a refused message that is not a report (a status message, a
+    /// topic outside the protocol): only the reason.
+    pub fn reject_message(&self, reason: &str) {
         if let Some(i) = REJECT_REASONS.iter().position(|r| *r == reason) {
             self.rejects[i].increment(1);
+        }
+    }
+
+    /// Counts a message the publisher refused to send (one of
+    /// [`REFUSED_PUBLISH_KINDS`]).
+    pub fn publish_refused(&self, kind: &str) {
+        if let Some(i) = REFUSED_PUBLISH_KINDS.iter().position(|k| *k == kind) {
+            self.refused_publishes[i].increment(1);
         }
     }
 
@@ -431,9 +482,9 @@ mod tests {
     }
 
     #[test]
-    fn a_rejection_counts_both_the_result_and_the_reason() {
+    fn a_rejected_report_counts_both_the_result_and_the_reason() {
         let metrics = Metrics::new();
-        metrics.reject("oversized");
+        metrics.reject_report("oversized");
         let text = metrics.render();
         assert!(
             text.contains("idem_reports_total{result=\"rejected\"} 1"),
@@ -441,6 +492,21 @@ mod tests {
         );
         assert!(
             text.contains("idem_reports_rejected_total{reason=\"oversized\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_refused_status_message_is_not_counted_as_a_report() {
+        let metrics = Metrics::new();
+        metrics.reject_message("invalid_status");
+        let text = metrics.render();
+        assert!(
+            text.contains("idem_reports_total{result=\"rejected\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("idem_reports_rejected_total{reason=\"invalid_status\"} 1"),
             "{text}"
         );
     }

@@ -4,12 +4,18 @@
 //! own client: inbound publishes go to a bounded channel, subscriptions are
 //! (re)made with `try_subscribe_many` on every ConnAck. Manual acks: the
 //! ingest acknowledges a report only after the batch holding it commits.
+//!
+//! No packet can break the connection: the client reads any packet MQTT
+//! allows (payloads over the report limit are dropped right here, keeping
+//! only their length for the ingest to count and acknowledge), and the
+//! publisher refuses to hand the client anything larger than the budget.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_protocol::{Channel, DeviceId, TopicRoot, GET_PAYLOAD};
+use bytes::Bytes;
+use idem_protocol::{Channel, DeviceId, SpecBudget, TopicRoot, GET_PAYLOAD};
 use rumqttc::{
     AsyncClient, ClientError, Event, EventLoop, MqttOptions, Packet, Publish, QoS, Request,
     SubscribeFilter,
@@ -26,6 +32,21 @@ use crate::metrics::Metrics;
 const REQUEST_CHANNEL_CAPACITY: usize = 10_000;
 /// Outgoing QoS 1 publishes awaiting PUBACK at once.
 const MAX_INFLIGHT: u16 = 1_000;
+/// MQTT's own limit on a packet's remaining length: the client reads every
+/// packet a broker can send, so none can make it drop the connection.
+const MQTT_MAX_REMAINING_LENGTH: usize = 268_435_455;
+/// The largest event payload published on MQTT; a larger event (a huge
+/// `run.completed`) stays in the event log and on SSE only.
+pub const MAX_EVENT_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+/// One inbound publish for the ingest. `oversized` is the original payload
+/// length when it was over the report limit; the payload itself was dropped
+/// already, so one huge message never waits in the channel.
+#[derive(Debug)]
+pub struct Received {
+    pub publish: Publish,
+    pub oversized: Option<usize>,
+}
 
 /// Connection facts shared with readiness checks.
 #[derive(Debug, Default)]
@@ -56,29 +77,21 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
         .set_manual_acks(true)
         .set_inflight(MAX_INFLIGHT)
         .set_request_channel_capacity(REQUEST_CHANNEL_CAPACITY)
-        // Oversized reports must reach the ingest to be counted, not break
-        // the connection; the broker's message_size_limit bounds the rest.
-        .set_max_packet_size(
-            config
-                .config
-                .max_payload_bytes
-                .saturating_mul(4)
-                .max(1 << 20),
-            config
-                .config
-                .max_payload_bytes
-                .saturating_mul(4)
-                .max(1 << 20),
-        );
+        // Reading every packet MQTT allows means no inbound message can make
+        // the connection fail (and be redelivered forever by our persistent
+        // session); the publisher bounds what we send.
+        .set_max_packet_size(MQTT_MAX_REMAINING_LENGTH, MQTT_MAX_REMAINING_LENGTH);
     AsyncClient::new(options, REQUEST_CHANNEL_CAPACITY)
 }
 
 /// Polls the event loop until cancelled, forwarding every inbound publish.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_event_loop(
     mut eventloop: EventLoop,
     client: AsyncClient,
     root: TopicRoot,
-    inbound: mpsc::Sender<Publish>,
+    budget: SpecBudget,
+    inbound: mpsc::Sender<Received>,
     status: Arc<MqttStatus>,
     metrics: Arc<Metrics>,
     token: CancellationToken,
@@ -95,10 +108,16 @@ pub async fn run_event_loop(
             event = eventloop.poll() => event,
         };
         match event {
-            Ok(Event::Incoming(Packet::Publish(publish))) => {
+            Ok(Event::Incoming(Packet::Publish(mut publish))) => {
+                let len = publish.payload.len();
+                let oversized = (len > budget.max_report_bytes()).then(|| {
+                    publish.payload = Bytes::new();
+                    len
+                });
+                let received = Received { publish, oversized };
                 tokio::select! {
                     () = token.cancelled() => break,
-                    sent = inbound.send(publish) => if sent.is_err() { break },
+                    sent = inbound.send(received) => if sent.is_err() { break },
                 }
             }
             Ok(Event::Incoming(Packet::ConnAck(ack))) => {
@@ -147,6 +166,8 @@ pub async fn run_event_loop(
 pub struct Publisher {
     client: AsyncClient,
     root: TopicRoot,
+    budget: SpecBudget,
+    metrics: Arc<Metrics>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -162,8 +183,18 @@ struct DesiredMessage<'a> {
 }
 
 impl Publisher {
-    pub fn new(client: AsyncClient, root: TopicRoot) -> Self {
-        Self { client, root }
+    pub fn new(
+        client: AsyncClient,
+        root: TopicRoot,
+        budget: SpecBudget,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            client,
+            root,
+            budget,
+            metrics,
+        }
     }
 
     /// Publishes `{generation, spec}` retained with QoS 1 on the device's
@@ -176,6 +207,17 @@ impl Publisher {
                 return;
             }
         };
+        if payload.len() > self.budget.max_desired_bytes() {
+            // The API refuses such specs; this one predates the limit.
+            self.metrics.publish_refused("desired");
+            tracing::error!(
+                %device,
+                bytes = payload.len(),
+                limit = self.budget.max_desired_bytes(),
+                "desired state over the spec budget is not published; lower the spec or raise IDEM_MAX_SPEC_BYTES"
+            );
+            return;
+        }
         let topic = self.root.topic(device, Channel::Desired);
         let sent = self
             .client
@@ -194,6 +236,15 @@ impl Publisher {
 
     /// Publishes one CloudEvent (structured JSON) on an event topic.
     pub async fn publish_event(&self, topic: String, qos: QoS, payload: Vec<u8>) {
+        if payload.len() > MAX_EVENT_PAYLOAD_BYTES {
+            self.metrics.publish_refused("event");
+            tracing::warn!(
+                %topic,
+                bytes = payload.len(),
+                "event too large for MQTT; it stays in the event log and on SSE"
+            );
+            return;
+        }
         if let Err(e) = self.client.publish(topic, qos, false, payload).await {
             tracing::warn!(error = %e, "could not publish an event");
         }

@@ -69,7 +69,7 @@ async fn a_report_with_a_lower_or_equal_seq_never_overwrites_a_newer_one(pool: P
         [(5, "new", 1), (5, "dup", 0), (4, "old", 0), (6, "newer", 1)]
     {
         let mut tx = pool.begin().await.unwrap();
-        let changed = devices::apply_reports(&mut tx, &[report("a", seq, firmware)], false)
+        let changed = devices::apply_reports(&mut tx, &[&report("a", seq, firmware)], false)
             .await
             .unwrap();
         tx.commit().await.unwrap();
@@ -84,13 +84,13 @@ async fn a_report_with_a_lower_or_equal_seq_never_overwrites_a_newer_one(pool: P
 async fn reports_from_unregistered_devices_are_stored_only_with_auto_register(pool: PgPool) {
     let mut tx = pool.begin().await.unwrap();
     assert_eq!(
-        devices::apply_reports(&mut tx, &[report("new", 1, "x")], false)
+        devices::apply_reports(&mut tx, &[&report("new", 1, "x")], false)
             .await
             .unwrap(),
         0
     );
     assert_eq!(
-        devices::apply_reports(&mut tx, &[report("new", 1, "x")], true)
+        devices::apply_reports(&mut tx, &[&report("new", 1, "x")], true)
             .await
             .unwrap(),
         1

@@ -36,7 +36,8 @@ pub struct TestServer {
 pub struct ServerSettings {
     pub push_timeout: Duration,
     pub auto_register: bool,
-    pub max_payload_bytes: usize,
+    /// The spec budget (`--max-spec-bytes`).
+    pub max_spec_bytes: usize,
     /// 1 = no retries (a failure quarantines at once).
     pub max_attempts: u32,
     pub retry_backoff: Duration,
@@ -57,7 +58,7 @@ impl Default for ServerSettings {
         Self {
             push_timeout: Duration::from_secs(10),
             auto_register: false,
-            max_payload_bytes: 64 * 1024,
+            max_spec_bytes: 64 * 1024,
             max_attempts: 1,
             retry_backoff: Duration::from_millis(100),
             push_rate: 0,
@@ -86,7 +87,7 @@ impl TestServer {
         config.instance = format!("test-{}", &unique[..12]);
         config.push_timeout = settings.push_timeout;
         config.auto_register = settings.auto_register;
-        config.max_payload_bytes = settings.max_payload_bytes;
+        config.max_spec_bytes = settings.max_spec_bytes;
         config.max_attempts = settings.max_attempts;
         config.retry_backoff = settings.retry_backoff;
         config.retry_backoff_max = settings.retry_backoff.max(Duration::from_secs(1));

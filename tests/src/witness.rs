@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use idem_protocol::{Channel, Reported, TopicRoot, DEFAULT_MAX_PAYLOAD_BYTES};
+use idem_protocol::{Channel, Reported, SpecBudget, TopicRoot};
 use rumqttc::{AsyncClient, Event, Packet, QoS};
 use tokio::task::JoinHandle;
 
@@ -67,7 +67,7 @@ impl ReportWitness {
                 match eventloop.poll().await {
                     Ok(Event::Incoming(Packet::Publish(p))) => {
                         let device = root.parse(&p.topic).map(|t| t.device.to_string());
-                        let report = Reported::decode(&p.payload, DEFAULT_MAX_PAYLOAD_BYTES);
+                        let report = Reported::decode(&p.payload, SpecBudget::default());
                         let mut seen = sink.lock().unwrap_or_else(PoisonError::into_inner);
                         match (device, report) {
                             (Ok(device), Ok(report)) => {

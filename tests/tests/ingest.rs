@@ -42,7 +42,7 @@ async fn stored_firmware(scenario: &Scenario, id: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_stale_and_malformed_reports_change_nothing_and_are_counted() {
     let settings = ServerSettings {
-        max_payload_bytes: 1024,
+        max_spec_bytes: 256,
         ..ServerSettings::default()
     };
     let scenario = Scenario::start(settings).await.unwrap();
@@ -75,7 +75,7 @@ async fn duplicates_stale_and_malformed_reports_change_nothing_and_are_counted()
     publish(reported(&a), report(10, "1.0-duplicate")).await; // same seq
     publish(reported(&a), report(9, "0.9-stale")).await; // lower seq
     publish(reported(&a), b"{not json".to_vec()).await;
-    publish(reported(&a), vec![b' '; 2048]).await; // over the 1 KiB limit
+    publish(reported(&a), vec![b' '; 9_000]).await; // over the 2 × 256 + 8 KiB report limit
     publish(format!("{}/bad$id/reported", root.as_str()), report(1, "x")).await;
     publish(
         format!("{}/stranger/reported", root.as_str()),

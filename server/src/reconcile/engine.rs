@@ -114,6 +114,8 @@ pub struct EngineContext {
     pub event_source: String,
     pub settings: EngineSettings,
     pub device_writes: DeviceWrites,
+    /// Set while outcome writes fail (read by `/readyz`).
+    pub stall: Arc<crate::stall::Stall>,
 }
 
 struct RunProgress {
@@ -870,6 +872,7 @@ impl Engine {
             let started = Instant::now();
             match self.write(&pending).await {
                 Ok(committed) => {
+                    self.ctx.stall.progressed();
                     self.ctx
                         .metrics
                         .db_batch_outcomes
@@ -879,6 +882,7 @@ impl Engine {
                     return;
                 }
                 Err(e) => {
+                    self.ctx.stall.failing();
                     tracing::error!(error = %e, "writing outcomes failed; retrying in {backoff:?}");
                     tokio::select! {
                         () = token.cancelled() => {

@@ -218,7 +218,7 @@ pub struct ReportRow {
 /// seq is already as high is left alone. Returns how many rows changed.
 pub async fn apply_reports(
     tx: &mut Transaction<'_, Postgres>,
-    reports: &[ReportRow],
+    reports: &[&ReportRow],
     auto_register: bool,
 ) -> Result<u64, StoreError> {
     if reports.is_empty() {

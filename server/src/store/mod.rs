@@ -34,6 +34,48 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
 }
 
+impl StoreError {
+    pub(crate) fn db(context: &'static str, source: sqlx::Error) -> Self {
+        StoreError::Db { context, source }
+    }
+
+    /// PostgreSQL refused the data itself (SQLSTATE classes 22 data
+    /// exception, 23 integrity violation, 54 program limit exceeded):
+    /// retrying the same rows can never succeed.
+    pub fn is_refused_data(&self) -> bool {
+        match self {
+            StoreError::Db {
+                source: sqlx::Error::Database(e),
+                ..
+            } => e
+                .code()
+                .is_some_and(|code| matches!(code.get(..2), Some("22" | "23" | "54"))),
+            StoreError::Db { .. } | StoreError::Migrate(_) => false,
+        }
+    }
+
+    /// The database could not be reached or answered with a transient
+    /// error (as opposed to refusing the request).
+    // sqlx::Error is #[non_exhaustive]: a catch-all arm is required.
+    #[allow(clippy::wildcard_enum_match_arm)]
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::Db { source, .. } => match source {
+                sqlx::Error::Database(e) => e
+                    .code()
+                    .is_some_and(|code| matches!(code.get(..2), Some("08" | "53" | "57" | "40"))),
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed => true,
+                _ => false,
+            },
+            StoreError::Migrate(_) => false,
+        }
+    }
+}
+
 /// Attaches what we were doing to a sqlx error.
 pub(crate) trait Context<T> {
     fn context(self, context: &'static str) -> Result<T, StoreError>;

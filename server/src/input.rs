@@ -1,0 +1,212 @@
+//! Bounds on operator input — specs, labels, bulk sizes, cursors — checked
+//! before anything reaches PostgreSQL or the broker. Every refusal says the
+//! limit it broke and how to change it, if it can be changed.
+//!
+//! Pure: no IO. The API turns an [`InputError`] into a 4xx answer.
+
+use serde_json::{Map, Value};
+
+use idem_protocol::{SpecBudget, SpecError};
+
+/// Most labels one device may carry.
+pub const MAX_LABELS: usize = 64;
+/// Longest label key, in bytes.
+pub const MAX_LABEL_KEY_BYTES: usize = 128;
+/// Longest label value, in bytes.
+pub const MAX_LABEL_VALUE_BYTES: usize = 256;
+/// Most devices one `POST /v1/devices` may register.
+pub const MAX_REGISTRATIONS_PER_REQUEST: usize = 10_000;
+/// Most device ids one targeting request may name.
+pub const MAX_TARGET_IDS_PER_REQUEST: usize = 100_000;
+/// Longest text a query parameter (a cursor, a filter) may hold.
+pub const MAX_QUERY_TEXT_BYTES: usize = 256;
+
+/// Why operator input was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InputError {
+    #[error("{0} (the limit is set with --max-spec-bytes / IDEM_MAX_SPEC_BYTES)")]
+    SpecTooLarge(SpecError),
+    #[error("{0}")]
+    InvalidSpec(SpecError),
+    #[error("{0}")]
+    InvalidLabels(String),
+    #[error("{what}: at most {limit} per request (got {got}); send them in several requests")]
+    TooManyItems {
+        what: &'static str,
+        limit: usize,
+        got: usize,
+    },
+    #[error("query parameter `{name}` {problem}")]
+    InvalidQuery { name: &'static str, problem: String },
+}
+
+impl InputError {
+    /// Stable error code for the JSON answer.
+    pub fn code(&self) -> &'static str {
+        match self {
+            InputError::SpecTooLarge(_) => "spec_too_large",
+            InputError::InvalidSpec(_) => "invalid_spec",
+            InputError::InvalidLabels(_) => "invalid_labels",
+            InputError::TooManyItems { .. } => "too_many_items",
+            InputError::InvalidQuery { .. } => "invalid_query",
+        }
+    }
+
+    /// Whether the answer is 413 (too large) rather than 400.
+    pub fn is_too_large(&self) -> bool {
+        match self {
+            InputError::SpecTooLarge(_) | InputError::TooManyItems { .. } => true,
+            InputError::InvalidSpec(_)
+            | InputError::InvalidLabels(_)
+            | InputError::InvalidQuery { .. } => false,
+        }
+    }
+}
+
+/// A spec within the budget, with no NUL anywhere.
+pub fn check_spec(budget: SpecBudget, spec: &Value) -> Result<(), InputError> {
+    match budget.check_spec(spec) {
+        Ok(_) => Ok(()),
+        Err(e @ SpecError::TooLarge { .. }) => Err(InputError::SpecTooLarge(e)),
+        Err(e @ SpecError::Nul { .. }) => Err(InputError::InvalidSpec(e)),
+    }
+}
+
+/// Labels: an object of at most [`MAX_LABELS`] string values, keys and
+/// values bounded in length and free of NUL.
+pub fn check_labels(labels: &Value) -> Result<(), InputError> {
+    let Value::Object(map) = labels else {
+        return Err(InputError::InvalidLabels(
+            "labels must be an object of string values".to_owned(),
+        ));
+    };
+    check_label_map(map)
+}
+
+fn check_label_map(map: &Map<String, Value>) -> Result<(), InputError> {
+    if map.len() > MAX_LABELS {
+        return Err(InputError::InvalidLabels(format!(
+            "a device may carry at most {MAX_LABELS} labels (got {})",
+            map.len()
+        )));
+    }
+    for (key, value) in map {
+        let Value::String(value) = value else {
+            return Err(InputError::InvalidLabels(format!(
+                "label {key:?} must have a string value"
+            )));
+        };
+        check_label_pair(key, value)?;
+    }
+    Ok(())
+}
+
+/// One label (or label selector) key and value.
+pub fn check_label_pair(key: &str, value: &str) -> Result<(), InputError> {
+    let problem = if key.is_empty() {
+        Some("label keys must not be empty".to_owned())
+    } else if key.len() > MAX_LABEL_KEY_BYTES {
+        Some(format!(
+            "label key of {} bytes; the limit is {MAX_LABEL_KEY_BYTES}",
+            key.len()
+        ))
+    } else if value.len() > MAX_LABEL_VALUE_BYTES {
+        Some(format!(
+            "label {:?} has a value of {} bytes; the limit is {MAX_LABEL_VALUE_BYTES}",
+            shorten(key),
+            value.len()
+        ))
+    } else if key.contains('\0') || value.contains('\0') {
+        Some(format!(
+            "label {:?} holds a NUL character (\\u0000)",
+            shorten(key)
+        ))
+    } else {
+        None
+    };
+    problem.map_or(Ok(()), |p| Err(InputError::InvalidLabels(p)))
+}
+
+/// At most `limit` items of `what` in one request.
+pub fn check_count(what: &'static str, got: usize, limit: usize) -> Result<(), InputError> {
+    if got > limit {
+        return Err(InputError::TooManyItems { what, limit, got });
+    }
+    Ok(())
+}
+
+/// A free-text query parameter (cursor, filter): bounded, no NUL.
+pub fn check_query_text(name: &'static str, text: &str) -> Result<(), InputError> {
+    if text.len() > MAX_QUERY_TEXT_BYTES {
+        return Err(InputError::InvalidQuery {
+            name,
+            problem: format!(
+                "is {} bytes; the limit is {MAX_QUERY_TEXT_BYTES}",
+                text.len()
+            ),
+        });
+    }
+    if text.contains('\0') {
+        return Err(InputError::InvalidQuery {
+            name,
+            problem: "holds a NUL character".to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// A key shown in an error message, cut so the message stays readable.
+fn shorten(text: &str) -> String {
+    idem_protocol::limits::storable_text(text, 64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_spec_over_the_budget_names_the_limit_and_the_flag() {
+        let err = check_spec(SpecBudget::new(256), &json!({"x": "y".repeat(300)})).unwrap_err();
+        assert!(err.is_too_large());
+        let message = err.to_string();
+        assert!(message.contains("the limit is 256 bytes"), "{message}");
+        assert!(message.contains("IDEM_MAX_SPEC_BYTES"), "{message}");
+    }
+
+    #[test]
+    fn a_nul_in_a_spec_is_a_bad_request() {
+        let err = check_spec(SpecBudget::default(), &json!({"x": "\u{0}"})).unwrap_err();
+        assert_eq!(err.code(), "invalid_spec");
+        assert!(!err.is_too_large());
+    }
+
+    #[test]
+    fn labels_are_bounded_in_count_length_and_content() {
+        assert!(check_labels(&json!({"site": "north"})).is_ok());
+        let many: Map<String, Value> = (0..=MAX_LABELS)
+            .map(|i| (format!("k{i}"), json!("v")))
+            .collect();
+        let err = check_labels(&Value::Object(many)).unwrap_err();
+        assert!(err.to_string().contains("at most 64 labels"), "{err}");
+        let err = check_labels(&json!({"k": "v".repeat(300)})).unwrap_err();
+        assert!(err.to_string().contains("the limit is 256"), "{err}");
+        let err = check_labels(&json!({"k".repeat(200): "v"})).unwrap_err();
+        assert!(err.to_string().contains("the limit is 128"), "{err}");
+        let err = check_labels(&json!({"k": "a\u{0}b"})).unwrap_err();
+        assert!(err.to_string().contains("NUL"), "{err}");
+        assert!(check_labels(&json!({"k": 1})).is_err());
+        assert!(check_labels(&json!(["k"])).is_err());
+        assert!(check_labels(&json!({"": "v"})).is_err());
+    }
+
+    #[test]
+    fn counts_and_query_text_are_bounded() {
+        assert!(check_count("devices", 10, 10).is_ok());
+        let err = check_count("devices", 11, 10).unwrap_err();
+        assert!(err.to_string().contains("at most 10 per request (got 11)"));
+        assert!(check_query_text("after", "dev-1").is_ok());
+        assert!(check_query_text("after", "a\u{0}").is_err());
+        assert!(check_query_text("after", &"a".repeat(300)).is_err());
+    }
+}
