@@ -5,7 +5,7 @@
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use idem_protocol::{Desired, Health, Rejection, Reported};
+use idem_protocol::{Desired, Health, Rejection, Reported, SpecDigest};
 use serde_json::Value;
 
 /// How a device treats pushed configuration (and whether it talks at all).
@@ -82,6 +82,9 @@ pub struct DeviceState {
     /// When the report confirming the last *applied* push was handed to the
     /// MQTT client. Set by the MQTT adapter, like `desired_at`.
     pub confirmed_at: Option<Instant>,
+    /// Every generation whose spec the device actually installed (a changed
+    /// spec), in order: what a real device would have flashed.
+    pub installed: Vec<u64>,
 }
 
 impl DeviceState {
@@ -100,6 +103,7 @@ impl DeviceState {
             last_rejection: None,
             desired_at: None,
             confirmed_at: None,
+            installed: Vec::new(),
         }
     }
 
@@ -125,13 +129,29 @@ impl DeviceState {
 ///
 /// Answering devices report after **every** desired message, even one for the
 /// generation they already run (the server relies on this for forced runs).
-/// A refusal keeps the old spec and generation and carries the reason in
+/// As `docs/PROTOCOL.md` §6.2 requires, a generation older than the applied
+/// one is never applied (the device reports its state unchanged), and a spec
+/// the device already runs is adopted without work (so never refused). A
+/// refusal keeps the old spec and generation and carries the reason in
 /// `error`. `RejectTimes` counts its earlier refusals in `state.rejections`.
 pub fn respond_to_desired(
     state: &mut DeviceState,
     behaviour: &DeviceBehaviour,
     desired: &Desired,
 ) -> Option<Reported> {
+    if !behaviour.answers_desired() {
+        return None;
+    }
+    if state
+        .generation
+        .is_some_and(|applied| desired.generation < applied)
+    {
+        return Some(state.report());
+    }
+    if SpecDigest::of(&desired.spec) == SpecDigest::of(&state.spec) {
+        state.generation = Some(desired.generation);
+        return Some(state.report());
+    }
     let refusal = match behaviour {
         DeviceBehaviour::Accept => None,
         DeviceBehaviour::Reject { message } => Some(message),
@@ -144,6 +164,7 @@ pub fn respond_to_desired(
         None => {
             state.spec = desired.spec.clone();
             state.generation = Some(desired.generation);
+            state.installed.push(desired.generation);
             Some(state.report())
         }
         Some(message) => {
@@ -256,6 +277,35 @@ mod tests {
         assert_eq!(again.generation, first.generation);
         assert_eq!(again.spec, first.spec);
         assert!(again.seq > first.seq);
+    }
+
+    #[test]
+    fn an_older_generation_is_never_applied() {
+        let mut s = state();
+        respond_to_desired(&mut s, &DeviceBehaviour::Accept, &desired(3)).unwrap();
+        let older = Desired {
+            generation: 2,
+            spec: json!({"fw": "0.9"}),
+        };
+        let r = respond_to_desired(&mut s, &DeviceBehaviour::Accept, &older).unwrap();
+        assert_eq!((r.generation, r.spec), (Some(3), json!({"fw": "2.0"})));
+        assert_eq!(s.installed, [3]);
+    }
+
+    #[test]
+    fn a_spec_the_device_already_runs_is_adopted_without_installing_or_refusing() {
+        let mut s = state();
+        let same = Desired {
+            generation: 7,
+            spec: json!({"fw": "1.0"}),
+        };
+        let b = DeviceBehaviour::Reject {
+            message: "flash full".into(),
+        };
+        let r = respond_to_desired(&mut s, &b, &same).unwrap();
+        assert_eq!((r.generation, r.error), (Some(7), None));
+        assert!(s.installed.is_empty());
+        assert_eq!(s.rejections, 0);
     }
 
     #[test]

@@ -281,6 +281,11 @@ impl DeviceTask {
 
     fn on_message(&self, s: &mut Session, publish: &Publish) {
         if publish.topic == self.topics.desired {
+            if publish.payload.is_empty() {
+                // The server cleared the retained desired message (the device
+                // was deleted): nothing to apply, nothing to answer.
+                return;
+            }
             let desired = match Desired::decode(&publish.payload, SpecBudget::default()) {
                 Ok(desired) => desired,
                 Err(error) => {

@@ -10,7 +10,7 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use idem_protocol::{DeviceId, SpecDigest};
 use serde::de::DeserializeOwned;
@@ -43,7 +43,11 @@ const MAX_IDS_IN_ERROR: usize = 20;
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/devices", post(register_devices).get(list_devices))
-        .route("/v1/devices/{id}", put(upsert_device).get(get_device))
+        .route(
+            "/v1/devices/{id}",
+            put(upsert_device).get(get_device).delete(delete_device),
+        )
+        .route("/v1/devices/{id}/reported", delete(reset_reported))
         .route("/v1/devices/{id}/desired", put(set_device_desired))
         .route("/v1/devices/{id}/retry", post(retry_device))
         .route("/v1/desired", post(set_desired_bulk))
@@ -263,6 +267,7 @@ async fn register_devices(
         .map_err(db_error("committing registrations"))?;
     state.fleet.register(ids);
     let desired_changed = desired_changes.len();
+    let mut changed_ids = Vec::with_capacity(desired_changed);
     for (write, digest, spec) in desired_changes {
         if let Ok(id) = DeviceId::parse(&write.id) {
             let generation = store::to_u64(write.desired_generation);
@@ -274,7 +279,16 @@ async fn register_devices(
                     spec,
                 },
             );
+            changed_ids.push(id);
         }
+    }
+    if !changed_ids.is_empty() {
+        // The engine refreshes the retained desired message of devices that
+        // have one; an engine that stopped leaves it to the next start.
+        let _ = state
+            .engine
+            .send(EngineCommand::DesiredChanged(changed_ids))
+            .await;
     }
     Ok(Json(json!({
         "created": counts.created,
@@ -334,6 +348,60 @@ async fn get_device(
     let mut device = device_json(row);
     device["history"] = json!(history);
     Ok(Json(device))
+}
+
+/// `DELETE /v1/devices/{id}`: removes the device and its attempt history
+/// (its outcomes in past runs stay), ends any attempt on it as `skipped`
+/// (`device deleted`) and clears its retained `desired` and `status`
+/// messages on the broker.
+async fn delete_device(
+    State(state): State<Arc<AppState>>,
+    Path(raw_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let id = registered(&state, &raw_id)?;
+    let _one_writer = state.device_writes.lock().await;
+    let mut tx = state
+        .pool
+        .begin()
+        .await
+        .map_err(db_error("starting a transaction"))?;
+    let existed = store::devices::delete(&mut tx, id.as_str()).await?;
+    tx.commit()
+        .await
+        .map_err(db_error("committing a device deletion"))?;
+    drop(_one_writer);
+    state.fleet.remove(&id);
+    state.publisher.clear_retained(&id);
+    let _ = state
+        .engine
+        .send(EngineCommand::DevicesRemoved(vec![id.clone()]))
+        .await;
+    tracing::info!(device = %id, existed, "device deleted");
+    Ok(Json(json!({"id": id, "deleted": true})))
+}
+
+/// `DELETE /v1/devices/{id}/reported`: forgets the device's reported state,
+/// so its next report is accepted whatever its `seq` (the way out for a
+/// device whose counter went backwards, or that was sent a bogus `seq`).
+async fn reset_reported(
+    State(state): State<Arc<AppState>>,
+    Path(raw_id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let id = registered(&state, &raw_id)?;
+    let _one_writer = state.device_writes.lock().await;
+    let mut tx = state
+        .pool
+        .begin()
+        .await
+        .map_err(db_error("starting a transaction"))?;
+    store::devices::reset_reported(&mut tx, id.as_str()).await?;
+    tx.commit()
+        .await
+        .map_err(db_error("committing a reported-state reset"))?;
+    state.fleet.clear_reported(&id);
+    drop(_one_writer);
+    let row = store::devices::get(&state.pool, id.as_str()).await?;
+    Ok(Json(row.map(device_json).unwrap_or(Value::Null)))
 }
 
 #[derive(Debug, Deserialize)]
@@ -631,7 +699,7 @@ async fn create_run(
         force,
         spec,
     };
-    let command = commit_run(
+    let run = commit_run(
         &state.pool,
         &state.device_writes,
         &state.fleet,
@@ -645,19 +713,8 @@ async fn create_run(
     })?;
     state.events_wake.notify_one();
     state.metrics.events_committed.increment(1);
-    let run_id = match &command {
-        EngineCommand::StartRun { run_id, .. } => *run_id,
-        EngineCommand::ReportsApplied(_)
-        | EngineCommand::Connectivity(_)
-        | EngineCommand::ReconcileAll(_) => {
-            return Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "run was not created",
-            ));
-        }
-    };
-    state.engine.send(command).await.map_err(|_| {
+    let run_id = run.run_id;
+    state.engine.send(run.into_command()).await.map_err(|_| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "shutting_down",

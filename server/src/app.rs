@@ -45,6 +45,8 @@ pub struct AppState {
     /// Wakes the relay after a commit that wrote events.
     pub events_wake: Arc<Notify>,
     pub mqtt: Arc<MqttStatus>,
+    /// For clearing a deleted device's retained messages.
+    pub publisher: Publisher,
     pub engine_stats: Arc<EngineStats>,
     pub device_writes: DeviceWrites,
     pub event_source: String,
@@ -185,6 +187,9 @@ pub async fn run(
     let relay_task = tokio::spawn(relay.run(relay_token.clone()));
 
     resume_unfinished_runs(&pool, &engine_tx).await?;
+    // Retained desired messages left behind by an earlier process (it
+    // stopped between a desired change and its refresh) are refreshed now.
+    let _ = engine_tx.send(EngineCommand::SyncRetained).await;
     if config.config.startup_reconcile {
         // Nothing to do for an empty fleet; the engine skips it then.
         let _ = engine_tx
@@ -201,6 +206,7 @@ pub async fn run(
         live_events,
         events_wake,
         mqtt: mqtt_status,
+        publisher: publisher.clone(),
         engine_stats,
         device_writes,
         event_source,

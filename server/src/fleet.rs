@@ -37,6 +37,9 @@ pub struct DeviceEntry {
     pub status: DeviceStatus,
     /// Consecutive failed attempts (reset by a success).
     pub failures: u32,
+    /// Generation of the retained desired message on the broker (`None`:
+    /// the broker holds none). Refreshed whenever it falls behind `desired`.
+    pub retained_generation: Option<u64>,
 }
 
 impl DeviceEntry {
@@ -44,6 +47,16 @@ impl DeviceEntry {
         match &self.reported {
             Some(r) => Actual::Reported(r.clone()),
             None => Actual::NeverReported,
+        }
+    }
+
+    /// The desired state, when the broker's retained message is older than
+    /// it (or of unknown generation) and so must be refreshed.
+    pub fn retained_behind(&self) -> Option<&DesiredState> {
+        let desired = self.desired.as_ref()?;
+        match self.retained_generation {
+            Some(retained) if retained != desired.generation => Some(desired),
+            Some(_) | None => None,
         }
     }
 
@@ -101,6 +114,7 @@ impl DeviceEntry {
             online: row.online,
             status: DeviceStatus::parse(&row.status).unwrap_or_default(),
             failures: u32::try_from(row.attempts).unwrap_or(0),
+            retained_generation: row.retained_generation.map(to_u64),
         }
     }
 }
@@ -175,6 +189,27 @@ impl Fleet {
         }
     }
 
+    /// Records the generation now retained on the broker for `id`.
+    pub fn set_retained(&self, id: &DeviceId, generation: u64) {
+        if let Some(mut entry) = self.devices.get_mut(id) {
+            entry.retained_generation = Some(generation);
+        }
+    }
+
+    /// Forgets a device's reported state (an operator reset).
+    pub fn clear_reported(&self, id: &DeviceId) {
+        if let Some(mut entry) = self.devices.get_mut(id) {
+            entry.reported = None;
+            entry.reported_at = None;
+            entry.health = None;
+        }
+    }
+
+    /// Forgets a deleted device.
+    pub fn remove(&self, id: &DeviceId) {
+        self.devices.remove(id);
+    }
+
     pub fn set_failures(&self, id: &DeviceId, failures: u32) {
         if let Some(mut entry) = self.devices.get_mut(id) {
             entry.failures = failures;
@@ -191,6 +226,15 @@ impl Fleet {
             .collect();
         ids.sort_unstable();
         ids
+    }
+
+    /// Ids whose retained desired message is behind their desired state.
+    pub fn ids_with_retained_behind(&self) -> Vec<DeviceId> {
+        self.devices
+            .iter()
+            .filter(|e| e.value().retained_behind().is_some())
+            .map(|e| e.key().clone())
+            .collect()
     }
 
     /// Ids whose last report is older than `cutoff` (or who never reported).

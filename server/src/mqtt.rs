@@ -199,7 +199,7 @@ impl Publisher {
 
     /// Publishes `{generation, spec}` retained with QoS 1 on the device's
     /// desired topic. A failure is logged: the attempt then times out.
-    pub async fn push(&self, device: &DeviceId, generation: u64, spec: &Value) {
+    pub fn push(&self, device: &DeviceId, generation: u64, spec: &Value) {
         let payload = match serde_json::to_vec(&DesiredMessage { generation, spec }) {
             Ok(p) => p,
             Err(e) => {
@@ -223,6 +223,18 @@ impl Publisher {
             .client
             .try_publish(topic, QoS::AtLeastOnce, true, payload);
         self.detach_if_full(sent, "desired state");
+    }
+
+    /// Clears the retained `desired` and `status` messages of a deleted
+    /// device (an empty retained publish removes a retained message).
+    pub fn clear_retained(&self, device: &DeviceId) {
+        for channel in [Channel::Desired, Channel::Status] {
+            let topic = self.root.topic(device, channel);
+            let sent = self
+                .client
+                .try_publish(topic, QoS::AtLeastOnce, true, Vec::new());
+            self.detach_if_full(sent, "retained message removal");
+        }
     }
 
     /// Asks the device to report now.

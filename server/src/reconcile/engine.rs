@@ -67,6 +67,14 @@ pub enum EngineCommand {
     Connectivity(Vec<(DeviceId, bool)>),
     /// Start a run over every device that has desired state.
     ReconcileAll(Trigger),
+    /// These devices' desired state changed without a run (registration
+    /// with a spec): their retained desired message must follow.
+    DesiredChanged(Vec<DeviceId>),
+    /// These devices were deleted (committed, gone from the cache): their
+    /// attempts end `skipped`, nothing more is published to them.
+    DevicesRemoved(Vec<DeviceId>),
+    /// Refresh every retained desired message that is behind (start-up).
+    SyncRetained,
 }
 
 /// What the engine tells the world after a commit.
@@ -153,6 +161,8 @@ struct Pending {
     attempts: Vec<AttemptRow>,
     resets: Vec<String>,
     completed: Vec<Uuid>,
+    /// Retained desired generations handed to the broker.
+    retained: Vec<(String, u64)>,
 }
 
 impl Pending {
@@ -163,6 +173,7 @@ impl Pending {
             && self.attempts.is_empty()
             && self.resets.is_empty()
             && self.completed.is_empty()
+            && self.retained.is_empty()
     }
 }
 
@@ -350,7 +361,61 @@ impl Engine {
                 }
             }
             EngineCommand::ReconcileAll(trigger) => self.reconcile_all(trigger).await,
+            EngineCommand::DesiredChanged(ids) => {
+                for id in ids {
+                    if self.in_flight.contains_key(&id) {
+                        // An attempt for the old generation ends superseded.
+                        self.advance(&id, false).await;
+                    }
+                    if !self.in_flight.contains_key(&id) {
+                        self.refresh_retained(&id);
+                    }
+                }
+            }
+            EngineCommand::DevicesRemoved(ids) => {
+                for id in ids {
+                    self.push_queue.retain(|queued| *queued != id);
+                    for debounced in self.debounced.values_mut() {
+                        debounced.devices.remove(&id);
+                    }
+                    let entry = DeviceEntry::default();
+                    self.finish(
+                        &id,
+                        Outcome::Skipped(super::SkipReason::Deleted),
+                        &entry,
+                        None,
+                    );
+                }
+            }
+            EngineCommand::SyncRetained => {
+                for id in self.ctx.fleet.ids_with_retained_behind() {
+                    if !self.in_flight.contains_key(&id) {
+                        self.refresh_retained(&id);
+                    }
+                }
+            }
         }
+    }
+
+    /// Republishes the current desired state as the retained message when
+    /// the broker's copy is behind it, without starting an attempt: the
+    /// device already runs it or is not attempted now, but a reboot must
+    /// never bring it a withdrawn generation.
+    fn refresh_retained(&mut self, id: &DeviceId) {
+        let Some(entry) = self.ctx.fleet.get(id) else {
+            return;
+        };
+        let Some(desired) = entry.retained_behind() else {
+            return;
+        };
+        self.ctx
+            .publisher
+            .push(id, desired.generation, &desired.spec);
+        self.ctx.metrics.retained_updates.increment(1);
+        self.ctx.fleet.set_retained(id, desired.generation);
+        self.pending
+            .retained
+            .push((id.to_string(), desired.generation));
     }
 
     async fn start_run(
@@ -464,11 +529,12 @@ impl Engine {
                 self.pushed.insert(id.clone());
                 self.set_status(id, DeviceStatus::Provisioning);
                 if let Some(state) = &entry.desired {
-                    self.ctx
-                        .publisher
-                        .push(id, state.generation, &state.spec)
-                        .await;
+                    self.ctx.publisher.push(id, state.generation, &state.spec);
                     self.ctx.metrics.pushes.increment(1);
+                    self.ctx.fleet.set_retained(id, state.generation);
+                    self.pending
+                        .retained
+                        .push((id.to_string(), state.generation));
                 }
             }
             Decision::AskForReport => {
@@ -651,6 +717,16 @@ impl Engine {
             | Outcome::Skipped(_)
             | Outcome::Superseded => {}
         }
+        match &outcome {
+            // Nothing was pushed in this attempt: the broker may still hold
+            // an older generation retained, which a reboot would apply.
+            Outcome::AlreadyConverged | Outcome::Failed(_) | Outcome::Skipped(_) => {
+                self.refresh_retained(id);
+            }
+            // Pushed (the retained message is current), or another attempt
+            // for the newer generation takes over.
+            Outcome::Provisioned | Outcome::Superseded => {}
+        }
         for run_id in flight.runs {
             self.ctx.metrics.outcome(kind).increment(1);
             self.pending.outcomes.push(OutcomeRow {
@@ -806,24 +882,19 @@ impl Engine {
         )
         .await
         {
-            Ok(EngineCommand::StartRun {
-                run_id,
-                trigger,
-                targets,
-                force,
-                decided,
-            }) => {
+            Ok(run) => {
                 self.ctx.events_wake.notify_one();
                 self.ctx.metrics.events_committed.increment(1);
-                tracing::info!(%run_id, %trigger, targets = targets.len(), "run started");
-                self.start_run(run_id, trigger, targets, force, decided)
-                    .await;
+                tracing::info!(run_id = %run.run_id, trigger = run.trigger.as_str(), targets = run.targets.len(), "run started");
+                self.start_run(
+                    run.run_id,
+                    run.trigger.as_str().to_owned(),
+                    run.targets,
+                    run.force,
+                    0,
+                )
+                .await;
             }
-            Ok(
-                EngineCommand::ReportsApplied(_)
-                | EngineCommand::Connectivity(_)
-                | EngineCommand::ReconcileAll(_),
-            ) => {}
             Err(e) => {
                 tracing::error!(error = %e, trigger = trigger.as_str(), "could not start a run; will retry");
                 for id in targets {
@@ -916,6 +987,7 @@ impl Engine {
             store::devices::set_status(&mut tx, ids, status.as_str()).await?;
         }
         store::devices::record_attempts(&mut tx, &pending.attempts).await?;
+        store::devices::record_retained(&mut tx, &pending.retained).await?;
         store::devices::reset_attempts(&mut tx, &pending.resets).await?;
         store::runs::record_outcomes(&mut tx, &pending.outcomes, &per_run).await?;
         let completed = store::runs::complete(&mut tx, &pending.completed).await?;

@@ -39,6 +39,8 @@ pub enum SkipReason {
     Quarantined,
     /// The device has no desired spec, so there is nothing to reconcile.
     NoDesiredSpec,
+    /// The device was deleted while the run waited for it.
+    Deleted,
 }
 
 /// The outcome without its reason: the label value used in storage,
@@ -133,6 +135,7 @@ impl fmt::Display for SkipReason {
             SkipReason::Offline => "offline",
             SkipReason::Quarantined => "quarantined",
             SkipReason::NoDesiredSpec => "no desired spec",
+            SkipReason::Deleted => "device deleted",
         })
     }
 }

@@ -96,7 +96,9 @@ pub fn status_after(outcome: &Outcome) -> Option<DeviceStatus> {
         Outcome::Failed(_) => Some(DeviceStatus::Failed),
         Outcome::Skipped(SkipReason::Offline) => Some(DeviceStatus::Offline),
         Outcome::Skipped(SkipReason::Quarantined) => Some(DeviceStatus::Quarantined),
-        Outcome::Skipped(SkipReason::NoDesiredSpec) | Outcome::Superseded => None,
+        Outcome::Skipped(SkipReason::NoDesiredSpec | SkipReason::Deleted) | Outcome::Superseded => {
+            None
+        }
     }
 }
 

@@ -63,14 +63,36 @@ pub struct NewRun {
     pub spec: Option<Value>,
 }
 
-/// Commits `run` and returns the command that starts it in the engine.
+/// A committed run, ready for the engine.
+#[derive(Debug)]
+pub struct CommittedRun {
+    pub run_id: Uuid,
+    pub trigger: Trigger,
+    pub targets: Vec<DeviceId>,
+    pub force: bool,
+}
+
+impl CommittedRun {
+    /// The engine command that starts it.
+    pub fn into_command(self) -> EngineCommand {
+        EngineCommand::StartRun {
+            run_id: self.run_id,
+            trigger: self.trigger.as_str().to_owned(),
+            targets: self.targets,
+            force: self.force,
+            decided: 0,
+        }
+    }
+}
+
+/// Commits `run`; the caller hands the result to the engine.
 pub async fn commit_run(
     pool: &PgPool,
     device_writes: &DeviceWrites,
     fleet: &Fleet,
     event_source: &str,
     run: NewRun,
-) -> Result<EngineCommand, CommitRunError> {
+) -> Result<CommittedRun, CommitRunError> {
     let run_id = Uuid::now_v7();
     let target_ids: Vec<String> = run.targets.iter().map(DeviceId::to_string).collect();
     // Only a desired change updates many device rows.
@@ -125,11 +147,10 @@ pub async fn commit_run(
             }
         }
     }
-    Ok(EngineCommand::StartRun {
+    Ok(CommittedRun {
         run_id,
-        trigger: run.trigger.as_str().to_owned(),
+        trigger: run.trigger,
         targets: run.targets,
         force: run.force,
-        decided: 0,
     })
 }

@@ -32,6 +32,7 @@ pub struct DeviceRow {
     pub last_outcome: Option<String>,
     pub last_outcome_reason: Option<String>,
     pub last_run_id: Option<Uuid>,
+    pub retained_generation: Option<i64>,
     pub updated_at: DateTime<Utc>,
 }
 
@@ -39,7 +40,7 @@ const DEVICE_COLUMNS: &str =
     "id, labels, desired_spec, desired_generation, desired_digest, desired_at, \
     reported_spec, reported_digest, reported_seq, reported_generation, reported_error_generation, \
     reported_error, reported_health, reported_at, status, online, attempts, next_attempt_at, \
-    last_error, last_outcome, last_outcome_reason, last_run_id, updated_at";
+    last_error, last_outcome, last_outcome_reason, last_run_id, retained_generation, updated_at";
 
 pub async fn load_all(pool: &PgPool) -> Result<Vec<DeviceRow>, StoreError> {
     sqlx::query_as(&format!("SELECT {DEVICE_COLUMNS} FROM devices"))
@@ -352,11 +353,14 @@ pub async fn record_attempts(
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
     let next: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.next_attempt_at).collect();
     let statuses: Vec<Option<&str>> = rows.iter().map(|r| r.status).collect();
+    // Joined with devices: an attempt of a device deleted meanwhile is
+    // dropped, not a foreign-key error that would fail the whole batch.
     sqlx::query(
         "INSERT INTO device_attempts (device_id, run_id, attempt, generation, result, reason) \
          SELECT r.id, r.run_id, r.attempt, r.generation, r.result, r.reason \
          FROM UNNEST($1::text[], $2::uuid[], $3::int4[], $4::int8[], $5::text[], $6::text[]) \
-             AS r(id, run_id, attempt, generation, result, reason)",
+             AS r(id, run_id, attempt, generation, result, reason) \
+         JOIN devices d ON d.id = r.id",
     )
     .bind(&ids)
     .bind(&runs)
@@ -385,6 +389,63 @@ pub async fn record_attempts(
     .await
     .context("updating retry bookkeeping")?;
     Ok(())
+}
+
+/// Records the generation of the retained desired message now on the broker;
+/// unchanged rows are not written.
+pub async fn record_retained(
+    tx: &mut Transaction<'_, Postgres>,
+    rows: &[(String, u64)],
+) -> Result<(), StoreError> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&str> = rows.iter().map(|(id, _)| id.as_str()).collect();
+    let generations: Vec<i64> = rows.iter().map(|(_, g)| to_i64(*g)).collect();
+    sqlx::query(
+        "UPDATE devices d SET retained_generation = r.generation \
+         FROM UNNEST($1::text[], $2::int8[]) AS r(id, generation) \
+         WHERE d.id = r.id AND d.retained_generation IS DISTINCT FROM r.generation",
+    )
+    .bind(&ids)
+    .bind(&generations)
+    .execute(&mut **tx)
+    .await
+    .context("recording retained desired generations")?;
+    Ok(())
+}
+
+/// Forgets a device's reported state, so its next report is accepted
+/// whatever its `seq` (an operator's way out of a poisoned seq). Returns
+/// whether the device exists.
+pub async fn reset_reported(
+    tx: &mut Transaction<'_, Postgres>,
+    id: &str,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "UPDATE devices SET reported_spec = NULL, reported_digest = NULL, reported_seq = NULL, \
+             reported_generation = NULL, reported_error_generation = NULL, reported_error = NULL, \
+             reported_health = NULL, reported_at = NULL, updated_at = now() \
+         WHERE id = $1",
+    )
+    .bind(id)
+    .execute(&mut **tx)
+    .await
+    .context("resetting reported state")?
+    .rows_affected();
+    Ok(done > 0)
+}
+
+/// Deletes a device with its attempt history; its outcomes in past runs stay.
+/// Returns whether it existed.
+pub async fn delete(tx: &mut Transaction<'_, Postgres>, id: &str) -> Result<bool, StoreError> {
+    let done = sqlx::query("DELETE FROM devices WHERE id = $1")
+        .bind(id)
+        .execute(&mut **tx)
+        .await
+        .context("deleting a device")?
+        .rows_affected();
+    Ok(done > 0)
 }
 
 /// Resets the failure count of devices that converged (no-op when already 0).
