@@ -241,8 +241,8 @@ pub struct FleetConfig {
     pub request_channel_capacity: usize,
     /// Outgoing QoS 1 messages awaiting PUBACK per client.
     pub inflight: u16,
-    /// Largest MQTT packet accepted or sent; above the protocol's 64 KiB
-    /// payload limit plus topic and header.
+    /// Largest MQTT packet accepted or sent: the packet limit of the
+    /// default spec budget (a maximal report with topic and header).
     pub max_packet_size: usize,
     pub devices: Vec<SimDevice>,
 }
@@ -251,7 +251,7 @@ impl FleetConfig {
     /// Defaults: keep-alive 60 s, no connect-rate limit, at most
     /// [`DEFAULT_MAX_CONNECTING`] connects in flight, backoff 250 ms..30 s,
     /// connect timeout 10 s, no heartbeats, channel 10, inflight 10, packets up
-    /// to 72 KiB.
+    /// to the default spec budget's packet limit (137 KiB).
     pub fn new(broker: BrokerAddr, topic_root: TopicRoot, devices: Vec<SimDevice>) -> Self {
         Self {
             broker,
@@ -265,7 +265,7 @@ impl FleetConfig {
             report_interval: None,
             request_channel_capacity: 10,
             inflight: 10,
-            max_packet_size: 72 * 1024,
+            max_packet_size: idem_protocol::SpecBudget::default().max_packet_bytes(),
             devices,
         }
     }

@@ -96,6 +96,8 @@ pub struct DeviceSnapshot {
     /// When the report confirming the last applied push was handed to the
     /// MQTT client.
     pub confirmed_at: Option<std::time::Instant>,
+    /// Every generation whose (changed) spec the device installed, in order.
+    pub installed: Vec<u64>,
 }
 
 struct DeviceHandle {
@@ -357,5 +359,6 @@ fn snapshot(shared: &DeviceShared) -> DeviceSnapshot {
         last_rejection: state.last_rejection.clone(),
         desired_at: state.desired_at,
         confirmed_at: state.confirmed_at,
+        installed: state.installed.clone(),
     }
 }

@@ -32,11 +32,19 @@ use crate::store::{self, StoreError};
 
 /// Most items one list page returns.
 const MAX_PAGE: i64 = 1_000;
+/// A device page stops growing once its JSON reaches this many bytes (it
+/// always holds at least one device); `next_after` continues it.
+const MAX_PAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Devices read from the database at a time while building a page.
+const LIST_CHUNK: i64 = 100;
 const DEFAULT_PAGE: i64 = 100;
 /// How long readiness waits for the database before saying not ready.
 const READINESS_DB_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Attempts shown in a device's history.
 const HISTORY_SHOWN: i64 = 20;
+/// Manual runs remembered for joining identical re-checks; beyond this the
+/// memory is cleared (joining is an optimisation, not a guarantee).
+const MAX_REMEMBERED_MANUAL_RUNS: usize = 1_024;
 /// Unknown ids named in an error message, at most.
 const MAX_IDS_IN_ERROR: usize = 20;
 
@@ -457,18 +465,34 @@ async fn list_devices(
             ));
         }
     }
-    let filter = DeviceFilter {
+    let mut filter = DeviceFilter {
         status: query.status,
         health: query.health,
         labels,
         after: query.after,
-        limit,
+        limit: limit.min(LIST_CHUNK),
     };
-    let rows = store::devices::list(&state.pool, &filter).await?;
-    let next = (rows.len() as i64 == limit)
-        .then(|| rows.last().map(|r| r.id.clone()))
-        .flatten();
-    let devices: Vec<Value> = rows.into_iter().map(device_json).collect();
+    // Read in chunks and stop at the byte bound, so neither the response nor
+    // the server's memory grows with the size of the devices' specs.
+    let mut devices = Vec::new();
+    let mut bytes = 0;
+    let mut more = true;
+    while more && (devices.len() as i64) < limit && bytes < MAX_PAGE_BYTES {
+        filter.limit = (limit - devices.len() as i64).min(LIST_CHUNK);
+        let rows = store::devices::list(&state.pool, &filter).await?;
+        more = rows.len() as i64 == filter.limit;
+        for row in rows {
+            if bytes >= MAX_PAGE_BYTES {
+                more = true;
+                break;
+            }
+            filter.after = Some(row.id.clone());
+            let device = device_json(row);
+            bytes += device.to_string().len();
+            devices.push(device);
+        }
+    }
+    let next = more.then_some(filter.after).flatten();
     Ok(Json(json!({ "devices": devices, "next_after": next })))
 }
 
@@ -610,8 +634,39 @@ async fn start_manual_run(
     }
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
+    // A re-check over exactly the targets (and force) of a manual run still
+    // in progress joins it: a hundred identical calls cost one run.
+    let mut sorted: Vec<&str> = targets.iter().map(DeviceId::as_str).collect();
+    sorted.sort_unstable();
+    let key = (SpecDigest::of(&json!(sorted)), body.force);
+    let candidate = state
+        .manual_runs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&key)
+        .copied();
+    if let Some(run_id) = candidate {
+        if let Some(run) = store::runs::get(&state.pool, run_id).await? {
+            if run.state == "running" {
+                return Ok(Json(
+                    json!({ "run_id": run_id, "targets": count, "joined": true }),
+                ));
+            }
+        }
+    }
     let run = create_run(&state, targets, Trigger::Manual, body.force, None).await?;
-    Ok(Json(json!({ "run_id": run, "targets": count })))
+    let mut manual_runs = state
+        .manual_runs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if manual_runs.len() >= MAX_REMEMBERED_MANUAL_RUNS {
+        manual_runs.clear();
+    }
+    manual_runs.insert(key, run);
+    drop(manual_runs);
+    Ok(Json(
+        json!({ "run_id": run, "targets": count, "joined": false }),
+    ))
 }
 
 /// Exactly one of `devices`, `selector`, `all`; every named device must exist.

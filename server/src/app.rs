@@ -53,13 +53,26 @@ pub struct AppState {
     pub config: ValidConfig,
     /// Failing-write marks of the ingest and the engine, for `/readyz`.
     pub stalls: Stalls,
+    /// Manual runs by (digest of their sorted target ids, force), so an
+    /// identical re-check while one is in progress joins it.
+    pub manual_runs:
+        std::sync::Mutex<std::collections::HashMap<(idem_protocol::SpecDigest, bool), uuid::Uuid>>,
 }
 
 /// The workers whose stuck writes make the server not ready.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub struct Stalls {
     pub ingest: Arc<Stall>,
     pub engine: Arc<Stall>,
+}
+
+impl Stalls {
+    fn new(threshold: std::time::Duration) -> Self {
+        Self {
+            ingest: Arc::new(Stall::new(threshold)),
+            engine: Arc::new(Stall::new(threshold)),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +99,7 @@ pub async fn run(
 
     let metrics = Arc::new(Metrics::new());
     let mqtt_status = Arc::new(MqttStatus::default());
-    let stalls = Stalls::default();
+    let stalls = Stalls::new(config.config.stuck_after);
     let (client, eventloop) = mqtt::connect(&config);
     let publisher = Publisher::new(
         client.clone(),
@@ -183,6 +196,16 @@ pub async fn run(
             max_count: config.config.event_retention_count,
         },
     };
+    let retention_task = tokio::spawn(crate::retention::run(
+        pool.clone(),
+        crate::retention::RunRetention {
+            max_age: config.config.run_retention,
+            max_targets: config.config.run_retention_targets,
+            attempts_max_age: config.config.attempt_retention,
+            attempts_max_count: config.config.attempt_retention_count,
+        },
+        intake_token.clone(),
+    ));
     let relay_token = CancellationToken::new();
     let relay_task = tokio::spawn(relay.run(relay_token.clone()));
 
@@ -212,6 +235,7 @@ pub async fn run(
         event_source,
         config,
         stalls,
+        manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
     });
     let app = crate::api::router(state.clone());
     let http_token = token.clone();
@@ -222,6 +246,7 @@ pub async fn run(
     intake_token.cancel();
     let _ = ingest_task.await;
     let _ = upkeep_task.await;
+    let _ = retention_task.await;
     engine_token.cancel();
     let _ = engine_task.await;
     // Let the relay pass on what the engine's last flush committed.

@@ -107,6 +107,33 @@ pub struct Config {
     #[arg(long, env = "IDEM_EVENT_RETENTION_COUNT", default_value_t = 1_000_000)]
     pub event_retention_count: i64,
 
+    /// A worker (ingest, engine) whose write has not committed for this long
+    /// — failing and retried, or hanging — makes `/readyz` fail.
+    #[arg(long, env = "IDEM_STUCK_AFTER", default_value = "30s", value_parser = parse_duration)]
+    pub stuck_after: Duration,
+
+    /// Completed runs (with their per-device targets) older than this are
+    /// pruned, e.g. `30d`.
+    #[arg(long, env = "IDEM_RUN_RETENTION", default_value = "30d", value_parser = parse_duration)]
+    pub run_retention: Duration,
+
+    /// Only the newest completed runs whose targets add up to this many
+    /// per-device rows are kept.
+    #[arg(long, env = "IDEM_RUN_RETENTION_TARGETS", default_value_t = 1_000_000)]
+    pub run_retention_targets: i64,
+
+    /// Attempt history older than this is pruned.
+    #[arg(long, env = "IDEM_ATTEMPT_RETENTION", default_value = "30d", value_parser = parse_duration)]
+    pub attempt_retention: Duration,
+
+    /// At most this many newest attempt-history rows are kept.
+    #[arg(
+        long,
+        env = "IDEM_ATTEMPT_RETENTION_COUNT",
+        default_value_t = 1_000_000
+    )]
+    pub attempt_retention_count: i64,
+
     /// Most connections in the database pool.
     #[arg(long, env = "IDEM_DB_MAX_CONNECTIONS", default_value_t = 8)]
     pub db_max_connections: u32,
@@ -143,6 +170,14 @@ pub enum ConfigError {
     EventsQos(u8),
     #[error("IDEM_EVENT_RETENTION_COUNT / --event-retention-count must be at least 1 (got {0})")]
     RetentionCount(i64),
+    #[error("IDEM_RUN_RETENTION_TARGETS / --run-retention-targets must be at least 1 (got {0})")]
+    RunRetentionTargets(i64),
+    #[error(
+        "IDEM_ATTEMPT_RETENTION_COUNT / --attempt-retention-count must be at least 1 (got {0})"
+    )]
+    AttemptRetentionCount(i64),
+    #[error("IDEM_STUCK_AFTER / --stuck-after must be at least 100ms (got {0:?})")]
+    StuckAfter(Duration),
     #[error("IDEM_DB_MAX_CONNECTIONS / --db-max-connections must be at least 2 (got {0})")]
     DbConnections(u32),
 }
@@ -198,6 +233,17 @@ impl Config {
         }
         if self.event_retention_count < 1 {
             return Err(ConfigError::RetentionCount(self.event_retention_count));
+        }
+        if self.run_retention_targets < 1 {
+            return Err(ConfigError::RunRetentionTargets(self.run_retention_targets));
+        }
+        if self.attempt_retention_count < 1 {
+            return Err(ConfigError::AttemptRetentionCount(
+                self.attempt_retention_count,
+            ));
+        }
+        if self.stuck_after < Duration::from_millis(100) {
+            return Err(ConfigError::StuckAfter(self.stuck_after));
         }
         if self.db_max_connections < 2 {
             return Err(ConfigError::DbConnections(self.db_max_connections));

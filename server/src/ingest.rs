@@ -340,6 +340,7 @@ impl Ingest {
                 None => &[],
             };
             let started = Instant::now();
+            self.stall.writing();
             match self.write(slice, online).await {
                 Ok(()) => {
                     self.metrics
@@ -351,6 +352,7 @@ impl Ingest {
                 }
                 Err(WriteFailure::Refused(e)) if slice.len() > 1 => {
                     tracing::warn!(error = %e, reports = slice.len(), "the database refused a report batch; splitting it to find the refused report");
+                    self.metrics.ingest_batch_splits.increment(1);
                     let (first, second) = slice.split_at(slice.len() / 2);
                     pending.push(second);
                     pending.push(first);
@@ -364,7 +366,6 @@ impl Ingest {
                 // Without reports only the connection state was written:
                 // nothing to isolate, so it is retried like a transient failure.
                 Err(WriteFailure::Refused(e) | WriteFailure::Transient(e)) => {
-                    self.stall.failing();
                     tracing::error!(error = %e, "storing reports failed; retrying in {backoff:?}");
                     tokio::select! {
                         () = token.cancelled() => return None,

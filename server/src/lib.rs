@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod mqtt;
 pub mod reconcile;
 pub mod relay;
+pub mod retention;
 pub mod sse;
 pub mod stall;
 pub mod store;

@@ -73,6 +73,8 @@ pub struct Metrics {
     refused_publishes: [Counter; REFUSED_PUBLISH_KINDS.len()],
     /// Applied reports whose `health` was not a protocol word.
     pub health_unknown: Counter,
+    /// Report batches the database refused, split to isolate the refused report.
+    pub ingest_batch_splits: Counter,
     /// Retained desired messages refreshed without a push (the device
     /// already ran the new desired spec, or was not attempted).
     pub retained_updates: Counter,
@@ -149,6 +151,11 @@ impl Metrics {
             r,
             "idem_reports_health_unknown_total",
             "Applied reports whose health was not healthy, degraded or unhealthy (kept, health unknown)",
+        );
+        describe_counter(
+            r,
+            "idem_ingest_batch_splits_total",
+            "Report batches the database refused, split to isolate the refused report",
         );
         describe_counter(
             r,
@@ -266,6 +273,7 @@ impl Metrics {
             rejects,
             refused_publishes,
             health_unknown: counter(r, "idem_reports_health_unknown_total", &[]),
+            ingest_batch_splits: counter(r, "idem_ingest_batch_splits_total", &[]),
             retained_updates: counter(r, "idem_retained_updates_total", &[]),
             pushes: counter(r, "idem_pushes_total", &[]),
             report_requests: counter(r, "idem_report_requests_total", &[]),
@@ -308,6 +316,7 @@ impl Metrics {
             c.increment(0);
         }
         metrics.health_unknown.increment(0);
+        metrics.ingest_batch_splits.increment(0);
         metrics.retained_updates.increment(0);
         metrics.pushes.increment(0);
         metrics.report_requests.increment(0);

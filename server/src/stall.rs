@@ -1,27 +1,36 @@
 //! Stuck-work detection for `/readyz`: a long-lived worker (the ingest, the
-//! engine) marks when its writes start failing and when one commits again,
-//! so readiness can say "no progress for 40 s while work waits" even when a
-//! plain `SELECT 1` still succeeds.
+//! engine) marks when a write starts and when one commits, so readiness can
+//! say "no write committed for 40 s while work waits" — whether the writes
+//! fail and are retried or hang on a lock — even when a plain `SELECT 1`
+//! still succeeds.
 //!
 //! Holds timestamps only; it never decides what to retry.
 
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-/// How long writes may keep failing before the worker counts as stuck.
-pub const STUCK_AFTER: Duration = Duration::from_secs(10);
-
-/// One worker's failing-since mark.
-#[derive(Debug, Default)]
+/// One worker's waiting-since mark.
+#[derive(Debug)]
 pub struct Stall {
-    failing_since: Mutex<Option<Instant>>,
+    /// How long a write may take (or keep failing) before the worker counts
+    /// as stuck.
+    threshold: Duration,
+    waiting_since: Mutex<Option<Instant>>,
 }
 
 impl Stall {
-    /// A write failed and will be retried; the first failure starts the clock.
-    pub fn failing(&self) {
+    pub fn new(threshold: Duration) -> Self {
+        Self {
+            threshold,
+            waiting_since: Mutex::new(None),
+        }
+    }
+
+    /// A write starts (or is retried after a failure); the first one since
+    /// the last commit starts the clock.
+    pub fn writing(&self) {
         let mut since = self
-            .failing_since
+            .waiting_since
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         since.get_or_insert_with(Instant::now);
@@ -30,21 +39,21 @@ impl Stall {
     /// A write committed: the worker is moving again.
     pub fn progressed(&self) {
         *self
-            .failing_since
+            .waiting_since
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = None;
     }
 
-    /// How long the worker has been failing, once that exceeds
-    /// [`STUCK_AFTER`] at `now`.
+    /// How long the worker has waited for a commit, once that exceeds the
+    /// threshold at `now`.
     pub fn stuck_for(&self, now: Instant) -> Option<Duration> {
         let since = *self
-            .failing_since
+            .waiting_since
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         since
             .map(|at| now.saturating_duration_since(at))
-            .filter(|d| *d >= STUCK_AFTER)
+            .filter(|d| *d >= self.threshold)
     }
 }
 
@@ -53,18 +62,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_worker_is_stuck_only_after_failing_for_the_threshold() {
-        let stall = Stall::default();
+    fn a_worker_is_stuck_only_after_waiting_for_the_threshold() {
+        let stall = Stall::new(Duration::from_secs(10));
         assert_eq!(stall.stuck_for(Instant::now()), None);
-        stall.failing();
+        stall.writing();
         let now = Instant::now();
         assert_eq!(stall.stuck_for(now), None);
-        let later = now + STUCK_AFTER + Duration::from_secs(1);
+        let later = now + Duration::from_secs(11);
         assert!(stall.stuck_for(later).is_some());
-        stall.failing();
+        stall.writing();
         assert!(
             stall.stuck_for(later).is_some(),
-            "a repeated failure keeps the first mark"
+            "a retried write keeps the first mark"
         );
         stall.progressed();
         assert_eq!(stall.stuck_for(later), None);

@@ -74,6 +74,16 @@ impl ApiClient {
         decode(response).await
     }
 
+    pub async fn delete(&self, path: &str) -> Result<(u16, Value)> {
+        let response = self
+            .http
+            .delete(self.url(path))
+            .send()
+            .await
+            .with_context(|| format!("DELETE {path}"))?;
+        decode(response).await
+    }
+
     /// POST with a raw body, for malformed-input tests.
     pub async fn post_raw(&self, path: &str, body: &'static str) -> Result<(u16, Value)> {
         let response = self

@@ -51,6 +51,8 @@ pub struct ServerSettings {
     /// Reuse this topic root (e.g. a second server over the same fleet).
     pub topic_root: Option<String>,
     pub instance: Option<String>,
+    /// A worker whose write has not committed for this long makes `/readyz` fail.
+    pub stuck_after: Duration,
 }
 
 impl Default for ServerSettings {
@@ -67,6 +69,7 @@ impl Default for ServerSettings {
             stale_after: Duration::from_secs(300),
             topic_root: None,
             instance: None,
+            stuck_after: Duration::from_secs(30),
         }
     }
 }
@@ -95,6 +98,7 @@ impl TestServer {
         config.debounce = settings.debounce;
         config.resync_interval = settings.resync_interval;
         config.stale_after = settings.stale_after;
+        config.stuck_after = settings.stuck_after;
         if let Some(root) = settings.topic_root {
             config.topic_root = root;
         }

@@ -941,6 +941,7 @@ impl Engine {
         let mut backoff = Duration::from_millis(100);
         loop {
             let started = Instant::now();
+            self.ctx.stall.writing();
             match self.write(&pending).await {
                 Ok(committed) => {
                     self.ctx.stall.progressed();
@@ -953,7 +954,6 @@ impl Engine {
                     return;
                 }
                 Err(e) => {
-                    self.ctx.stall.failing();
                     tracing::error!(error = %e, "writing outcomes failed; retrying in {backoff:?}");
                     tokio::select! {
                         () = token.cancelled() => {

@@ -524,3 +524,27 @@ pub async fn count_unhealthy_converged(pool: &PgPool) -> Result<i64, StoreError>
     .await
     .context("counting unhealthy converged devices")
 }
+
+/// Deletes attempt history older than `max_age` or beyond the newest
+/// `max_count` rows. Returns how many rows were deleted.
+pub async fn prune_attempts(
+    pool: &PgPool,
+    max_age: std::time::Duration,
+    max_count: i64,
+) -> Result<u64, StoreError> {
+    let max_age = chrono::Duration::from_std(max_age).unwrap_or(chrono::Duration::MAX);
+    let cutoff = Utc::now()
+        .checked_sub_signed(max_age)
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+    let deleted = sqlx::query(
+        "DELETE FROM device_attempts WHERE at < $1 \
+            OR id <= (SELECT max(id) FROM device_attempts) - $2",
+    )
+    .bind(cutoff)
+    .bind(max_count)
+    .execute(pool)
+    .await
+    .context("pruning attempt history")?
+    .rows_affected();
+    Ok(deleted)
+}

@@ -241,3 +241,36 @@ pub async fn outcomes(
     .await
     .context("listing run outcomes")
 }
+
+/// Deletes completed runs (their targets go with them) that finished before
+/// `max_age` ago, or that lie beyond the newest runs whose targets add up to
+/// `max_targets`, at most `batch` runs per call. Returns how many runs were
+/// deleted; call again while it returns `batch`.
+pub async fn prune(
+    pool: &PgPool,
+    max_age: std::time::Duration,
+    max_targets: i64,
+    batch: i64,
+) -> Result<u64, StoreError> {
+    let max_age = chrono::Duration::from_std(max_age).unwrap_or(chrono::Duration::MAX);
+    let cutoff = Utc::now()
+        .checked_sub_signed(max_age)
+        .unwrap_or(DateTime::<Utc>::MIN_UTC);
+    let deleted = sqlx::query(
+        "DELETE FROM runs WHERE id IN ( \
+             SELECT id FROM ( \
+                 SELECT id, finished_at, \
+                        sum(target_count) OVER (ORDER BY started_at DESC, id DESC) AS newer_targets \
+                 FROM runs WHERE state = 'completed' \
+             ) r WHERE r.finished_at < $1 OR r.newer_targets > $2 \
+             ORDER BY id LIMIT $3)",
+    )
+    .bind(cutoff)
+    .bind(max_targets)
+    .bind(batch)
+    .execute(pool)
+    .await
+    .context("pruning old runs")?
+    .rows_affected();
+    Ok(deleted)
+}

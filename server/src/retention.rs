@@ -1,0 +1,71 @@
+//! Retention of what grows with every run: completed runs with their
+//! per-device targets, and the attempt history, pruned by age and size once
+//! a minute (the event log has its own pruning in the relay).
+//!
+//! Deletes in bounded batches so one prune never holds long locks; never
+//! touches a run that is still running.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::store;
+
+/// How often the limits are enforced.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+/// Runs deleted per statement.
+const RUN_BATCH: i64 = 50;
+
+/// The configured limits.
+#[derive(Debug, Clone, Copy)]
+pub struct RunRetention {
+    /// Completed runs that finished longer ago are deleted.
+    pub max_age: Duration,
+    /// Only the newest runs whose targets add up to this many are kept.
+    pub max_targets: i64,
+    /// Attempt history older than this is deleted.
+    pub attempts_max_age: Duration,
+    /// At most this many newest attempt rows are kept.
+    pub attempts_max_count: i64,
+}
+
+/// Prunes once now, then every [`PRUNE_INTERVAL`] until cancelled.
+pub async fn run(pool: PgPool, limits: RunRetention, token: CancellationToken) {
+    let mut tick = tokio::time::interval(PRUNE_INTERVAL);
+    loop {
+        tokio::select! {
+            () = token.cancelled() => return,
+            _ = tick.tick() => prune(&pool, limits, &token).await,
+        }
+    }
+}
+
+/// One pass over every limit; failures are logged and retried next time.
+pub async fn prune(pool: &PgPool, limits: RunRetention, token: &CancellationToken) {
+    let mut runs = 0;
+    loop {
+        match store::runs::prune(pool, limits.max_age, limits.max_targets, RUN_BATCH).await {
+            Ok(n) => {
+                runs += n;
+                if n < RUN_BATCH as u64 || token.is_cancelled() {
+                    break;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "pruning runs failed; retrying at the next pass");
+                break;
+            }
+        }
+    }
+    if runs > 0 {
+        tracing::info!(runs, "pruned old runs and their targets");
+    }
+    match store::devices::prune_attempts(pool, limits.attempts_max_age, limits.attempts_max_count)
+        .await
+    {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(attempts = n, "pruned attempt history"),
+        Err(e) => tracing::warn!(error = %e, "pruning attempt history failed"),
+    }
+}
