@@ -196,6 +196,17 @@ mod tests {
         assert!(SpecDigest::parse("sha256:xyz").is_err());
     }
 
+    #[test]
+    fn a_float_survives_its_canonical_form_exactly() {
+        // Found by the fuzz target: without exact float parsing, the
+        // canonical text of this number parsed back to a neighbouring
+        // float, so a device echoing a pushed spec faithfully got another
+        // digest.
+        let value = json!({"n": 3.991_172_167_600_980_6e-19_f64});
+        let reparsed: Value = serde_json::from_str(&canonical_json(&value)).unwrap();
+        assert_eq!(SpecDigest::of(&reparsed), SpecDigest::of(&value));
+    }
+
     fn arb_json() -> impl Strategy<Value = Value> {
         let leaf = prop_oneof![
             Just(Value::Null),
