@@ -47,7 +47,7 @@ where
             failure_persistence: None,
             ..Config::default()
         });
-        if let Err(e) = runner.run(&strategy, &counted) {
+        if let Err(e) = runner.run(&strategy, counted) {
             panic!("fuzz target {name} failed: {e}");
         }
     }
