@@ -41,7 +41,7 @@ pub struct Config {
     pub push_timeout: Duration,
 
     /// Name of this server instance: CloudEvents `source` is `/idem/{instance}`
-    /// and the MQTT client id is `idem-{instance}`.
+    /// and the MQTT client id is `idem-server:{instance}`.
     #[arg(long, env = "IDEM_INSTANCE", default_value = "idem-1")]
     pub instance: String,
 

@@ -62,10 +62,17 @@ impl MqttStatus {
     }
 }
 
+/// The server's MQTT client id, `idem-server:{instance}`: the `:` is outside
+/// the device-id alphabet, so no device using its id as client id (as
+/// `docs/PROTOCOL.md` §2 asks) can ever take over the server's session.
+pub fn server_client_id(instance: &str) -> String {
+    format!("idem-server:{instance}")
+}
+
 /// Builds the client and its event loop from the configuration.
 pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
     let mut options = MqttOptions::new(
-        format!("idem-{}", config.config.instance),
+        server_client_id(&config.config.instance),
         config.broker.host.clone(),
         config.broker.port,
     );
@@ -318,5 +325,18 @@ impl Publisher {
     /// Disconnects cleanly (shutdown).
     pub async fn disconnect(&self) {
         let _ = self.client.disconnect().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_device_id_can_be_the_servers_client_id() {
+        for instance in ["idem-1", "a", "prod_east-2"] {
+            let id = server_client_id(instance);
+            assert!(DeviceId::parse(&id).is_err(), "{id} is a valid device id");
+        }
     }
 }

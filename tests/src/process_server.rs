@@ -1,7 +1,7 @@
 //! The real `idem-server` command line as a child process, configured only
 //! through `IDEM_*` environment variables, so fault tests can SIGKILL it like a
 //! crash and start it again with the same identity (HTTP port, MQTT client id
-//! `idem-{instance}`, database). Also a small JSON client for its API.
+//! `idem-server:{instance}`, database). Also a small JSON client for its API.
 //!
 //! It owns exactly one child process at a time and one temporary directory
 //! (the server's log, stdout and stderr together); it must never signal any
@@ -64,7 +64,7 @@ impl ProcessServer {
     /// them, e.g. `IDEM_PUSH_TIMEOUT` or `RUST_LOG`), and waits until
     /// `GET /readyz` answers 200.
     ///
-    /// Keep `instance` fixed for the test: the MQTT client id `idem-{instance}`
+    /// Keep `instance` fixed for the test: the MQTT client id `idem-server:{instance}`
     /// names the server's persistent session, which a restart must resume.
     pub async fn start(
         binary: &Path,
