@@ -606,3 +606,95 @@ async fn stopping_postgres_mid_run_makes_the_server_not_ready_and_the_run_still_
     );
     fleet.shutdown().await;
 }
+
+/// The guarantee "a report is acknowledged on MQTT only after the batch that
+/// holds it has committed", checked where it matters: the server receives
+/// reports it cannot commit (another client holds the devices table), the
+/// devices then **stop** reporting, and the server is SIGKILLed before any
+/// commit. After the restart, every report the broker accepted (and
+/// PUBACKed to its device) must be stored: it can only come from the
+/// server's persistent session, which keeps exactly the unacknowledged
+/// messages. An ingest that acknowledged first would have lost them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_the_broker_accepted_survive_a_server_killed_before_it_could_store_them() {
+    const DEVICES: usize = 40;
+    let _serial = SERIAL.lock().await;
+    raise_fd_limit().unwrap();
+    let broker = PrivateMosquitto::start().unwrap();
+    let db = TestDatabase::create_with(&idem_server::MIGRATOR)
+        .await
+        .unwrap();
+    let tag = unique_tag();
+    let root = TopicRoot::new(format!("idem-faults/{tag}")).unwrap();
+    let instance = format!("ack-{tag}");
+    let witness = ReportWitness::start(&broker, &root).await.unwrap();
+    let mut server = ProcessServer::start(
+        Path::new(SERVER_BIN),
+        db.url(),
+        &broker.url(),
+        &root,
+        &instance,
+        &[("IDEM_STARTUP_RECONCILE", "false")],
+    )
+    .await
+    .unwrap();
+    let plan = FleetPlan::new("ack-", DEVICES).seed(9).build().unwrap();
+    register(&server, &plan).await;
+    let fleet = start_fleet(&broker, &root, plan.devices.clone(), None).await;
+    wait_reports_stored(db.pool(), DEVICES, Duration::from_secs(30)).await;
+    let api = server.api();
+    let applied_before = api
+        .metric("idem_reports_total{result=\"applied\"}")
+        .await
+        .unwrap();
+
+    // From here on no report can commit.
+    let mut blocker = db.pool().begin().await.unwrap();
+    sqlx::query("LOCK TABLE devices IN EXCLUSIVE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    for id in fleet.device_ids() {
+        fleet.request_report(id).unwrap();
+    }
+    // The devices stop reporting; each one's newest report is final.
+    let finals = take_all_offline(&fleet).await;
+    wait_witness_saw_final(&witness, &finals).await;
+    // The server has taken reports into a batch (it classifies, then waits
+    // to commit).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while api
+        .metric("idem_reports_total{result=\"applied\"}")
+        .await
+        .unwrap()
+        <= applied_before
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the server never received the new reports\n{}",
+            server.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stored_before_kill = stored_seqs(db.pool()).await;
+
+    server.kill().unwrap();
+    blocker.rollback().await.unwrap();
+    // Nothing of the new reports was committed before the kill.
+    for device in &finals {
+        let stored = stored_before_kill
+            .get(device.id.as_str())
+            .copied()
+            .flatten();
+        assert!(
+            stored.is_some_and(|s| (s as u64) < device.seq),
+            "{}: stored {stored:?} before the kill, final {}",
+            device.id,
+            device.seq
+        );
+    }
+    server.restart().await.unwrap();
+    wait_stored_equals_published(db.pool(), &server, &finals, Duration::from_secs(20)).await;
+    assert_eq!(server.panics(), Vec::<String>::new());
+    fleet.shutdown().await;
+}

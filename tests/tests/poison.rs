@@ -748,7 +748,7 @@ async fn a_report_the_database_refuses_is_isolated_and_the_rest_of_its_batch_is_
     // While another client holds the table, the burst queues up in the
     // ingest, so the poison shares a batch with good reports.
     let mut blocker = scenario.db.pool().begin().await.unwrap();
-    sqlx::query("LOCK TABLE devices IN ACCESS EXCLUSIVE MODE")
+    sqlx::query("LOCK TABLE devices IN EXCLUSIVE MODE")
         .execute(&mut *blocker)
         .await
         .unwrap();
@@ -803,7 +803,7 @@ async fn an_ingest_that_cannot_commit_makes_readyz_fail_and_recovers() {
     let (_, fleet) = converged_fleet(&scenario, "stuck-", 5).await;
     // Another client holds the devices table: every ingest write waits.
     let mut blocker = scenario.db.pool().begin().await.unwrap();
-    sqlx::query("LOCK TABLE devices IN ACCESS EXCLUSIVE MODE")
+    sqlx::query("LOCK TABLE devices IN EXCLUSIVE MODE")
         .execute(&mut *blocker)
         .await
         .unwrap();
