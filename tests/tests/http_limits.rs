@@ -407,3 +407,38 @@ async fn replay_from_the_log_is_sent_at_no_more_than_the_configured_rate() {
     );
     assert!(rate <= 300.0, "replayed at {rate:.0} events/s");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_the_server_ends_open_sse_streams_and_closes_idle_connections_promptly() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let mut stream = SseClient::connect(&scenario.server.url("/v1/events"), None)
+        .await
+        .unwrap();
+    let idle = TcpStream::connect(scenario.server.addr).await.unwrap();
+    let server = &scenario.server;
+    wait_for(
+        "the stream and the idle connection being accepted",
+        Duration::from_secs(10),
+        || async move {
+            let open = server.metric("idem_http_connections").await.ok()?;
+            (open >= 3.0).then_some(())
+        },
+    )
+    .await;
+
+    let Scenario { server, db, broker } = scenario;
+    let started = Instant::now();
+    server.stop().await.unwrap();
+    let took = started.elapsed();
+    // Well below the 5 s grace that in-flight requests could have used.
+    assert!(took < Duration::from_secs(3), "stopping took {took:?}");
+    assert_eq!(
+        stream.next_within(Duration::from_secs(5)).await.unwrap(),
+        None,
+        "the SSE stream ends"
+    );
+    tokio::time::timeout(Duration::from_secs(5), read_until_closed(idle))
+        .await
+        .expect("the idle connection is closed");
+    drop((db, broker));
+}
