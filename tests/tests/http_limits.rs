@@ -360,6 +360,13 @@ async fn an_sse_client_that_stops_reading_is_dropped_while_others_keep_receiving
     );
     assert_eq!(received, (1..=received.len() as i64).collect::<Vec<_>>());
     let resume_after = received.last().copied().unwrap_or(0);
+    let dropped_seen = messages
+        .iter()
+        .any(|m| m.event.as_deref() == Some("dropped"));
+    println!(
+        "the stalled client had received {} of {last} events (final `dropped` event: {dropped_seen})",
+        received.len()
+    );
     if let Some(dropped) = messages
         .iter()
         .find(|m| m.event.as_deref() == Some("dropped"))
