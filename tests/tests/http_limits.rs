@@ -305,8 +305,9 @@ async fn an_sse_client_that_stops_reading_is_dropped_while_others_keep_receiving
         ..ServerSettings::default()
     };
     let scenario = Scenario::start(settings).await.unwrap();
-    // About 4 MB of events: far more than socket buffers and the queue hold.
-    let last = scenario.append_events(4_000, 1_000).await.unwrap();
+    // About 9 MB of events: twice what the server's socket send buffer (at
+    // most 4 MiB with Linux defaults), hyper's buffer and the queue hold.
+    let last = scenario.append_events(8_000, 1_000).await.unwrap();
     let url = scenario.server.url("/v1/events?after=0");
 
     let mut reader = SseClient::connect(&url, None).await.unwrap();
@@ -355,7 +356,7 @@ async fn an_sse_client_that_stops_reading_is_dropped_while_others_keep_receiving
     let messages = stalled.read_to_end(Duration::from_secs(30)).await.unwrap();
     let received: Vec<i64> = messages.iter().filter_map(|m| m.id).collect();
     assert!(
-        received.len() < 4_000,
+        (received.len() as i64) < last,
         "the stalled client was sent everything"
     );
     assert_eq!(received, (1..=received.len() as i64).collect::<Vec<_>>());
@@ -448,4 +449,32 @@ async fn stopping_the_server_ends_open_sse_streams_and_closes_idle_connections_p
         .await
         .expect("the idle connection is closed");
     drop((db, broker));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keep_alive_connection_is_closed_after_the_header_timeout() {
+    let settings = ServerSettings {
+        http_header_timeout: Duration::from_secs(1),
+        ..ServerSettings::default()
+    };
+    let scenario = Scenario::start(settings).await.unwrap();
+    let mut stream = TcpStream::connect(scenario.server.addr).await.unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: idem\r\n\r\n")
+        .await
+        .unwrap();
+    // The answer arrives and the connection stays open for the next request
+    // until the header timeout closes it.
+    let opened = Instant::now();
+    let received = tokio::time::timeout(Duration::from_secs(10), read_until_closed(stream))
+        .await
+        .expect("the idle keep-alive connection was never closed");
+    let received = String::from_utf8_lossy(&received);
+    assert!(received.starts_with("HTTP/1.1 200"), "{received}");
+    assert!(received.contains("\"ok\""), "{received}");
+    let idle_for = opened.elapsed();
+    assert!(
+        idle_for >= Duration::from_millis(900),
+        "closed after {idle_for:?}, before the header timeout"
+    );
 }
