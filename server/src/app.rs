@@ -1,5 +1,5 @@
 //! Wiring: builds the shared state, starts the MQTT loop, the ingest, the
-//! engine and the HTTP server, and shuts them down in order when the token is
+//! engine and the HTTP server (`http.rs`), and shuts them down in order when the token is
 //! cancelled. Takes an injected listener, pool and token so tests can run the
 //! whole server in-process on port 0.
 
@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ValidConfig;
 use crate::fleet::Fleet;
+use crate::http::HttpLimits;
 use crate::ingest::Ingest;
 use crate::metrics::Metrics;
 use crate::mqtt::{self, MqttStatus, Publisher};
@@ -23,6 +24,7 @@ use crate::reconcile::engine::{
 use crate::reconcile::policy::RetryPolicy;
 use crate::reconcile::runs::Trigger;
 use crate::relay::{EventRelay, Retention};
+use crate::sse::{SseClients, SseSettings};
 use crate::stall::Stall;
 use crate::store::events::StoredEvent;
 use crate::store::{self, DeviceWrites, StoreError};
@@ -50,6 +52,8 @@ pub struct AppState {
     pub engine_stats: Arc<EngineStats>,
     pub device_writes: DeviceWrites,
     pub event_source: String,
+    /// The SSE client cap and settings (`GET /v1/events`).
+    pub sse: SseClients,
     pub config: ValidConfig,
     /// Failing-write marks of the ingest and the engine, for `/readyz`.
     pub stalls: Stalls,
@@ -79,8 +83,6 @@ impl Stalls {
 pub enum ServerError {
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("HTTP server failed: {0}")]
-    Http(#[source] std::io::Error),
 }
 
 /// Runs the server until `token` is cancelled: migrations, cache load,
@@ -220,6 +222,8 @@ pub async fn run(
             .await;
     }
 
+    let http_limits = HttpLimits::from_config(&config.config);
+    let sse = SseClients::new(SseSettings::from_config(&config.config), token.clone());
     let state = Arc::new(AppState {
         pool,
         fleet,
@@ -233,15 +237,22 @@ pub async fn run(
         engine_stats,
         device_writes,
         event_source,
+        sse,
         config,
         stalls,
         manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
     });
-    let app = crate::api::router(state.clone());
-    let http_token = token.clone();
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(async move { http_token.cancelled().await })
-        .await;
+    // Body size is limited (with our own 413) by the HTTP layer, not by
+    // axum's 2 MB default.
+    let app = crate::api::router(state.clone()).layer(axum::extract::DefaultBodyLimit::disable());
+    crate::http::serve(
+        listener,
+        app,
+        http_limits,
+        state.metrics.clone(),
+        token.clone(),
+    )
+    .await;
 
     intake_token.cancel();
     let _ = ingest_task.await;
@@ -259,7 +270,7 @@ pub async fn run(
     mqtt_token.cancel();
     let _ = mqtt_task.await;
     drop(state);
-    served.map_err(ServerError::Http)
+    Ok(())
 }
 
 /// Runs left `running` by an earlier process continue with their undecided

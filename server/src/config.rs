@@ -137,6 +137,40 @@ pub struct Config {
     /// Most connections in the database pool.
     #[arg(long, env = "IDEM_DB_MAX_CONNECTIONS", default_value_t = 8)]
     pub db_max_connections: u32,
+
+    /// Most open HTTP connections; one more is accepted and closed at once.
+    /// Lowered at start-up (with a warning) to fit the open-file limit.
+    #[arg(long, env = "IDEM_HTTP_MAX_CONNECTIONS", default_value_t = 4_096)]
+    pub http_max_connections: usize,
+
+    /// A connection must send a complete request head within this time
+    /// (also after each keep-alive response), or it is closed.
+    #[arg(long, env = "IDEM_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub http_header_timeout: Duration,
+
+    /// A request body must arrive completely within this time after its head.
+    #[arg(long, env = "IDEM_HTTP_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub http_body_timeout: Duration,
+
+    /// Largest accepted request body, in bytes (larger: 413 `body_too_large`).
+    #[arg(long, env = "IDEM_HTTP_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub http_max_body_bytes: u64,
+
+    /// Most concurrent `GET /v1/events` streams (more: 503 `too_many_sse_clients`).
+    #[arg(long, env = "IDEM_SSE_MAX_CLIENTS", default_value_t = 64)]
+    pub sse_max_clients: usize,
+
+    /// Events queued per SSE client; a client that falls further behind is dropped.
+    #[arg(long, env = "IDEM_SSE_CLIENT_BUFFER", default_value_t = 4_096)]
+    pub sse_client_buffer: usize,
+
+    /// An SSE client whose queue stays full this long is dropped.
+    #[arg(long, env = "IDEM_SSE_SEND_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub sse_send_timeout: Duration,
+
+    /// Events per second one SSE client is sent while it replays the event log.
+    #[arg(long, env = "IDEM_SSE_REPLAY_RATE", default_value_t = 5_000)]
+    pub sse_replay_rate: u32,
 }
 
 /// A configuration value that cannot work, with the fix in the message.
@@ -180,6 +214,31 @@ pub enum ConfigError {
     StuckAfter(Duration),
     #[error("IDEM_DB_MAX_CONNECTIONS / --db-max-connections must be at least 2 (got {0})")]
     DbConnections(u32),
+    #[error("IDEM_HTTP_MAX_CONNECTIONS / --http-max-connections must be between 1 and 1000000 (got {0})")]
+    HttpMaxConnections(usize),
+    #[error(
+        "IDEM_HTTP_HEADER_TIMEOUT / --http-header-timeout must be between 100ms and 1h (got {0:?})"
+    )]
+    HttpHeaderTimeout(Duration),
+    #[error(
+        "IDEM_HTTP_BODY_TIMEOUT / --http-body-timeout must be between 100ms and 1h (got {0:?})"
+    )]
+    HttpBodyTimeout(Duration),
+    #[error("IDEM_HTTP_MAX_BODY_BYTES / --http-max-body-bytes must be between 1024 and 1073741824 (1 GiB) (got {0})")]
+    HttpMaxBody(u64),
+    #[error("IDEM_SSE_MAX_CLIENTS / --sse-max-clients must be at least 1 and at most IDEM_HTTP_MAX_CONNECTIONS ({max_connections}), since every stream holds a connection (got {clients})")]
+    SseMaxClients {
+        clients: usize,
+        max_connections: usize,
+    },
+    #[error("IDEM_SSE_CLIENT_BUFFER / --sse-client-buffer must be between 1 and 1000000 events (got {0})")]
+    SseClientBuffer(usize),
+    #[error("IDEM_SSE_SEND_TIMEOUT / --sse-send-timeout must be between 10ms and 1h (got {0:?})")]
+    SseSendTimeout(Duration),
+    #[error(
+        "IDEM_SSE_REPLAY_RATE / --sse-replay-rate must be at least 1 event per second (got {0})"
+    )]
+    SseReplayRate(u32),
 }
 
 /// Broker address parsed from `mqtt://host:port`.
@@ -248,12 +307,49 @@ impl Config {
         if self.db_max_connections < 2 {
             return Err(ConfigError::DbConnections(self.db_max_connections));
         }
+        self.validate_http()?;
         Ok(ValidConfig {
             config: self.clone(),
             broker,
             topic_root,
             budget: SpecBudget::new(self.max_spec_bytes),
         })
+    }
+
+    /// The HTTP and SSE limits.
+    fn validate_http(&self) -> Result<(), ConfigError> {
+        const TIMEOUTS: std::ops::RangeInclusive<Duration> =
+            Duration::from_millis(100)..=Duration::from_secs(3_600);
+        if !(1..=1_000_000).contains(&self.http_max_connections) {
+            return Err(ConfigError::HttpMaxConnections(self.http_max_connections));
+        }
+        if !TIMEOUTS.contains(&self.http_header_timeout) {
+            return Err(ConfigError::HttpHeaderTimeout(self.http_header_timeout));
+        }
+        if !TIMEOUTS.contains(&self.http_body_timeout) {
+            return Err(ConfigError::HttpBodyTimeout(self.http_body_timeout));
+        }
+        if !(1_024..=1_073_741_824).contains(&self.http_max_body_bytes) {
+            return Err(ConfigError::HttpMaxBody(self.http_max_body_bytes));
+        }
+        if self.sse_max_clients < 1 || self.sse_max_clients > self.http_max_connections {
+            return Err(ConfigError::SseMaxClients {
+                clients: self.sse_max_clients,
+                max_connections: self.http_max_connections,
+            });
+        }
+        if !(1..=1_000_000).contains(&self.sse_client_buffer) {
+            return Err(ConfigError::SseClientBuffer(self.sse_client_buffer));
+        }
+        if !(Duration::from_millis(10)..=Duration::from_secs(3_600))
+            .contains(&self.sse_send_timeout)
+        {
+            return Err(ConfigError::SseSendTimeout(self.sse_send_timeout));
+        }
+        if self.sse_replay_rate < 1 {
+            return Err(ConfigError::SseReplayRate(self.sse_replay_rate));
+        }
+        Ok(())
     }
 
     /// A configuration with every default, for embedding and tests.
@@ -363,6 +459,49 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("IDEM_DATABASE_URL"));
+    }
+
+    #[test]
+    fn http_and_sse_limits_out_of_range_fail_with_a_message_naming_the_variable() {
+        type Change = fn(&mut Config);
+        let cases: [(Change, &str); 8] = [
+            (|c| c.http_max_connections = 0, "IDEM_HTTP_MAX_CONNECTIONS"),
+            (
+                |c| c.http_header_timeout = Duration::from_millis(5),
+                "IDEM_HTTP_HEADER_TIMEOUT",
+            ),
+            (
+                |c| c.http_body_timeout = Duration::ZERO,
+                "IDEM_HTTP_BODY_TIMEOUT",
+            ),
+            (|c| c.http_max_body_bytes = 10, "IDEM_HTTP_MAX_BODY_BYTES"),
+            (|c| c.sse_max_clients = 5_000, "IDEM_SSE_MAX_CLIENTS"),
+            (|c| c.sse_client_buffer = 0, "IDEM_SSE_CLIENT_BUFFER"),
+            (
+                |c| c.sse_send_timeout = Duration::ZERO,
+                "IDEM_SSE_SEND_TIMEOUT",
+            ),
+            (|c| c.sse_replay_rate = 0, "IDEM_SSE_REPLAY_RATE"),
+        ];
+        for (change, variable) in cases {
+            let mut config = Config::defaults();
+            change(&mut config);
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains(variable), "{variable}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_http_limits_default_to_the_documented_values() {
+        let c = Config::defaults();
+        assert_eq!(c.http_max_connections, 4_096);
+        assert_eq!(c.http_header_timeout, Duration::from_secs(10));
+        assert_eq!(c.http_body_timeout, Duration::from_secs(30));
+        assert_eq!(c.http_max_body_bytes, 16 * 1024 * 1024);
+        assert_eq!(c.sse_max_clients, 64);
+        assert_eq!(c.sse_client_buffer, 4_096);
+        assert_eq!(c.sse_send_timeout, Duration::from_secs(10));
+        assert_eq!(c.sse_replay_rate, 5_000);
     }
 
     #[test]

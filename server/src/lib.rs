@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod events;
 pub mod fleet;
+pub mod http;
 pub mod ingest;
 pub mod input;
 pub mod metrics;

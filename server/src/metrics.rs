@@ -12,8 +12,10 @@ use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
+use crate::http::BodyRejection;
 use crate::reconcile::outcome::OutcomeKind;
 use crate::reconcile::policy::DeviceStatus;
+use crate::sse::DropReason;
 
 const METADATA: Metadata<'static> = Metadata::new("idem", Level::INFO, Some(module_path!()));
 
@@ -100,6 +102,11 @@ pub struct Metrics {
     pub events_committed: Counter,
     pub events_published: Counter,
     pub event_log_lag: Gauge,
+    pub http_connections: Gauge,
+    pub http_connections_refused: Counter,
+    http_rejected: [Counter; BodyRejection::ALL.len()],
+    pub sse_clients: Gauge,
+    sse_dropped: [Counter; DropReason::ALL.len()],
 }
 
 impl std::fmt::Debug for Metrics {
@@ -259,6 +266,28 @@ impl Metrics {
             "Converged devices whose report says degraded or unhealthy",
         );
 
+        describe_gauge(r, "idem_http_connections", "Open HTTP connections");
+        describe_counter(
+            r,
+            "idem_http_connections_refused_total",
+            "HTTP connections closed at once because --http-max-connections were open",
+        );
+        describe_counter(
+            r,
+            "idem_http_requests_rejected_total",
+            "HTTP requests answered with an error by a body limit, by reason",
+        );
+        describe_gauge(
+            r,
+            "idem_sse_clients",
+            "Connected SSE clients (GET /v1/events)",
+        );
+        describe_counter(
+            r,
+            "idem_sse_clients_dropped_total",
+            "SSE clients disconnected because they did not keep up, by reason",
+        );
+
         let outcomes = OutcomeKind::ALL
             .map(|k| counter(r, "idem_device_outcomes_total", &[("outcome", k.as_str())]));
         let reports = ReportResult::ALL
@@ -303,6 +332,23 @@ impl Metrics {
             events_committed: counter(r, "idem_events_committed_total", &[]),
             events_published: counter(r, "idem_events_published_total", &[]),
             event_log_lag: gauge(r, "idem_event_log_lag_events", &[]),
+            http_connections: gauge(r, "idem_http_connections", &[]),
+            http_connections_refused: counter(r, "idem_http_connections_refused_total", &[]),
+            http_rejected: BodyRejection::ALL.map(|reason| {
+                counter(
+                    r,
+                    "idem_http_requests_rejected_total",
+                    &[("reason", reason.as_str())],
+                )
+            }),
+            sse_clients: gauge(r, "idem_sse_clients", &[]),
+            sse_dropped: DropReason::ALL.map(|reason| {
+                counter(
+                    r,
+                    "idem_sse_clients_dropped_total",
+                    &[("reason", reason.as_str())],
+                )
+            }),
             recorder,
             handle,
         };
@@ -312,6 +358,8 @@ impl Metrics {
             .chain(&metrics.reports)
             .chain(&metrics.rejects)
             .chain(&metrics.refused_publishes)
+            .chain(&metrics.http_rejected)
+            .chain(&metrics.sse_dropped)
         {
             c.increment(0);
         }
@@ -334,6 +382,9 @@ impl Metrics {
         metrics.unhealthy_converged.set(0.0);
         metrics.events_published.increment(0);
         metrics.event_log_lag.set(0.0);
+        metrics.http_connections.set(0.0);
+        metrics.http_connections_refused.increment(0);
+        metrics.sse_clients.set(0.0);
         for g in metrics.devices_by_status.iter().chain(&metrics.last_run) {
             g.set(0.0);
         }
@@ -378,6 +429,24 @@ impl Metrics {
             ReportResult::Rejected => 3,
         };
         &self.reports[index]
+    }
+
+    /// `idem_http_requests_rejected_total{reason}`.
+    pub fn http_rejected(&self, rejection: BodyRejection) -> &Counter {
+        let index = match rejection {
+            BodyRejection::TooLarge => 0,
+            BodyRejection::Timeout => 1,
+        };
+        &self.http_rejected[index]
+    }
+
+    /// `idem_sse_clients_dropped_total{reason}`.
+    pub fn sse_dropped(&self, reason: DropReason) -> &Counter {
+        let index = match reason {
+            DropReason::SendTimeout => 0,
+            DropReason::Lagged => 1,
+        };
+        &self.sse_dropped[index]
     }
 
     /// Counts a refused report under `reason` (one of [`REJECT_REASONS`]):
@@ -488,6 +557,22 @@ mod tests {
             assert!(text.contains(&line), "missing {line} in\n{text}");
         }
         assert!(text.contains("idem_reports_total{result=\"duplicate\"} 0"));
+    }
+
+    #[test]
+    fn http_and_sse_series_are_exposed_at_zero_with_every_reason() {
+        let text = Metrics::new().render();
+        for line in [
+            "idem_http_connections 0",
+            "idem_http_connections_refused_total 0",
+            "idem_http_requests_rejected_total{reason=\"body_too_large\"} 0",
+            "idem_http_requests_rejected_total{reason=\"body_timeout\"} 0",
+            "idem_sse_clients 0",
+            "idem_sse_clients_dropped_total{reason=\"send_timeout\"} 0",
+            "idem_sse_clients_dropped_total{reason=\"lagged\"} 0",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 
     #[test]

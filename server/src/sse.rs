@@ -1,29 +1,121 @@
 //! `GET /v1/events`: the event log as Server-Sent Events. One CloudEvent
-//! (structured JSON) per message, `id:` = its gap-free sequence. Resumes after
-//! `Last-Event-ID` (or `?after=`) by replaying from PostgreSQL, then follows
+//! (structured JSON) per message, `id:` = its gap-free sequence. Without
+//! `Last-Event-ID` or `?after=` a stream starts at the live tail; with them it
+//! replays from PostgreSQL (in pages, at `--sse-replay-rate`), then follows
 //! the relay's live feed without gap or duplicate. A cursor older than what
 //! the log retains first gets an explicit `reset` event.
+//!
+//! Owns the SSE client cap and one feeder task per client, which fills that
+//! client's bounded queue; a client that does not drain it is dropped (a
+//! final `dropped` event says where to resume). It must never hold more than
+//! one replay page plus the client's queue per client, and never writes to
+//! the database.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::extract::{Query, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
-use futures::stream::{self, Stream};
+use axum::Extension;
+use futures::stream::Stream;
+use metrics::Gauge;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::broadcast::{self, error::RecvError};
+use tokio::sync::mpsc::error::SendTimeoutError;
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::api::ApiError;
 use crate::app::AppState;
+use crate::http::ConnectionCloser;
+use crate::metrics::Metrics;
 use crate::store::events::{self, EventFilter, StoredEvent};
 
+/// Most events one replay query reads (fewer at low replay rates, so that a
+/// page is sent within about a quarter of a second).
 const REPLAY_PAGE: i64 = 500;
+/// How long a dropped client has to read its final `dropped` event before
+/// its connection is closed.
+const DROP_GRACE: Duration = Duration::from_secs(2);
+/// Replay pacing forgives this much lateness: after a pause the client gets
+/// at most this many seconds' worth of events in a burst.
+const PACING_SLACK: Duration = Duration::from_millis(20);
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+/// Limits for the SSE clients of one server.
+#[derive(Debug, Clone, Copy)]
+pub struct SseSettings {
+    pub max_clients: usize,
+    /// Events queued per client.
+    pub client_buffer: usize,
+    /// A client whose queue stays full this long is dropped.
+    pub send_timeout: Duration,
+    /// Events per second while replaying from the database.
+    pub replay_rate: u32,
+}
+
+impl SseSettings {
+    pub fn from_config(config: &crate::Config) -> Self {
+        Self {
+            max_clients: config.sse_max_clients,
+            client_buffer: config.sse_client_buffer,
+            send_timeout: config.sse_send_timeout,
+            replay_rate: config.sse_replay_rate,
+        }
+    }
+
+    fn replay_page(&self) -> i64 {
+        (i64::from(self.replay_rate) / 4).clamp(1, REPLAY_PAGE)
+    }
+}
+
+/// The SSE clients of one server: the cap and what every stream shares.
+pub struct SseClients {
+    slots: Arc<Semaphore>,
+    settings: SseSettings,
+    /// Ends every stream when the HTTP server stops.
+    token: CancellationToken,
+}
+
+impl SseClients {
+    pub fn new(settings: SseSettings, token: CancellationToken) -> Self {
+        Self {
+            slots: Arc::new(Semaphore::new(settings.max_clients)),
+            settings,
+            token,
+        }
+    }
+}
+
+/// Why a client was dropped; label values of `idem_sse_clients_dropped_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Its queue stayed full for `--sse-send-timeout`.
+    SendTimeout,
+    /// It fell further behind the live feed than its buffer holds.
+    Lagged,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 2] = [DropReason::SendTimeout, DropReason::Lagged];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::SendTimeout => "send_timeout",
+            DropReason::Lagged => "lagged",
+        }
+    }
+}
 
 #[derive(Debug, Deserialize)]
 pub struct EventQuery {
@@ -40,6 +132,7 @@ pub struct EventQuery {
 
 pub async fn events(
     State(state): State<Arc<AppState>>,
+    closer: Option<Extension<ConnectionCloser>>,
     headers: HeaderMap,
     Query(query): Query<EventQuery>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
@@ -57,6 +150,18 @@ pub async fn events(
                 })?,
         ),
     };
+    let sse = &state.sse;
+    let Ok(permit) = sse.slots.clone().try_acquire_owned() else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_sse_clients",
+            format!(
+                "too many event streams open: the limit is {} concurrent clients (--sse-max-clients / IDEM_SSE_MAX_CLIENTS); retry later",
+                sse.settings.max_clients
+            ),
+        ));
+    };
+    let slot = ClientSlot::new(permit, state.metrics.sse_clients.clone());
     let filter = EventFilter {
         run_id: query.run,
         event_type: query.event_type,
@@ -65,7 +170,7 @@ pub async fn events(
     // Subscribe before reading the log, so nothing committed in between is missed.
     let live = state.live_events.subscribe();
     let requested = last_event_id.or(query.after);
-    let mut pending = VecDeque::new();
+    let mut first = VecDeque::new();
     let cursor = match requested {
         None => events::last_sequence(&state.pool).await?,
         Some(after) => {
@@ -73,26 +178,40 @@ pub async fn events(
             let last = events::last_sequence(&state.pool).await?;
             let first_retained = oldest.unwrap_or(last + 1);
             if after + 1 < first_retained {
-                pending.push_back(reset_event(after, first_retained));
+                first.push_back(reset_event(after, first_retained));
                 first_retained - 1
             } else {
                 after
             }
         }
     };
-    let reader = Reader {
+    let (queue, receiver) = mpsc::channel(sse.settings.client_buffer);
+    let (drop_notice, dropped) = oneshot::channel();
+    let feeder = Feeder {
         pool: state.pool.clone(),
         filter,
         cursor,
         live,
-        pending,
         replaying: requested.is_some(),
+        settings: sse.settings,
+        queue,
+        pacer: Pacer::new(sse.settings.replay_rate),
     };
-    let stream = stream::unfold(reader, |mut reader| async move {
-        let event = reader.next().await?;
-        Some((Ok(event), reader))
-    });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+    tokio::spawn(feeder.run(
+        first,
+        drop_notice,
+        closer.map(|Extension(c)| c),
+        state.metrics.clone(),
+        sse.token.clone(),
+    ));
+    let stream = ClientStream {
+        receiver,
+        dropped: Some(dropped),
+        last_delivered: cursor,
+        done: false,
+        _slot: slot,
+    };
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)))
 }
 
 fn reset_event(requested: i64, first_retained: i64) -> Event {
@@ -106,58 +225,329 @@ fn reset_event(requested: i64, first_retained: i64) -> Event {
     )
 }
 
-struct Reader {
-    pool: PgPool,
-    filter: EventFilter,
-    /// Highest sequence already delivered or skipped.
-    cursor: i64,
-    live: broadcast::Receiver<Arc<StoredEvent>>,
-    pending: VecDeque<Event>,
-    /// Reading from the database until caught up with the live feed.
-    replaying: bool,
-}
-
-impl Reader {
-    async fn next(&mut self) -> Option<Event> {
-        loop {
-            if let Some(event) = self.pending.pop_front() {
-                return Some(event);
-            }
-            if self.replaying {
-                match events::read(&self.pool, self.cursor, &self.filter, REPLAY_PAGE).await {
-                    Ok(rows) => {
-                        self.replaying = rows.len() as i64 == REPLAY_PAGE;
-                        for row in rows {
-                            self.cursor = row.sequence;
-                            self.pending.push_back(to_sse(&row));
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "SSE replay failed; ending the stream so the client resumes");
-                        return None;
-                    }
-                }
-                continue;
-            }
-            match self.live.recv().await {
-                Ok(row) => {
-                    if row.sequence > self.cursor {
-                        self.cursor = row.sequence;
-                        if self.filter.matches(&row) {
-                            return Some(to_sse(&row));
-                        }
-                    }
-                }
-                // Fell behind the live feed: catch up from the database.
-                Err(RecvError::Lagged(_)) => self.replaying = true,
-                Err(RecvError::Closed) => return None,
-            }
-        }
-    }
+fn dropped_event(reason: DropReason, resume_after: i64) -> Event {
+    Event::default().event("dropped").data(
+        json!({
+            "reason": reason.as_str(),
+            "resume_after": resume_after,
+        })
+        .to_string(),
+    )
 }
 
 fn to_sse(row: &StoredEvent) -> Event {
     Event::default()
         .id(row.sequence.to_string())
         .data(row.cloudevent.to_string())
+}
+
+/// One queued message; `sequence` is `None` for control events (`reset`).
+struct Queued {
+    sequence: Option<i64>,
+    event: Event,
+}
+
+/// One of the `--sse-max-clients` slots, counted in `idem_sse_clients`.
+struct ClientSlot {
+    _permit: OwnedSemaphorePermit,
+    gauge: Gauge,
+}
+
+impl ClientSlot {
+    fn new(permit: OwnedSemaphorePermit, gauge: Gauge) -> Self {
+        gauge.increment(1.0);
+        Self {
+            _permit: permit,
+            gauge,
+        }
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        self.gauge.decrement(1.0);
+    }
+}
+
+/// The response body's side of a client: drains the queue, remembers the
+/// last sequence handed to the connection, and ends with a `dropped` event
+/// when the feeder gives up on the client.
+struct ClientStream {
+    receiver: mpsc::Receiver<Queued>,
+    /// `None` once the feeder ended without dropping the client.
+    dropped: Option<oneshot::Receiver<DropReason>>,
+    /// Highest sequence delivered (or the starting cursor): where to resume.
+    last_delivered: i64,
+    done: bool,
+    /// Held for as long as the response lives.
+    _slot: ClientSlot,
+}
+
+impl Stream for ClientStream {
+    type Item = Result<Event, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if let Some(dropped) = this.dropped.as_mut() {
+            match Pin::new(dropped).poll(cx) {
+                Poll::Ready(Ok(reason)) => {
+                    // What is still queued is discarded: the client resumes
+                    // after the last event it was actually sent.
+                    this.done = true;
+                    this.receiver.close();
+                    return Poll::Ready(Some(Ok(dropped_event(reason, this.last_delivered))));
+                }
+                Poll::Ready(Err(_)) => this.dropped = None,
+                Poll::Pending => {}
+            }
+        }
+        match this.receiver.poll_recv(cx) {
+            Poll::Ready(Some(queued)) => {
+                if let Some(sequence) = queued.sequence {
+                    this.last_delivered = sequence;
+                }
+                Poll::Ready(Some(Ok(queued.event)))
+            }
+            Poll::Ready(None) => {
+                this.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// How a feeder stopped.
+enum End {
+    /// The client went away (or the server is stopping).
+    Gone,
+    /// Reading the log failed; the stream ends and the client resumes.
+    Failed,
+    Dropped(DropReason),
+}
+
+/// The per-client task: replays from the database at a bounded rate, then
+/// forwards the live feed, into the client's bounded queue.
+struct Feeder {
+    pool: PgPool,
+    filter: EventFilter,
+    /// Highest sequence already queued or skipped.
+    cursor: i64,
+    live: broadcast::Receiver<Arc<StoredEvent>>,
+    /// Reading from the database until caught up with the live feed.
+    replaying: bool,
+    settings: SseSettings,
+    queue: mpsc::Sender<Queued>,
+    pacer: Pacer,
+}
+
+impl Feeder {
+    async fn run(
+        mut self,
+        first: VecDeque<Event>,
+        drop_notice: oneshot::Sender<DropReason>,
+        closer: Option<ConnectionCloser>,
+        metrics: Arc<Metrics>,
+        token: CancellationToken,
+    ) {
+        let queue = self.queue.clone();
+        let end = tokio::select! {
+            () = token.cancelled() => End::Gone,
+            () = queue.closed() => End::Gone,
+            end = self.feed(first) => end,
+        };
+        match end {
+            End::Gone | End::Failed => {}
+            End::Dropped(reason) => {
+                metrics.sse_dropped(reason).increment(1);
+                tracing::info!(
+                    reason = reason.as_str(),
+                    "SSE client dropped: it did not keep up with its stream"
+                );
+                let _ = drop_notice.send(reason);
+                // A client that reads nothing never sees the final event:
+                // close its connection so its buffers are freed.
+                tokio::select! {
+                    () = queue.closed() => {}
+                    () = token.cancelled() => {}
+                    () = tokio::time::sleep(DROP_GRACE) => {
+                        if let Some(closer) = closer {
+                            closer.close();
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn feed(&mut self, first: VecDeque<Event>) -> End {
+        for event in first {
+            if let Err(end) = self.send(None, event).await {
+                return end;
+            }
+        }
+        let page = self.settings.replay_page();
+        loop {
+            if self.replaying {
+                // A fresh subscription before each page: what the relay sends
+                // from now on is in it, what it sent before is in the page.
+                self.live = self.live.resubscribe();
+                let rows = match events::read(&self.pool, self.cursor, &self.filter, page).await {
+                    Ok(rows) => rows,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "SSE replay failed; ending the stream so the client resumes");
+                        return End::Failed;
+                    }
+                };
+                self.replaying = i64::try_from(rows.len()).unwrap_or(i64::MAX) == page;
+                for row in rows {
+                    self.pacer.wait().await;
+                    self.cursor = row.sequence;
+                    if let Err(end) = self.send(Some(row.sequence), to_sse(&row)).await {
+                        return end;
+                    }
+                }
+                continue;
+            }
+            match self.live.recv().await {
+                Ok(row) => {
+                    if row.sequence <= self.cursor {
+                        continue;
+                    }
+                    if self.live.len() > self.settings.client_buffer {
+                        return End::Dropped(DropReason::Lagged);
+                    }
+                    self.cursor = row.sequence;
+                    if self.filter.matches(&row) {
+                        if let Err(end) = self.send(Some(row.sequence), to_sse(&row)).await {
+                            return end;
+                        }
+                    }
+                }
+                Err(RecvError::Lagged(_)) => return End::Dropped(DropReason::Lagged),
+                Err(RecvError::Closed) => return End::Gone,
+            }
+        }
+    }
+
+    async fn send(&self, sequence: Option<i64>, event: Event) -> Result<(), End> {
+        match self
+            .queue
+            .send_timeout(Queued { sequence, event }, self.settings.send_timeout)
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(SendTimeoutError::Timeout(_)) => Err(End::Dropped(DropReason::SendTimeout)),
+            Err(SendTimeoutError::Closed(_)) => Err(End::Gone),
+        }
+    }
+}
+
+/// Spaces replayed events evenly at `rate` per second.
+struct Pacer {
+    interval: Duration,
+    next: Instant,
+}
+
+impl Pacer {
+    fn new(rate: u32) -> Self {
+        Self {
+            interval: Duration::from_secs(1) / rate.max(1),
+            next: Instant::now(),
+        }
+    }
+
+    /// Waits until the next event may be sent.
+    async fn wait(&mut self) {
+        let now = Instant::now();
+        if self.next > now {
+            tokio::time::sleep_until(self.next).await;
+        } else if now.duration_since(self.next) > PACING_SLACK {
+            // After a pause (slow client, slow query) no long burst.
+            self.next = now - PACING_SLACK;
+        }
+        self.next += self.interval;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_pacer_sends_at_most_the_rate_per_second() {
+        let mut pacer = Pacer::new(100);
+        let start = Instant::now();
+        for _ in 0..300 {
+            pacer.wait().await;
+        }
+        let elapsed = start.elapsed();
+        assert!(elapsed >= Duration::from_millis(2_980), "{elapsed:?}");
+        assert!(elapsed <= Duration::from_millis(3_010), "{elapsed:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_pause_the_pacer_bursts_at_most_its_slack() {
+        let mut pacer = Pacer::new(1_000);
+        pacer.wait().await;
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let start = Instant::now();
+        for _ in 0..100 {
+            pacer.wait().await;
+        }
+        // 20 ms of slack = 20 events at once, the other 80 at 1 ms each.
+        let elapsed = start.elapsed();
+        assert!(elapsed >= Duration::from_millis(75), "{elapsed:?}");
+    }
+
+    #[test]
+    fn replay_pages_shrink_with_the_rate() {
+        let settings = |replay_rate| SseSettings {
+            max_clients: 1,
+            client_buffer: 1,
+            send_timeout: Duration::from_secs(1),
+            replay_rate,
+        };
+        assert_eq!(settings(5_000).replay_page(), 500);
+        assert_eq!(settings(200).replay_page(), 50);
+        assert_eq!(settings(1).replay_page(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_stream_ends_with_where_to_resume_and_discards_the_queue() {
+        let (queue, receiver) = mpsc::channel(8);
+        let (notice, dropped) = oneshot::channel();
+        let slots = Arc::new(Semaphore::new(1));
+        let permit = slots.clone().try_acquire_owned().unwrap();
+        let metrics = Metrics::new();
+        let mut stream = ClientStream {
+            receiver,
+            dropped: Some(dropped),
+            last_delivered: 10,
+            done: false,
+            _slot: ClientSlot::new(permit, metrics.sse_clients.clone()),
+        };
+        for sequence in [11, 12] {
+            queue
+                .send(Queued {
+                    sequence: Some(sequence),
+                    event: Event::default().data("x"),
+                })
+                .await
+                .unwrap();
+        }
+        use futures::StreamExt;
+        assert!(stream.next().await.is_some());
+        assert_eq!(stream.last_delivered, 11);
+        notice.send(DropReason::SendTimeout).unwrap();
+        assert!(stream.next().await.is_some());
+        assert!(stream.next().await.is_none());
+        assert_eq!(stream.last_delivered, 11);
+        assert!(queue.is_closed());
+        drop(stream);
+        assert_eq!(slots.available_permits(), 1);
+    }
 }

@@ -17,6 +17,7 @@ pub mod process_server;
 pub mod prometheus;
 pub mod scenario;
 pub mod server;
+pub mod sse_client;
 mod support;
 pub mod witness;
 
@@ -28,4 +29,5 @@ pub use process_server::ProcessServer;
 pub use prometheus::PrivatePrometheus;
 pub use scenario::Scenario;
 pub use server::{DesiredWatcher, ServerSettings, TestServer};
+pub use sse_client::{SseClient, SseMessage, StalledSseClient};
 pub use witness::ReportWitness;

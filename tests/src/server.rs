@@ -53,10 +53,27 @@ pub struct ServerSettings {
     pub instance: Option<String>,
     /// A worker whose write has not committed for this long makes `/readyz` fail.
     pub stuck_after: Duration,
+    /// `--http-max-connections`.
+    pub http_max_connections: usize,
+    /// `--http-header-timeout`: idle and never-sending connections are closed after it.
+    pub http_header_timeout: Duration,
+    /// `--http-body-timeout`.
+    pub http_body_timeout: Duration,
+    /// `--http-max-body-bytes`.
+    pub http_max_body_bytes: u64,
+    /// `--sse-max-clients`.
+    pub sse_max_clients: usize,
+    /// `--sse-client-buffer` (events).
+    pub sse_client_buffer: usize,
+    /// `--sse-send-timeout`.
+    pub sse_send_timeout: Duration,
+    /// `--sse-replay-rate` (events per second per client).
+    pub sse_replay_rate: u32,
 }
 
 impl Default for ServerSettings {
     fn default() -> Self {
+        let server = idem_server::Config::defaults();
         Self {
             push_timeout: Duration::from_secs(10),
             auto_register: false,
@@ -70,6 +87,14 @@ impl Default for ServerSettings {
             topic_root: None,
             instance: None,
             stuck_after: Duration::from_secs(30),
+            http_max_connections: server.http_max_connections,
+            http_header_timeout: server.http_header_timeout,
+            http_body_timeout: server.http_body_timeout,
+            http_max_body_bytes: server.http_max_body_bytes,
+            sse_max_clients: server.sse_max_clients,
+            sse_client_buffer: server.sse_client_buffer,
+            sse_send_timeout: server.sse_send_timeout,
+            sse_replay_rate: server.sse_replay_rate,
         }
     }
 }
@@ -99,6 +124,14 @@ impl TestServer {
         config.resync_interval = settings.resync_interval;
         config.stale_after = settings.stale_after;
         config.stuck_after = settings.stuck_after;
+        config.http_max_connections = settings.http_max_connections;
+        config.http_header_timeout = settings.http_header_timeout;
+        config.http_body_timeout = settings.http_body_timeout;
+        config.http_max_body_bytes = settings.http_max_body_bytes;
+        config.sse_max_clients = settings.sse_max_clients;
+        config.sse_client_buffer = settings.sse_client_buffer;
+        config.sse_send_timeout = settings.sse_send_timeout;
+        config.sse_replay_rate = settings.sse_replay_rate;
         if let Some(root) = settings.topic_root {
             config.topic_root = root;
         }

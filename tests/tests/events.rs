@@ -9,72 +9,30 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use cloudevents::AttributesReader;
-use futures::StreamExt;
 use idem_device_sim::FleetPlan;
-use idem_tests::{Scenario, ServerSettings};
+use idem_tests::{Scenario, ServerSettings, SseMessage};
 use rumqttc::{AsyncClient, Event, Packet, QoS};
 use serde_json::Value;
 
-/// One parsed SSE message.
-#[derive(Debug, Clone)]
-struct SseMessage {
-    id: Option<i64>,
-    event: Option<String>,
-    data: String,
-}
-
-/// A minimal SSE reader over a streaming HTTP response.
-struct SseClient {
-    stream: futures::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
-    buffer: String,
-}
+/// The harness's SSE reader, failing the test on any error.
+struct SseClient(idem_tests::SseClient);
 
 impl SseClient {
     async fn connect(url: &str, last_event_id: Option<i64>) -> Self {
-        let client = reqwest::Client::new();
-        let mut request = client.get(url).header("accept", "text/event-stream");
-        if let Some(id) = last_event_id {
-            request = request.header("last-event-id", id.to_string());
-        }
-        let response = request.send().await.unwrap();
-        assert_eq!(response.status(), 200);
-        Self {
-            stream: response.bytes_stream().boxed(),
-            buffer: String::new(),
-        }
+        Self(
+            idem_tests::SseClient::connect(url, last_event_id)
+                .await
+                .unwrap(),
+        )
     }
 
     /// The next message that carries data (keep-alive comments are skipped).
     async fn next(&mut self) -> SseMessage {
-        loop {
-            if let Some(end) = self.buffer.find("\n\n") {
-                let block: String = self.buffer.drain(..end + 2).collect();
-                let mut message = SseMessage {
-                    id: None,
-                    event: None,
-                    data: String::new(),
-                };
-                for line in block.lines() {
-                    if let Some(v) = line.strip_prefix("id:") {
-                        message.id = Some(v.trim().parse().unwrap());
-                    } else if let Some(v) = line.strip_prefix("event:") {
-                        message.event = Some(v.trim().to_owned());
-                    } else if let Some(v) = line.strip_prefix("data:") {
-                        message.data.push_str(v.strip_prefix(' ').unwrap_or(v));
-                    }
-                }
-                if !message.data.is_empty() {
-                    return message;
-                }
-                continue;
-            }
-            let chunk = tokio::time::timeout(Duration::from_secs(20), self.stream.next())
-                .await
-                .expect("no SSE data within 20 s")
-                .expect("SSE stream ended")
-                .unwrap();
-            self.buffer.push_str(&String::from_utf8_lossy(&chunk));
-        }
+        self.0
+            .next_within(Duration::from_secs(20))
+            .await
+            .unwrap()
+            .expect("SSE stream ended")
     }
 }
 
