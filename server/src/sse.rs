@@ -150,6 +150,11 @@ pub async fn events(
                 })?,
         ),
     };
+    for (name, text) in [("type", &query.event_type), ("device", &query.device)] {
+        if let Some(text) = text {
+            crate::input::check_query_text(name, text)?;
+        }
+    }
     let sse = &state.sse;
     let Ok(permit) = sse.slots.clone().try_acquire_owned() else {
         return Err(ApiError::new(
