@@ -57,6 +57,8 @@ pub struct AppState {
     pub config: ValidConfig,
     /// Failing-write marks of the ingest and the engine, for `/readyz`.
     pub stalls: Stalls,
+    /// How the API decides access.
+    pub auth: crate::auth::AuthSettings,
     /// Manual runs by (digest of their sorted target ids, force), so an
     /// identical re-check while one is in progress joins it.
     pub manual_runs:
@@ -205,6 +207,7 @@ pub async fn run(
             max_targets: config.config.run_retention_targets,
             attempts_max_age: config.config.attempt_retention,
             attempts_max_count: config.config.attempt_retention_count,
+            audit_max_age: config.config.audit_retention,
         },
         intake_token.clone(),
     ));
@@ -224,6 +227,14 @@ pub async fn run(
 
     let http_limits = HttpLimits::from_config(&config.config);
     let sse = SseClients::new(SseSettings::from_config(&config.config), token.clone());
+    let auth = crate::auth::AuthSettings {
+        disabled: config.config.insecure_no_auth,
+        open_metrics: config.config.open_metrics,
+        open_events: config.config.open_events,
+    };
+    if auth.disabled {
+        tracing::warn!("--insecure-no-auth: the API answers everyone as an admin, without a token");
+    }
     let state = Arc::new(AppState {
         pool,
         fleet,
@@ -241,6 +252,7 @@ pub async fn run(
         config,
         stalls,
         manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
+        auth,
     });
     // Body size is limited (with our own 413) by the HTTP layer, not by
     // axum's 2 MB default.

@@ -8,15 +8,43 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Config;
 
+/// `idem-server [flags]` runs the server; `idem-server token …` manages
+/// operator tokens.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "idem-server",
+    version,
+    about = "idem fleet reconciliation server"
+)]
+struct Cli {
+    #[command(flatten)]
+    config: Config,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Create, list or revoke operator tokens (needs only the database).
+    #[command(subcommand)]
+    Token(crate::token_cli::TokenCommand),
+}
+
 /// Parses the process arguments and runs the server until SIGINT/SIGTERM.
 pub async fn run_from_env() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
+        // Logs on stderr: stdout is for what a command prints (a new token).
+        .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let config = Config::parse();
+    let cli = Cli::parse();
+    if let Some(Command::Token(command)) = cli.command {
+        return crate::token_cli::run(&cli.config.database_url, command).await;
+    }
+    let config = cli.config;
     let valid = config.validate().context("invalid configuration")?;
     let pool = crate::store::connect(&valid.config.database_url, valid.config.db_max_connections)
         .await

@@ -134,6 +134,24 @@ pub struct Config {
     )]
     pub attempt_retention_count: i64,
 
+    /// Open access: no token needed, every caller is an anonymous admin.
+    /// For local experiments only; the server logs a warning at start.
+    #[arg(long, env = "IDEM_INSECURE_NO_AUTH", default_value_t = false)]
+    pub insecure_no_auth: bool,
+
+    /// Serve `GET /metrics` without a token (e.g. for a Prometheus that
+    /// cannot send one).
+    #[arg(long, env = "IDEM_OPEN_METRICS", default_value_t = false)]
+    pub open_metrics: bool,
+
+    /// Serve `GET /v1/events` without a token.
+    #[arg(long, env = "IDEM_OPEN_EVENTS", default_value_t = false)]
+    pub open_events: bool,
+
+    /// Audit records older than this are pruned.
+    #[arg(long, env = "IDEM_AUDIT_RETENTION", default_value = "90d", value_parser = parse_duration)]
+    pub audit_retention: Duration,
+
     /// Most connections in the database pool.
     #[arg(long, env = "IDEM_DB_MAX_CONNECTIONS", default_value_t = 8)]
     pub db_max_connections: u32,

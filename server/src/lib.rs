@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod app;
+pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod events;
@@ -22,6 +23,7 @@ pub mod retention;
 pub mod sse;
 pub mod stall;
 pub mod store;
+pub mod token_cli;
 
 pub use app::{run, AppState, ServerError};
 pub use config::{Config, ValidConfig};

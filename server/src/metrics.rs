@@ -77,6 +77,7 @@ pub struct Metrics {
     pub health_unknown: Counter,
     /// Report batches the database refused, split to isolate the refused report.
     pub ingest_batch_splits: Counter,
+    auth_refusals: [Counter; crate::auth::Refusal::REASONS.len()],
     /// Retained desired messages refreshed without a push (the device
     /// already ran the new desired spec, or was not attempted).
     pub retained_updates: Counter,
@@ -158,6 +159,11 @@ impl Metrics {
             r,
             "idem_reports_health_unknown_total",
             "Applied reports whose health was not healthy, degraded or unhealthy (kept, health unknown)",
+        );
+        describe_counter(
+            r,
+            "idem_http_auth_refusals_total",
+            "API calls refused for a missing, unknown, expired or revoked token (401) or a too weak role (403)",
         );
         describe_counter(
             r,
@@ -303,6 +309,8 @@ impl Metrics {
             refused_publishes,
             health_unknown: counter(r, "idem_reports_health_unknown_total", &[]),
             ingest_batch_splits: counter(r, "idem_ingest_batch_splits_total", &[]),
+            auth_refusals: crate::auth::Refusal::REASONS
+                .map(|reason| counter(r, "idem_http_auth_refusals_total", &[("reason", reason)])),
             retained_updates: counter(r, "idem_retained_updates_total", &[]),
             pushes: counter(r, "idem_pushes_total", &[]),
             report_requests: counter(r, "idem_report_requests_total", &[]),
@@ -358,6 +366,7 @@ impl Metrics {
             .chain(&metrics.reports)
             .chain(&metrics.rejects)
             .chain(&metrics.refused_publishes)
+            .chain(&metrics.auth_refusals)
             .chain(&metrics.http_rejected)
             .chain(&metrics.sse_dropped)
         {
@@ -461,6 +470,17 @@ impl Metrics {
     pub fn reject_message(&self, reason: &str) {
         if let Some(i) = REJECT_REASONS.iter().position(|r| *r == reason) {
             self.rejects[i].increment(1);
+        }
+    }
+
+    /// Counts an API call refused by authentication or authorisation (one
+    /// of `auth::Refusal::REASONS`).
+    pub fn auth_refused(&self, reason: &str) {
+        if let Some(i) = crate::auth::Refusal::REASONS
+            .iter()
+            .position(|r| *r == reason)
+        {
+            self.auth_refusals[i].increment(1);
         }
     }
 

@@ -28,6 +28,8 @@ pub struct RunRetention {
     pub attempts_max_age: Duration,
     /// At most this many newest attempt rows are kept.
     pub attempts_max_count: i64,
+    /// Audit records older than this are deleted.
+    pub audit_max_age: Duration,
 }
 
 /// Prunes once now, then every [`PRUNE_INTERVAL`] until cancelled.
@@ -67,5 +69,10 @@ pub async fn prune(pool: &PgPool, limits: RunRetention, token: &CancellationToke
         Ok(0) => {}
         Ok(n) => tracing::info!(attempts = n, "pruned attempt history"),
         Err(e) => tracing::warn!(error = %e, "pruning attempt history failed"),
+    }
+    match store::access::prune_audit(pool, limits.audit_max_age).await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(records = n, "pruned the audit trail"),
+        Err(e) => tracing::warn!(error = %e, "pruning the audit trail failed"),
     }
 }

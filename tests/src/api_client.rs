@@ -10,11 +10,13 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
-/// Requests to one server's API.
+/// Requests to one server's API, with an operator token when it has one.
 #[derive(Debug, Clone)]
 pub struct ApiClient {
     base: String,
     http: reqwest::Client,
+    /// Sent as `Authorization: Bearer …` with every request.
+    token: Option<String>,
 }
 
 impl ApiClient {
@@ -26,6 +28,7 @@ impl ApiClient {
         Ok(Self {
             base: format!("http://{addr}"),
             http,
+            token: None,
         })
     }
 
@@ -34,18 +37,40 @@ impl ApiClient {
         Self {
             base: format!("http://{addr}"),
             http,
+            token: None,
         }
+    }
+
+    /// The same client sending `token` (or none) with every request.
+    pub fn with_token(&self, token: Option<&str>) -> Self {
+        Self {
+            token: token.map(str::to_owned),
+            ..self.clone()
+        }
+    }
+
+    /// The operator token this client sends, if any.
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_deref()
     }
 
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }
 
+    /// A request to `path` with this client's token.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let builder = self.http.request(method, self.url(path));
+        match &self.token {
+            Some(token) => builder.bearer_auth(token),
+            None => builder,
+        }
+    }
+
     /// GET, returning status and JSON body (`Null` when empty).
     pub async fn get(&self, path: &str) -> Result<(u16, Value)> {
         let response = self
-            .http
-            .get(self.url(path))
+            .request(reqwest::Method::GET, path)
             .send()
             .await
             .with_context(|| format!("GET {path}"))?;
@@ -54,8 +79,7 @@ impl ApiClient {
 
     pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
         let response = self
-            .http
-            .post(self.url(path))
+            .request(reqwest::Method::POST, path)
             .json(body)
             .send()
             .await
@@ -65,8 +89,7 @@ impl ApiClient {
 
     pub async fn put(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
         let response = self
-            .http
-            .put(self.url(path))
+            .request(reqwest::Method::PUT, path)
             .json(body)
             .send()
             .await
@@ -76,8 +99,7 @@ impl ApiClient {
 
     pub async fn delete(&self, path: &str) -> Result<(u16, Value)> {
         let response = self
-            .http
-            .delete(self.url(path))
+            .request(reqwest::Method::DELETE, path)
             .send()
             .await
             .with_context(|| format!("DELETE {path}"))?;
@@ -87,8 +109,7 @@ impl ApiClient {
     /// POST with a raw body, for malformed-input tests.
     pub async fn post_raw(&self, path: &str, body: &'static str) -> Result<(u16, Value)> {
         let response = self
-            .http
-            .post(self.url(path))
+            .request(reqwest::Method::POST, path)
             .header("content-type", "application/json")
             .body(body)
             .send()
@@ -100,8 +121,7 @@ impl ApiClient {
     /// The `/metrics` text.
     pub async fn metrics(&self) -> Result<String> {
         let response = self
-            .http
-            .get(self.url("/metrics"))
+            .request(reqwest::Method::GET, "/metrics")
             .send()
             .await
             .context("GET /metrics")?;

@@ -53,6 +53,9 @@ pub struct ProcessServer {
     http: reqwest::Client,
     pub topic_root: TopicRoot,
     pub instance: String,
+    /// The admin token the API client sends (`None` with
+    /// `IDEM_INSECURE_NO_AUTH=true`).
+    token: Option<String>,
     /// Held for its `Drop`, which removes the log.
     _dir: TempDir,
 }
@@ -90,7 +93,22 @@ impl ProcessServer {
             env.retain(|(k, _)| k != key);
             env.push(((*key).into(), (*value).into()));
         }
+        let insecure = env
+            .iter()
+            .any(|(k, v)| k == "IDEM_INSECURE_NO_AUTH" && v == "true");
+        let token = if insecure {
+            None
+        } else {
+            let pool = sqlx::PgPool::connect(database_url)
+                .await
+                .context("connecting to the test database to create an admin token")?;
+            let name = format!("test-admin-{instance}");
+            let token = crate::server::create_token(&pool, &name, "admin").await?;
+            pool.close().await;
+            Some(token)
+        };
         let mut server = Self {
+            token,
             binary: binary.to_path_buf(),
             env,
             port: 0,
@@ -284,7 +302,7 @@ impl ProcessServer {
 
     /// A client for the API at the current port.
     pub fn api(&self) -> ApiClient {
-        ApiClient::with_client(self.addr(), self.http.clone())
+        ApiClient::with_client(self.addr(), self.http.clone()).with_token(self.token.as_deref())
     }
 
     /// GET, returning status and JSON body (`Null` when empty).

@@ -247,6 +247,13 @@ impl PrivatePrometheus {
     /// Prometheus on a free port of 127.0.0.1 with its TSDB there, and waits
     /// until it answers `/-/ready`.
     pub async fn start(config: &str) -> Result<Self> {
+        Self::start_with_files(config, &[]).await
+    }
+
+    /// Like [`PrivatePrometheus::start`], with `files` (name, content)
+    /// written next to the config first, e.g. the bearer-token file a
+    /// scrape config refers to by a relative path.
+    pub async fn start_with_files(config: &str, files: &[(&str, &str)]) -> Result<Self> {
         let binary = prometheus_binary()?;
         let dir = tempfile::Builder::new()
             .prefix("idem-prometheus-")
@@ -255,6 +262,11 @@ impl PrivatePrometheus {
         let config_path = dir.path().join("prometheus.yml");
         std::fs::write(&config_path, config)
             .with_context(|| format!("writing {}", config_path.display()))?;
+        for (name, content) in files {
+            let path = dir.path().join(name);
+            std::fs::write(&path, content)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
             .build()

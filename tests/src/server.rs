@@ -34,6 +34,13 @@ pub struct TestServer {
 /// Settings a test may change; everything else is the server's default.
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
+    /// `--insecure-no-auth`; otherwise the harness creates an admin token
+    /// that the server's API client sends.
+    pub insecure_no_auth: bool,
+    /// `--open-metrics`.
+    pub open_metrics: bool,
+    /// `--open-events`.
+    pub open_events: bool,
     pub push_timeout: Duration,
     pub auto_register: bool,
     /// The spec budget (`--max-spec-bytes`).
@@ -75,6 +82,9 @@ impl Default for ServerSettings {
     fn default() -> Self {
         let server = idem_server::Config::defaults();
         Self {
+            insecure_no_auth: false,
+            open_metrics: false,
+            open_events: false,
             push_timeout: Duration::from_secs(10),
             auto_register: false,
             max_spec_bytes: 64 * 1024,
@@ -114,6 +124,9 @@ impl TestServer {
         config.topic_root = format!("idem-test/{}", &unique[..12]);
         config.instance = format!("test-{}", &unique[..12]);
         config.push_timeout = settings.push_timeout;
+        config.insecure_no_auth = settings.insecure_no_auth;
+        config.open_metrics = settings.open_metrics;
+        config.open_events = settings.open_events;
         config.auto_register = settings.auto_register;
         config.max_spec_bytes = settings.max_spec_bytes;
         config.max_attempts = settings.max_attempts;
@@ -145,6 +158,11 @@ impl TestServer {
             .await
             .context("binding the API port")?;
         let addr = listener.local_addr().context("reading the API address")?;
+        let admin_token = if settings.insecure_no_auth {
+            None
+        } else {
+            Some(create_token(db.pool(), &format!("test-admin-{}", &unique[..12]), "admin").await?)
+        };
         let token = CancellationToken::new();
         let pool = db.pool().clone();
         let task = tokio::spawn(idem_server::run(valid, listener, pool, token.clone()));
@@ -152,7 +170,7 @@ impl TestServer {
             addr,
             topic_root,
             instance,
-            api: ApiClient::new(addr)?,
+            api: ApiClient::new(addr)?.with_token(admin_token.as_deref()),
             token,
             task: Some(task),
         };
@@ -182,6 +200,50 @@ impl TestServer {
                 .context("server returned an error")?;
         }
         Ok(())
+    }
+}
+
+/// Creates an operator token directly in the database (as
+/// `idem-server token create` does) and returns its secret.
+pub async fn create_token(pool: &sqlx::PgPool, name: &str, role: &str) -> Result<String> {
+    let token = idem_server::auth::generate_token();
+    idem_server::store::access::create_token(
+        pool,
+        &idem_server::store::access::NewToken {
+            name,
+            role,
+            hash: &token.hash,
+            created_by: Some("test harness"),
+            expires_at: None,
+        },
+    )
+    .await
+    .context("creating an operator token")?
+    .with_context(|| format!("a token named {name:?} exists already"))?;
+    Ok(token.secret)
+}
+
+impl TestServer {
+    /// A client of this server's API sending `token` (or none).
+    pub fn client_with(&self, token: Option<&str>) -> ApiClient {
+        self.api.with_token(token)
+    }
+
+    /// Creates a token with `role` through the API (as the harness's admin)
+    /// and returns a client that sends it.
+    pub async fn client_for_role(&self, name: &str, role: &str) -> Result<ApiClient> {
+        let (status, body) = self
+            .api
+            .post(
+                "/v1/tokens",
+                &serde_json::json!({"name": name, "role": role}),
+            )
+            .await?;
+        if status != 201 {
+            bail!("POST /v1/tokens answered {status}: {body}");
+        }
+        let token = body["token"].as_str().context("token in the answer")?;
+        Ok(self.api.with_token(Some(token)))
     }
 }
 

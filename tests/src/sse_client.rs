@@ -62,18 +62,30 @@ pub struct SseClient {
 impl SseClient {
     /// Opens `url` (optionally with `Last-Event-ID`) and returns the raw
     /// response, whatever its status.
-    pub async fn open(url: &str, last_event_id: Option<i64>) -> Result<reqwest::Response> {
+    pub async fn open(
+        url: &str,
+        token: Option<&str>,
+        last_event_id: Option<i64>,
+    ) -> Result<reqwest::Response> {
         let client = reqwest::Client::new();
         let mut request = client.get(url).header("accept", "text/event-stream");
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
         if let Some(id) = last_event_id {
             request = request.header("last-event-id", id.to_string());
         }
         request.send().await.with_context(|| format!("GET {url}"))
     }
 
-    /// Opens `url` and fails unless the server answers 200.
-    pub async fn connect(url: &str, last_event_id: Option<i64>) -> Result<Self> {
-        let response = Self::open(url, last_event_id).await?;
+    /// Opens `url` (sending `token` when given) and fails unless the server
+    /// answers 200.
+    pub async fn connect(
+        url: &str,
+        token: Option<&str>,
+        last_event_id: Option<i64>,
+    ) -> Result<Self> {
+        let response = Self::open(url, token, last_event_id).await?;
         let status = response.status();
         if status != 200 {
             let body = response.text().await.unwrap_or_default();
@@ -116,7 +128,7 @@ pub struct StalledSseClient {
 
 impl StalledSseClient {
     /// Sends `GET {path}` to `addr` and reads nothing.
-    pub async fn open(addr: SocketAddr, path: &str) -> Result<Self> {
+    pub async fn open(addr: SocketAddr, path: &str, token: Option<&str>) -> Result<Self> {
         let socket = TcpSocket::new_v4().context("creating a socket")?;
         // Before connecting, so the advertised window stays small.
         socket
@@ -126,8 +138,12 @@ impl StalledSseClient {
             .connect(addr)
             .await
             .with_context(|| format!("connecting to {addr}"))?;
-        let request =
-            format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\naccept: text/event-stream\r\n\r\n");
+        let authorization = token
+            .map(|t| format!("authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let request = format!(
+            "GET {path} HTTP/1.1\r\nhost: {addr}\r\naccept: text/event-stream\r\n{authorization}\r\n"
+        );
         stream
             .write_all(request.as_bytes())
             .await

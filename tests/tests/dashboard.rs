@@ -34,6 +34,9 @@ fn shipped_dashboards() -> Vec<DashboardFile> {
         .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
+/// The bearer-token file the shipped scrape config names, relative to it.
+const TOKEN_FILE: &str = "idem-viewer.token";
+
 fn shipped_scrape_config() -> String {
     let path = grafana::dashboards_dir().join("prometheus/prometheus.yml");
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
@@ -110,11 +113,15 @@ fn every_shipped_dashboard_is_provisionable_with_the_fixed_prometheus_datasource
 
 #[test]
 fn the_shipped_scrape_config_and_the_tests_copy_of_it_pass_promtool() {
-    let shipped = grafana::dashboards_dir().join("prometheus/prometheus.yml");
+    // Checked as shipped, beside the token file it names (promtool checks
+    // that the file exists).
+    let dir = tempfile::tempdir().unwrap();
+    let shipped = dir.path().join("shipped.yml");
+    std::fs::write(&shipped, shipped_scrape_config()).unwrap();
+    std::fs::write(dir.path().join(TOKEN_FILE), "idem_placeholder").unwrap();
     let report = prometheus::promtool_check_config(&shipped).unwrap();
     assert!(report.passed(), "{}:\n{}", report.status, report.output);
 
-    let dir = tempfile::tempdir().unwrap();
     let copy = dir.path().join("prometheus.yml");
     let derived = prometheus::scrape_config_for(
         &shipped_scrape_config(),
@@ -177,7 +184,15 @@ async fn every_dashboard_panel_query_returns_data_from_a_real_prometheus_after_a
         SCRAPE_INTERVAL,
     )
     .unwrap();
-    let prom = PrivatePrometheus::start(&config).await.unwrap();
+    let token = scenario
+        .server
+        .client_for_role("prometheus", "viewer")
+        .await
+        .unwrap();
+    let prom =
+        PrivatePrometheus::start_with_files(&config, &[(TOKEN_FILE, token.token().unwrap())])
+            .await
+            .unwrap();
     // A baseline before the run, so rates over the window see the run's
     // increments.
     prom.wait_for_scrapes(JOB, SystemTime::now(), 2, Duration::from_secs(30))

@@ -18,9 +18,9 @@ use serde_json::Value;
 struct SseClient(idem_tests::SseClient);
 
 impl SseClient {
-    async fn connect(url: &str, last_event_id: Option<i64>) -> Self {
+    async fn connect(scenario: &Scenario, url: &str, last_event_id: Option<i64>) -> Self {
         Self(
-            idem_tests::SseClient::connect(url, last_event_id)
+            idem_tests::SseClient::connect(url, scenario.server.token(), last_event_id)
                 .await
                 .unwrap(),
         )
@@ -47,7 +47,7 @@ async fn an_sse_client_that_reconnects_with_last_event_id_misses_nothing_and_see
     let fleet = scenario.register_and_start(&plan, 200).await.unwrap();
     let url = scenario.server.url("/v1/events");
 
-    let mut first = SseClient::connect(&url, None).await;
+    let mut first = SseClient::connect(&scenario, &url, None).await;
     let (run_id, run) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
     assert_eq!(
         run["summary"],
@@ -62,7 +62,7 @@ async fn an_sse_client_that_reconnects_with_last_event_id_misses_nothing_and_see
     drop(first);
     let k = *ids.last().unwrap();
 
-    let mut second = SseClient::connect(&url, Some(k)).await;
+    let mut second = SseClient::connect(&scenario, &url, Some(k)).await;
     loop {
         let message = second.next().await;
         ids.push(message.id.unwrap());
@@ -91,7 +91,8 @@ async fn a_cursor_older_than_the_retained_log_gets_a_reset_event_first() {
         .await
         .unwrap();
 
-    let mut client = SseClient::connect(&scenario.server.url("/v1/events"), Some(1)).await;
+    let mut client =
+        SseClient::connect(&scenario, &scenario.server.url("/v1/events"), Some(1)).await;
     let reset = client.next().await;
     assert_eq!(reset.event.as_deref(), Some("reset"));
     let body: Value = serde_json::from_str(&reset.data).unwrap();
@@ -218,6 +219,7 @@ async fn sse_filters_by_type_device_and_run() {
     let base = scenario.server.url("/v1/events");
 
     let mut provisioned = SseClient::connect(
+        &scenario,
         &format!("{base}?after=0&type=io.idem.device.provisioned"),
         None,
     )
@@ -229,14 +231,16 @@ async fn sse_filters_by_type_device_and_run() {
     }
 
     let device = plan.devices[7].id.as_str();
-    let mut one_device = SseClient::connect(&format!("{base}?after=0&device={device}"), None).await;
+    let mut one_device =
+        SseClient::connect(&scenario, &format!("{base}?after=0&device={device}"), None).await;
     for run in [&first_run, &second_run] {
         let event: Value = serde_json::from_str(&one_device.next().await.data).unwrap();
         assert_eq!(event["subject"], device);
         assert_eq!(event["runid"], run.as_str());
     }
 
-    let mut second = SseClient::connect(&format!("{base}?after=0&run={second_run}"), None).await;
+    let mut second =
+        SseClient::connect(&scenario, &format!("{base}?after=0&run={second_run}"), None).await;
     let started: Value = serde_json::from_str(&second.next().await.data).unwrap();
     assert_eq!(started["type"], "io.idem.run.started");
     for _ in 0..20 {

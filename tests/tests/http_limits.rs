@@ -175,6 +175,7 @@ async fn a_request_body_over_the_limit_gets_413_naming_the_limit_and_the_flag() 
     // With a Content-Length: refused before the body is read.
     let answer = client
         .post(&url)
+        .bearer_auth(scenario.server.token().unwrap())
         .header("content-type", "application/json")
         .body(body.clone())
         .send()
@@ -187,6 +188,7 @@ async fn a_request_body_over_the_limit_gets_413_naming_the_limit_and_the_flag() 
         body.chunks(1_000).map(|c| Ok(c.to_vec())).collect();
     let answer = client
         .post(&url)
+        .bearer_auth(scenario.server.token().unwrap())
         .header("content-type", "application/json")
         .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
         .send()
@@ -225,13 +227,12 @@ async fn a_request_body_that_does_not_arrive_in_time_gets_408_and_the_connection
     let scenario = Scenario::start(settings).await.unwrap();
     let mut stream = TcpStream::connect(scenario.server.addr).await.unwrap();
     // Promise 100 bytes, send two.
-    stream
-        .write_all(
-            b"POST /v1/devices HTTP/1.1\r\nhost: idem\r\ncontent-type: application/json\r\n\
-              content-length: 100\r\n\r\n[{",
-        )
-        .await
-        .unwrap();
+    let request = format!(
+        "POST /v1/devices HTTP/1.1\r\nhost: idem\r\ncontent-type: application/json\r\n\
+         authorization: Bearer {}\r\ncontent-length: 100\r\n\r\n[{{",
+        scenario.server.token().unwrap()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
     let answer = tokio::time::timeout(Duration::from_secs(10), read_until_closed(stream))
         .await
         .expect("the server kept a connection whose body never arrived");
@@ -249,10 +250,16 @@ async fn sse_clients_beyond_the_cap_get_503_naming_the_limit_and_a_freed_slot_is
     };
     let scenario = Scenario::start(settings).await.unwrap();
     let url = scenario.server.url("/v1/events");
-    let first = SseClient::connect(&url, None).await.unwrap();
-    let _second = SseClient::connect(&url, None).await.unwrap();
+    let first = SseClient::connect(&url, scenario.server.token(), None)
+        .await
+        .unwrap();
+    let _second = SseClient::connect(&url, scenario.server.token(), None)
+        .await
+        .unwrap();
 
-    let refused = SseClient::open(&url, None).await.unwrap();
+    let refused = SseClient::open(&url, scenario.server.token(), None)
+        .await
+        .unwrap();
     assert_eq!(refused.status(), 503);
     let body: Value = refused.json().await.unwrap();
     assert_eq!(body["error"]["code"], "too_many_sse_clients", "{body}");
@@ -275,7 +282,9 @@ async fn sse_clients_beyond_the_cap_get_503_naming_the_limit_and_a_freed_slot_is
         || async move { (server.metric("idem_sse_clients").await.ok() == Some(1.0)).then_some(()) },
     )
     .await;
-    SseClient::connect(&url, None).await.unwrap();
+    SseClient::connect(&url, scenario.server.token(), None)
+        .await
+        .unwrap();
 }
 
 /// Reads `client` until it delivered `last`; returns every id in order.
@@ -310,10 +319,16 @@ async fn an_sse_client_that_stops_reading_is_dropped_while_others_keep_receiving
     let last = scenario.append_events(8_000, 1_000).await.unwrap();
     let url = scenario.server.url("/v1/events?after=0");
 
-    let mut reader = SseClient::connect(&url, None).await.unwrap();
-    let stalled = StalledSseClient::open(scenario.server.addr, "/v1/events?after=0")
+    let mut reader = SseClient::connect(&url, scenario.server.token(), None)
         .await
         .unwrap();
+    let stalled = StalledSseClient::open(
+        scenario.server.addr,
+        "/v1/events?after=0",
+        scenario.server.token(),
+    )
+    .await
+    .unwrap();
     let reading = tokio::spawn(async move {
         let ids = read_ids_until(&mut reader, last).await;
         (reader, ids)
@@ -378,9 +393,13 @@ async fn an_sse_client_that_stops_reading_is_dropped_while_others_keep_receiving
     }
 
     // Resuming from its last event misses nothing and repeats nothing.
-    let mut resumed = SseClient::connect(&scenario.server.url("/v1/events"), Some(resume_after))
-        .await
-        .unwrap();
+    let mut resumed = SseClient::connect(
+        &scenario.server.url("/v1/events"),
+        scenario.server.token(),
+        Some(resume_after),
+    )
+    .await
+    .unwrap();
     assert_eq!(
         read_ids_until(&mut resumed, newest).await,
         (resume_after + 1..=newest).collect::<Vec<_>>()
@@ -395,9 +414,13 @@ async fn replay_from_the_log_is_sent_at_no_more_than_the_configured_rate() {
     };
     let scenario = Scenario::start(settings).await.unwrap();
     let last = scenario.append_events(600, 10).await.unwrap();
-    let mut client = SseClient::connect(&scenario.server.url("/v1/events?after=0"), None)
-        .await
-        .unwrap();
+    let mut client = SseClient::connect(
+        &scenario.server.url("/v1/events?after=0"),
+        scenario.server.token(),
+        None,
+    )
+    .await
+    .unwrap();
     let first = client
         .next_within(Duration::from_secs(20))
         .await
@@ -419,9 +442,13 @@ async fn replay_from_the_log_is_sent_at_no_more_than_the_configured_rate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopping_the_server_ends_open_sse_streams_and_closes_idle_connections_promptly() {
     let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
-    let mut stream = SseClient::connect(&scenario.server.url("/v1/events"), None)
-        .await
-        .unwrap();
+    let mut stream = SseClient::connect(
+        &scenario.server.url("/v1/events"),
+        scenario.server.token(),
+        None,
+    )
+    .await
+    .unwrap();
     let idle = TcpStream::connect(scenario.server.addr).await.unwrap();
     let server = &scenario.server;
     wait_for(

@@ -872,6 +872,7 @@ impl Engine {
             trigger,
             force: false,
             spec: None,
+            started_by: None,
         };
         match commit_run(
             &self.ctx.pool,

@@ -61,6 +61,8 @@ pub struct NewRun {
     pub force: bool,
     /// New desired spec for every target, if this run changes desired state.
     pub spec: Option<Value>,
+    /// The operator token that started it (`None`: the server itself).
+    pub started_by: Option<String>,
 }
 
 /// A committed run, ready for the engine.
@@ -112,9 +114,12 @@ pub async fn commit_run(
     }
     store::runs::create(
         &mut tx,
-        run_id,
-        run.trigger.as_str(),
-        run.force,
+        store::runs::NewRunRow {
+            id: run_id,
+            trigger: run.trigger.as_str(),
+            force: run.force,
+            started_by: run.started_by.as_deref(),
+        },
         &target_ids,
     )
     .await?;
@@ -123,7 +128,12 @@ pub async fn commit_run(
         subject: run_id.to_string(),
         run_id: Some(run_id),
         generation: None,
-        data: json!({"trigger": run.trigger.as_str(), "target_count": target_ids.len(), "force": run.force}),
+        data: json!({
+            "trigger": run.trigger.as_str(),
+            "target_count": target_ids.len(),
+            "force": run.force,
+            "started_by": run.started_by,
+        }),
     };
     let first = store::events::reserve_sequences(&mut tx, 1).await?;
     let rows = events::finalize(vec![draft], first, event_source, chrono::Utc::now())?;

@@ -3,6 +3,7 @@
 //!
 //! Holds no business rules: callers decide, this module persists.
 
+pub mod access;
 pub mod devices;
 pub mod events;
 pub mod runs;

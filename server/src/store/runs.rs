@@ -21,6 +21,7 @@ pub struct RunRow {
     pub superseded: i32,
     pub started_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
+    pub started_by: Option<String>,
 }
 
 impl RunRow {
@@ -38,24 +39,35 @@ impl RunRow {
 
 const RUN_COLUMNS: &str =
     "id, trigger, state, force, target_count, already_converged, provisioned, \
-    failed, skipped, superseded, started_at, finished_at";
+    failed, skipped, superseded, started_at, finished_at, started_by";
+
+/// The run row to insert.
+#[derive(Debug, Clone, Copy)]
+pub struct NewRunRow<'a> {
+    pub id: Uuid,
+    pub trigger: &'a str,
+    pub force: bool,
+    pub started_by: Option<&'a str>,
+}
 
 pub async fn create(
     tx: &mut Transaction<'_, Postgres>,
-    id: Uuid,
-    trigger: &str,
-    force: bool,
+    run: NewRunRow<'_>,
     targets: &[String],
 ) -> Result<(), StoreError> {
+    let id = run.id;
     let target_count = i32::try_from(targets.len()).unwrap_or(i32::MAX);
-    sqlx::query("INSERT INTO runs (id, trigger, force, target_count) VALUES ($1, $2, $3, $4)")
-        .bind(id)
-        .bind(trigger)
-        .bind(force)
-        .bind(target_count)
-        .execute(&mut **tx)
-        .await
-        .context("creating a run")?;
+    sqlx::query(
+        "INSERT INTO runs (id, trigger, force, target_count, started_by) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(id)
+    .bind(run.trigger)
+    .bind(run.force)
+    .bind(target_count)
+    .bind(run.started_by)
+    .execute(&mut **tx)
+    .await
+    .context("creating a run")?;
     sqlx::query("INSERT INTO run_targets (run_id, device_id) SELECT $1, UNNEST($2::text[])")
         .bind(id)
         .bind(targets)

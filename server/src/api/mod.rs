@@ -11,6 +11,7 @@ use axum::extract::{FromRequest, Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
+use axum::Extension;
 use axum::{Json, Router};
 use idem_protocol::{DeviceId, SpecDigest};
 use serde::de::DeserializeOwned;
@@ -19,6 +20,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::app::AppState;
+use crate::auth::{Actor, AuditNote};
 use crate::events;
 use crate::fleet::DesiredState;
 use crate::input::{self, InputError};
@@ -48,6 +50,8 @@ const MAX_REMEMBERED_MANUAL_RUNS: usize = 1_024;
 /// Unknown ids named in an error message, at most.
 const MAX_IDS_IN_ERROR: usize = 20;
 
+mod access;
+
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/devices", post(register_devices).get(list_devices))
@@ -65,11 +69,26 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/runs/{id}/retry", post(retry_run))
         .route("/v1/fleet", get(fleet_summary))
         .route("/v1/events", get(crate::sse::events))
+        .route(
+            "/v1/tokens",
+            get(access::list_tokens).post(access::create_token),
+        )
+        .route("/v1/tokens/{name}", delete(access::revoke_token))
+        .route("/v1/audit", get(access::list_audit))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::auth::authorize,
+        ))
         .with_state(state)
+}
+
+/// A JSON answer carrying what the call did, for the audit trail.
+pub(crate) fn audited(note: AuditNote, status: StatusCode, body: Value) -> Response {
+    (status, Extension(note), Json(body)).into_response()
 }
 
 // ---------- errors and JSON extraction ----------
@@ -228,7 +247,8 @@ struct DeviceRegistration {
 async fn register_devices(
     State(state): State<Arc<AppState>>,
     ApiJson(body): ApiJson<Vec<DeviceRegistration>>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
+    let requested = body.len();
     input::check_count("devices", body.len(), input::MAX_REGISTRATIONS_PER_REQUEST)?;
     let mut seen = HashSet::with_capacity(body.len());
     let mut registrations = Vec::with_capacity(body.len());
@@ -298,12 +318,18 @@ async fn register_devices(
             .send(EngineCommand::DesiredChanged(changed_ids))
             .await;
     }
-    Ok(Json(json!({
+    let answer = json!({
         "created": counts.created,
         "updated": counts.updated,
         "unchanged": counts.unchanged,
         "desired_changed": desired_changed,
-    })))
+    });
+    let note = AuditNote {
+        targets: Some(requested),
+        detail: Some(answer.clone()),
+        ..AuditNote::default()
+    };
+    Ok(audited(note, StatusCode::OK, answer))
 }
 
 #[derive(Debug, Deserialize)]
@@ -338,7 +364,15 @@ async fn upsert_device(
         StatusCode::OK
     };
     let row = store::devices::get(&state.pool, id.as_str()).await?;
-    Ok((status, Json(row.map(device_json))).into_response())
+    let note = AuditNote {
+        targets: Some(1),
+        ..AuditNote::default()
+    };
+    Ok(audited(
+        note,
+        status,
+        row.map(device_json).unwrap_or(Value::Null),
+    ))
 }
 
 async fn get_device(
@@ -365,7 +399,7 @@ async fn get_device(
 async fn delete_device(
     State(state): State<Arc<AppState>>,
     Path(raw_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let _one_writer = state.device_writes.lock().await;
     let mut tx = state
@@ -385,7 +419,15 @@ async fn delete_device(
         .send(EngineCommand::DevicesRemoved(vec![id.clone()]))
         .await;
     tracing::info!(device = %id, existed, "device deleted");
-    Ok(Json(json!({"id": id, "deleted": true})))
+    let note = AuditNote {
+        targets: Some(1),
+        ..AuditNote::default()
+    };
+    Ok(audited(
+        note,
+        StatusCode::OK,
+        json!({"id": id, "deleted": true}),
+    ))
 }
 
 /// `DELETE /v1/devices/{id}/reported`: forgets the device's reported state,
@@ -394,7 +436,7 @@ async fn delete_device(
 async fn reset_reported(
     State(state): State<Arc<AppState>>,
     Path(raw_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let _one_writer = state.device_writes.lock().await;
     let mut tx = state
@@ -409,7 +451,15 @@ async fn reset_reported(
     state.fleet.clear_reported(&id);
     drop(_one_writer);
     let row = store::devices::get(&state.pool, id.as_str()).await?;
-    Ok(Json(row.map(device_json).unwrap_or(Value::Null)))
+    let note = AuditNote {
+        targets: Some(1),
+        ..AuditNote::default()
+    };
+    Ok(audited(
+        note,
+        StatusCode::OK,
+        row.map(device_json).unwrap_or(Value::Null),
+    ))
 }
 
 #[derive(Debug, Deserialize)]
@@ -567,13 +617,15 @@ struct DeviceDesired {
 
 async fn set_device_desired(
     State(state): State<Arc<AppState>>,
+    Extension(actor): Extension<Actor>,
     Path(raw_id): Path<String>,
     ApiJson(body): ApiJson<DeviceDesired>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     input::check_spec(state.config.budget, &body.spec)?;
     let run = create_run(
         &state,
+        &actor,
         vec![id.clone()],
         Trigger::Desired,
         body.force,
@@ -584,7 +636,17 @@ async fn set_device_desired(
         .fleet
         .get(&id)
         .and_then(|e| e.desired.map(|d| d.generation));
-    Ok(Json(json!({ "generation": generation, "run_id": run })))
+    let note = AuditNote {
+        targets: Some(1),
+        generation,
+        run_id: Some(run),
+        detail: Some(json!({"force": body.force})),
+    };
+    Ok(audited(
+        note,
+        StatusCode::OK,
+        json!({ "generation": generation, "run_id": run }),
+    ))
 }
 
 #[derive(Debug, Deserialize)]
@@ -607,8 +669,9 @@ struct Targeting {
 
 async fn set_desired_bulk(
     State(state): State<Arc<AppState>>,
+    Extension(actor): Extension<Actor>,
     ApiJson(mut body): ApiJson<Targeting>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let Some(spec) = body.spec.take() else {
         return Err(ApiError::bad_request(
             "missing_spec",
@@ -618,14 +681,48 @@ async fn set_desired_bulk(
     input::check_spec(state.config.budget, &spec)?;
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
-    let run = create_run(&state, targets, Trigger::Desired, body.force, Some(spec)).await?;
-    Ok(Json(json!({ "run_id": run, "targets": count })))
+    let digest = SpecDigest::of(&spec).to_string();
+    let run = create_run(
+        &state,
+        &actor,
+        targets,
+        Trigger::Desired,
+        body.force,
+        Some(spec),
+    )
+    .await?;
+    let note = AuditNote {
+        targets: Some(count),
+        generation: None,
+        run_id: Some(run),
+        detail: Some(
+            json!({"targeting": targeting_summary(&body), "digest": digest, "force": body.force}),
+        ),
+    };
+    Ok(audited(
+        note,
+        StatusCode::OK,
+        json!({ "run_id": run, "targets": count }),
+    ))
+}
+
+/// How a bulk call chose its targets, for the audit trail (ids capped).
+fn targeting_summary(body: &Targeting) -> Value {
+    if let Some(devices) = &body.devices {
+        let shown: Vec<&String> = devices.iter().take(MAX_IDS_IN_ERROR).collect();
+        json!({"devices": shown, "count": devices.len()})
+    } else if let Some(selector) = &body.selector {
+        json!({"selector": {"labels": selector.labels}})
+    } else {
+        json!({"all": true})
+    }
 }
 
 async fn start_manual_run(
     State(state): State<Arc<AppState>>,
+    Extension(actor): Extension<Actor>,
     ApiJson(body): ApiJson<Targeting>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     if body.spec.is_some() {
         return Err(ApiError::bad_request(
             "unexpected_spec",
@@ -648,13 +745,23 @@ async fn start_manual_run(
     if let Some(run_id) = candidate {
         if let Some(run) = store::runs::get(&state.pool, run_id).await? {
             if run.state == "running" {
-                return Ok(Json(
+                let note = AuditNote {
+                    targets: Some(count),
+                    run_id: Some(run_id),
+                    detail: Some(
+                        json!({"targeting": targeting_summary(&body), "force": body.force, "joined": true}),
+                    ),
+                    ..AuditNote::default()
+                };
+                return Ok(audited(
+                    note,
+                    StatusCode::OK,
                     json!({ "run_id": run_id, "targets": count, "joined": true }),
                 ));
             }
         }
     }
-    let run = create_run(&state, targets, Trigger::Manual, body.force, None).await?;
+    let run = create_run(&state, &actor, targets, Trigger::Manual, body.force, None).await?;
     let mut manual_runs = state
         .manual_runs
         .lock()
@@ -664,7 +771,17 @@ async fn start_manual_run(
     }
     manual_runs.insert(key, run);
     drop(manual_runs);
-    Ok(Json(
+    let note = AuditNote {
+        targets: Some(count),
+        run_id: Some(run),
+        detail: Some(
+            json!({"targeting": targeting_summary(&body), "force": body.force, "joined": false}),
+        ),
+        ..AuditNote::default()
+    };
+    Ok(audited(
+        note,
+        StatusCode::OK,
         json!({ "run_id": run, "targets": count, "joined": false }),
     ))
 }
@@ -743,6 +860,7 @@ async fn resolve_targets(state: &AppState, body: &Targeting) -> Result<Vec<Devic
 /// event) and hands it to the engine. Returns the run id.
 async fn create_run(
     state: &AppState,
+    actor: &Actor,
     targets: Vec<DeviceId>,
     trigger: Trigger,
     force: bool,
@@ -753,6 +871,7 @@ async fn create_run(
         trigger,
         force,
         spec,
+        started_by: Some(actor.name.clone()),
     };
     let run = commit_run(
         &state.pool,
@@ -782,8 +901,9 @@ async fn create_run(
 /// `POST /v1/devices/{id}/retry`: releases a quarantined device and runs it.
 async fn retry_device(
     State(state): State<Arc<AppState>>,
+    Extension(actor): Extension<Actor>,
     Path(raw_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let released = release(&state, vec![id.to_string()]).await?;
     if released.is_empty() {
@@ -793,16 +913,26 @@ async fn retry_device(
             format!("device {id} is not quarantined"),
         ));
     }
-    let run = create_run(&state, released, Trigger::Retry, false, None).await?;
-    Ok(Json(json!({ "run_id": run, "targets": 1 })))
+    let run = create_run(&state, &actor, released, Trigger::Retry, false, None).await?;
+    let note = AuditNote {
+        targets: Some(1),
+        run_id: Some(run),
+        ..AuditNote::default()
+    };
+    Ok(audited(
+        note,
+        StatusCode::OK,
+        json!({ "run_id": run, "targets": 1 }),
+    ))
 }
 
 /// `POST /v1/runs/{id}/retry`: releases every quarantined device of a run
 /// and runs them again.
 async fn retry_run(
     State(state): State<Arc<AppState>>,
+    Extension(actor): Extension<Actor>,
     Path(raw): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let run_id = parse_run_id(&raw)?;
     if store::runs::get(&state.pool, run_id).await?.is_none() {
         return Err(ApiError::not_found(
@@ -820,8 +950,18 @@ async fn retry_run(
         ));
     }
     let count = released.len();
-    let run = create_run(&state, released, Trigger::Retry, false, None).await?;
-    Ok(Json(json!({ "run_id": run, "targets": count })))
+    let run = create_run(&state, &actor, released, Trigger::Retry, false, None).await?;
+    let note = AuditNote {
+        targets: Some(count),
+        run_id: Some(run),
+        detail: Some(json!({"retried_run": run_id})),
+        ..AuditNote::default()
+    };
+    Ok(audited(
+        note,
+        StatusCode::OK,
+        json!({ "run_id": run, "targets": count }),
+    ))
 }
 
 async fn release(state: &AppState, ids: Vec<String>) -> Result<Vec<DeviceId>, ApiError> {
@@ -885,6 +1025,9 @@ struct RunView {
     started_at: chrono::DateTime<chrono::Utc>,
     finished_at: Option<chrono::DateTime<chrono::Utc>>,
     duration_ms: Option<i64>,
+    /// The operator token that started the run; `None` for runs the server
+    /// started itself (see `trigger`).
+    started_by: Option<String>,
 }
 
 fn run_json(row: RunRow) -> Value {
@@ -902,6 +1045,7 @@ fn run_json(row: RunRow) -> Value {
         target_count: row.target_count,
         started_at: row.started_at,
         finished_at: row.finished_at,
+        started_by: row.started_by,
     };
     serde_json::to_value(view).unwrap_or_default()
 }
