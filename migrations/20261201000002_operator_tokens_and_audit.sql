@@ -35,3 +35,8 @@ CREATE INDEX audit_log_run_idx ON audit_log (run_id) WHERE run_id IS NOT NULL;
 -- Who started a run through the API (token name); NULL for runs the server
 -- starts itself (the trigger says why).
 ALTER TABLE runs ADD COLUMN started_by text;
+
+-- The Mosquitto `password_file` hash ($7$, PBKDF2-SHA512) of the broker
+-- password issued to the device, for `idem-server broker files`; the
+-- password itself is shown once and never stored.
+ALTER TABLE devices ADD COLUMN broker_password_hash text;

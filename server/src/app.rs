@@ -59,6 +59,8 @@ pub struct AppState {
     pub stalls: Stalls,
     /// How the API decides access.
     pub auth: crate::auth::AuthSettings,
+    /// Creates and removes device accounts on the broker (`--broker-accounts dynsec`).
+    pub dynsec: Option<Arc<crate::dynsec::Dynsec>>,
     /// Manual runs by (digest of their sorted target ids, force), so an
     /// identical re-check while one is in progress joins it.
     pub manual_runs:
@@ -111,6 +113,12 @@ pub async fn run(
         config.budget,
         metrics.clone(),
     );
+    let dynsec = match config.config.broker_accounts {
+        crate::config::BrokerAccounts::Dynsec => {
+            Some(crate::dynsec::Dynsec::new(publisher.clone()))
+        }
+        crate::config::BrokerAccounts::None | crate::config::BrokerAccounts::PasswordFile => None,
+    };
     let (inbound_tx, inbound_rx) = mpsc::channel(INBOUND_CAPACITY);
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
     let (notices, _) = broadcast::channel(1_024);
@@ -132,6 +140,7 @@ pub async fn run(
         inbound_tx,
         mqtt_status.clone(),
         metrics.clone(),
+        dynsec.clone(),
         mqtt_token.clone(),
     ));
     let c = &config.config;
@@ -253,6 +262,7 @@ pub async fn run(
         stalls,
         manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
         auth,
+        dynsec,
     });
     // Body size is limited (with our own 413) by the HTTP layer, not by
     // axum's 2 MB default.

@@ -29,7 +29,8 @@ pub enum Role {
     Viewer,
     /// Also change desired state, start runs, retry, reset reported state.
     Operator,
-    /// Also manage tokens, delete devices, read the audit trail.
+    /// Also manage tokens, delete devices, issue broker credentials, read
+    /// the audit trail.
     Admin,
 }
 
@@ -92,6 +93,11 @@ pub const ROUTES: &[(&str, &str, Access)] = &[
         "POST",
         "/v1/devices/{id}/retry",
         Access::Needs(Role::Operator),
+    ),
+    (
+        "POST",
+        "/v1/devices/{id}/credentials",
+        Access::Needs(Role::Admin),
     ),
     ("POST", "/v1/desired", Access::Needs(Role::Operator)),
     ("GET", "/v1/runs", Access::Needs(Role::Viewer)),

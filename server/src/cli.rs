@@ -28,6 +28,10 @@ enum Command {
     /// Create, list or revoke operator tokens (needs only the database).
     #[command(subcommand)]
     Token(crate::token_cli::TokenCommand),
+    /// Set a broker up for idem (dynamic-security roles and accounts, or a
+    /// password file and ACL file).
+    #[command(subcommand)]
+    Broker(crate::broker_cli::BrokerCommand),
 }
 
 /// Parses the process arguments and runs the server until SIGINT/SIGTERM.
@@ -41,8 +45,15 @@ pub async fn run_from_env() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
-    if let Some(Command::Token(command)) = cli.command {
-        return crate::token_cli::run(&cli.config.database_url, command).await;
+    match cli.command {
+        Some(Command::Token(command)) => {
+            return crate::token_cli::run(&cli.config.database_url, command).await;
+        }
+        Some(Command::Broker(command)) => {
+            let valid = cli.config.validate().context("invalid configuration")?;
+            return crate::broker_cli::run(&valid, command).await;
+        }
+        None => {}
     }
     let config = cli.config;
     let valid = config.validate().context("invalid configuration")?;

@@ -134,6 +134,14 @@ pub struct Config {
     )]
     pub attempt_retention_count: i64,
 
+    /// Who manages the devices' broker accounts: `none` (someone else),
+    /// `dynsec` (the server creates and deletes them through Mosquitto's
+    /// dynamic-security plugin; its own account needs the `idem-server`
+    /// role from `idem-server broker init`), or `password-file` (the server
+    /// issues passwords and keeps their hashes for `idem-server broker files`).
+    #[arg(long, env = "IDEM_BROKER_ACCOUNTS", value_enum, default_value_t = BrokerAccounts::None)]
+    pub broker_accounts: BrokerAccounts,
+
     /// Open access: no token needed, every caller is an anonymous admin.
     /// For local experiments only; the server logs a warning at start.
     #[arg(long, env = "IDEM_INSECURE_NO_AUTH", default_value_t = false)]
@@ -189,6 +197,24 @@ pub struct Config {
     /// Events per second one SSE client is sent while it replays the event log.
     #[arg(long, env = "IDEM_SSE_REPLAY_RATE", default_value_t = 5_000)]
     pub sse_replay_rate: u32,
+}
+
+/// Who manages the devices' broker accounts (`--broker-accounts`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BrokerAccounts {
+    None,
+    Dynsec,
+    PasswordFile,
+}
+
+impl BrokerAccounts {
+    /// Whether registering a device issues it a broker password.
+    pub fn issues_passwords(self) -> bool {
+        match self {
+            BrokerAccounts::None => false,
+            BrokerAccounts::Dynsec | BrokerAccounts::PasswordFile => true,
+        }
+    }
 }
 
 /// A configuration value that cannot work, with the fix in the message.

@@ -8,8 +8,11 @@
 pub mod api;
 pub mod app;
 pub mod auth;
+pub mod broker_accounts;
+pub mod broker_cli;
 pub mod cli;
 pub mod config;
+pub mod dynsec;
 pub mod events;
 pub mod fleet;
 pub mod http;

@@ -101,12 +101,19 @@ pub async fn run_event_loop(
     inbound: mpsc::Sender<Received>,
     status: Arc<MqttStatus>,
     metrics: Arc<Metrics>,
+    dynsec: Option<Arc<crate::dynsec::Dynsec>>,
     token: CancellationToken,
 ) {
-    let filters = vec![
+    let mut filters = vec![
         SubscribeFilter::new(root.filter(Channel::Reported), QoS::AtLeastOnce),
         SubscribeFilter::new(root.filter(Channel::Status), QoS::AtLeastOnce),
     ];
+    if dynsec.is_some() {
+        filters.push(SubscribeFilter::new(
+            crate::broker_accounts::RESPONSE_TOPIC.to_owned(),
+            QoS::AtLeastOnce,
+        ));
+    }
     let mut ever_connected = false;
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -115,6 +122,16 @@ pub async fn run_event_loop(
             event = eventloop.poll() => event,
         };
         match event {
+            Ok(Event::Incoming(Packet::Publish(publish)))
+                if publish.topic == crate::broker_accounts::RESPONSE_TOPIC =>
+            {
+                if let Some(dynsec) = &dynsec {
+                    dynsec.on_response(&publish.payload);
+                }
+                if let Err(e) = client.try_ack(&publish) {
+                    tracing::debug!(error = %e, "could not acknowledge a dynamic-security answer");
+                }
+            }
             Ok(Event::Incoming(Packet::Publish(mut publish))) => {
                 let len = publish.payload.len();
                 let oversized = (len > budget.max_report_bytes()).then(|| {
@@ -230,6 +247,20 @@ impl Publisher {
             .client
             .try_publish(topic, QoS::AtLeastOnce, true, payload);
         self.detach_if_full(sent, "desired state");
+    }
+
+    /// Sends one message of dynamic-security commands (waits for room in
+    /// the client's channel: never called from the engine or the ingest).
+    pub async fn publish_control(&self, payload: Vec<u8>) -> Result<(), String> {
+        self.client
+            .publish(
+                crate::broker_accounts::CONTROL_TOPIC,
+                QoS::AtLeastOnce,
+                false,
+                payload,
+            )
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// Clears the retained `desired` and `status` messages of a deleted

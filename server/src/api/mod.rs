@@ -2,7 +2,7 @@
 //! call the store and hand runs to the engine; they hold no reconciliation
 //! logic. Errors are `{"error": {"code", "message"}}` with a fitting status.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -51,6 +51,7 @@ const MAX_REMEMBERED_MANUAL_RUNS: usize = 1_024;
 const MAX_IDS_IN_ERROR: usize = 20;
 
 mod access;
+mod credentials;
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -62,6 +63,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/devices/{id}/reported", delete(reset_reported))
         .route("/v1/devices/{id}/desired", put(set_device_desired))
         .route("/v1/devices/{id}/retry", post(retry_device))
+        .route("/v1/devices/{id}/credentials", post(credentials::rotate))
         .route("/v1/desired", post(set_desired_bulk))
         .route("/v1/runs", post(start_manual_run).get(list_runs))
         .route("/v1/runs/{id}", get(get_run))
@@ -242,6 +244,9 @@ struct DeviceRegistration {
     id: String,
     labels: Option<Value>,
     spec: Option<Value>,
+    /// The device's broker password when the server issues credentials
+    /// (`--broker-accounts`); generated when absent. Only for new devices.
+    broker_password: Option<String>,
 }
 
 async fn register_devices(
@@ -254,8 +259,13 @@ async fn register_devices(
     let mut registrations = Vec::with_capacity(body.len());
     let mut specs: BTreeMap<SpecDigest, (Value, Vec<String>)> = BTreeMap::new();
     let mut ids = Vec::with_capacity(body.len());
+    let mut supplied_passwords = HashMap::new();
     for item in body {
         let id = parse_id(&item.id)?;
+        if let Some(password) = item.broker_password {
+            credentials::check_password(&password)?;
+            supplied_passwords.insert(id.clone(), password);
+        }
         if !seen.insert(id.clone()) {
             return Err(ApiError::bad_request(
                 "duplicate_device_id",
@@ -282,7 +292,27 @@ async fn register_devices(
         .begin()
         .await
         .map_err(db_error("starting a transaction"))?;
-    let counts = store::devices::register(&mut tx, &registrations).await?;
+    let (counts, created) = store::devices::register_returning_new(&mut tx, &registrations).await?;
+    // Every new device gets its broker password, when the server issues them.
+    let issued = if state.config.config.broker_accounts.issues_passwords() {
+        let wanted = created
+            .iter()
+            .filter_map(|id| DeviceId::parse(id).ok())
+            .map(|id| {
+                let supplied = supplied_passwords.remove(&id);
+                (id, supplied)
+            })
+            .collect();
+        let issued = credentials::issue(wanted).await?;
+        let hashes: Vec<(String, String)> = issued
+            .iter()
+            .map(|i| (i.id.to_string(), i.hash.clone()))
+            .collect();
+        store::devices::set_broker_password_hashes(&mut tx, &hashes).await?;
+        issued
+    } else {
+        Vec::new()
+    };
     let mut desired_changes = Vec::new();
     for (digest, (spec, group)) in &specs {
         let written =
@@ -318,17 +348,24 @@ async fn register_devices(
             .send(EngineCommand::DesiredChanged(changed_ids))
             .await;
     }
-    let answer = json!({
+    let mut answer = json!({
         "created": counts.created,
         "updated": counts.updated,
         "unchanged": counts.unchanged,
         "desired_changed": desired_changed,
     });
+    // Recorded before the passwords join the answer: they are never audited.
     let note = AuditNote {
         targets: Some(requested),
         detail: Some(answer.clone()),
         ..AuditNote::default()
     };
+    if !issued.is_empty() {
+        drop(_one_writer);
+        credentials::apply_on_broker(&state, &issued).await?;
+        answer["credentials"] =
+            Value::Array(issued.iter().map(credentials::Issued::to_json).collect());
+    }
     Ok(audited(note, StatusCode::OK, answer))
 }
 
@@ -414,6 +451,7 @@ async fn delete_device(
     drop(_one_writer);
     state.fleet.remove(&id);
     state.publisher.clear_retained(&id);
+    let broker_account_removed = credentials::remove_from_broker(&state, &id).await;
     let _ = state
         .engine
         .send(EngineCommand::DevicesRemoved(vec![id.clone()]))
@@ -426,7 +464,7 @@ async fn delete_device(
     Ok(audited(
         note,
         StatusCode::OK,
-        json!({"id": id, "deleted": true}),
+        json!({"id": id, "deleted": true, "broker_account_removed": broker_account_removed}),
     ))
 }
 

@@ -136,23 +136,33 @@ pub async fn register(
     tx: &mut Transaction<'_, Postgres>,
     registrations: &[Registration],
 ) -> Result<RegistrationCounts, StoreError> {
+    register_returning_new(tx, registrations)
+        .await
+        .map(|(counts, _)| counts)
+}
+
+/// [`register`], also returning the ids of the devices that are new.
+pub async fn register_returning_new(
+    tx: &mut Transaction<'_, Postgres>,
+    registrations: &[Registration],
+) -> Result<(RegistrationCounts, Vec<String>), StoreError> {
     let ids: Vec<&str> = registrations.iter().map(|r| r.id.as_str()).collect();
     let labels: Vec<Option<String>> = registrations
         .iter()
         .map(|r| r.labels.as_ref().map(Value::to_string))
         .collect();
-    let created = sqlx::query(
+    let created_ids: Vec<String> = sqlx::query_scalar(
         "INSERT INTO devices (id, labels) \
          SELECT r.id, COALESCE(r.labels::jsonb, '{}'::jsonb) \
          FROM UNNEST($1::text[], $2::text[]) AS r(id, labels) \
-         ON CONFLICT (id) DO NOTHING",
+         ON CONFLICT (id) DO NOTHING RETURNING id",
     )
     .bind(&ids)
     .bind(&labels)
-    .execute(&mut **tx)
+    .fetch_all(&mut **tx)
     .await
-    .context("registering new devices")?
-    .rows_affected();
+    .context("registering new devices")?;
+    let created = created_ids.len() as u64;
     let updated = sqlx::query(
         "UPDATE devices d SET labels = r.labels::jsonb, updated_at = now() \
          FROM UNNEST($1::text[], $2::text[]) AS r(id, labels) \
@@ -165,11 +175,45 @@ pub async fn register(
     .context("updating device labels")?
     .rows_affected();
     let total = registrations.len() as u64;
-    Ok(RegistrationCounts {
+    let counts = RegistrationCounts {
         created,
         updated,
         unchanged: total.saturating_sub(created + updated),
-    })
+    };
+    Ok((counts, created_ids))
+}
+
+/// Records the Mosquitto hashes of newly issued broker passwords.
+pub async fn set_broker_password_hashes(
+    tx: &mut Transaction<'_, Postgres>,
+    hashes: &[(String, String)],
+) -> Result<(), StoreError> {
+    if hashes.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&str> = hashes.iter().map(|(id, _)| id.as_str()).collect();
+    let values: Vec<&str> = hashes.iter().map(|(_, h)| h.as_str()).collect();
+    sqlx::query(
+        "UPDATE devices d SET broker_password_hash = r.hash \
+         FROM UNNEST($1::text[], $2::text[]) AS r(id, hash) WHERE d.id = r.id",
+    )
+    .bind(&ids)
+    .bind(&values)
+    .execute(&mut **tx)
+    .await
+    .context("storing broker password hashes")?;
+    Ok(())
+}
+
+/// Every device with an issued broker password: (id, Mosquitto hash).
+pub async fn broker_password_hashes(pool: &PgPool) -> Result<Vec<(String, String)>, StoreError> {
+    sqlx::query_as(
+        "SELECT id, broker_password_hash FROM devices \
+         WHERE broker_password_hash IS NOT NULL ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await
+    .context("reading broker password hashes")
 }
 
 /// The new desired state of one device after a write.

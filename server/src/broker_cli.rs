@@ -1,0 +1,246 @@
+//! `idem-server broker init|files`: setting a broker up for idem. `init`
+//! uses the dynamic-security admin account (from `mosquitto_ctrl dynsec
+//! init`) to create the server's and the dashboard readers' roles and
+//! accounts; `files` writes a Mosquitto `password_file` and `acl_file` from
+//! the device table for brokers without the plugin.
+//!
+//! Passwords are read from files or the environment, never echoed.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use clap::Subcommand;
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use serde_json::{json, Value};
+
+use crate::broker_accounts::{self as accounts, CommandResult};
+use crate::config::ValidConfig;
+use crate::store;
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum BrokerCommand {
+    /// Create the `idem-server` and `idem-events-reader` roles and their
+    /// accounts on a Mosquitto broker with the dynamic-security plugin
+    /// (idempotent: safe to run again, e.g. to rotate a password).
+    Init {
+        /// The plugin's admin account (`mosquitto_ctrl dynsec init … <user>`).
+        #[arg(long, env = "IDEM_BROKER_ADMIN_USERNAME")]
+        admin_username: String,
+        /// A file holding the admin password.
+        #[arg(long, env = "IDEM_BROKER_ADMIN_PASSWORD_FILE")]
+        admin_password_file: PathBuf,
+        /// The server's account to create (what `--mqtt-username` names).
+        #[arg(long, default_value = "idem-server")]
+        server_username: String,
+        /// A file holding the server account's password.
+        #[arg(long)]
+        server_password_file: PathBuf,
+        /// A read-only events account for dashboards, if wanted.
+        #[arg(long)]
+        reader_username: Option<String>,
+        /// A file holding the reader's password.
+        #[arg(long, requires = "reader_username")]
+        reader_password_file: Option<PathBuf>,
+    },
+    /// Write `password_file` (the server's account and every device with
+    /// issued credentials) and `acl_file` into a directory, for a Mosquitto
+    /// without the dynamic-security plugin (`password_file` / `acl_file` in
+    /// mosquitto.conf).
+    Files {
+        /// Directory to write into (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "idem-server")]
+        server_username: String,
+        /// A file holding the server account's password.
+        #[arg(long)]
+        server_password_file: PathBuf,
+    },
+}
+
+fn read_secret(path: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the password file {}", path.display()))?;
+    let secret = text.trim_end_matches(['\n', '\r']).to_owned();
+    if secret.is_empty() {
+        bail!("the password file {} is empty", path.display());
+    }
+    Ok(secret)
+}
+
+pub async fn run(config: &ValidConfig, command: BrokerCommand) -> anyhow::Result<()> {
+    match command {
+        BrokerCommand::Init {
+            admin_username,
+            admin_password_file,
+            server_username,
+            server_password_file,
+            reader_username,
+            reader_password_file,
+        } => {
+            let admin_password = read_secret(&admin_password_file)?;
+            let server_password = read_secret(&server_password_file)?;
+            let root = &config.topic_root;
+            let mut commands =
+                accounts::ensure_role(accounts::SERVER_ROLE, &accounts::server_acls(root));
+            commands.extend(accounts::ensure_role(
+                accounts::EVENTS_READER_ROLE,
+                &accounts::events_reader_acls(root),
+            ));
+            commands.extend(accounts::ensure_client(
+                &server_username,
+                &server_password,
+                accounts::SERVER_ROLE,
+            ));
+            if let (Some(user), Some(file)) = (&reader_username, &reader_password_file) {
+                let password = read_secret(file)?;
+                commands.extend(accounts::ensure_client(
+                    user,
+                    &password,
+                    accounts::EVENTS_READER_ROLE,
+                ));
+            }
+            let results = send_as_admin(config, &admin_username, &admin_password, commands).await?;
+            let failed: Vec<&CommandResult> =
+                results.iter().filter(|r| !r.is_acceptable()).collect();
+            if let Some(first) = failed.first() {
+                bail!(
+                    "{} of {} commands failed, first: {}: {}",
+                    failed.len(),
+                    results.len(),
+                    first.command,
+                    first.error.clone().unwrap_or_default()
+                );
+            }
+            eprintln!(
+                "broker ready for topic root {root}: role {} with account {server_username:?}{}",
+                accounts::SERVER_ROLE,
+                reader_username
+                    .map(|u| format!(", role {} with account {u:?}", accounts::EVENTS_READER_ROLE))
+                    .unwrap_or_default()
+            );
+        }
+        BrokerCommand::Files {
+            out,
+            server_username,
+            server_password_file,
+        } => {
+            let server_password = read_secret(&server_password_file)?;
+            let pool = store::connect(&config.config.database_url, 2)
+                .await
+                .context("cannot reach PostgreSQL: start it or set IDEM_DATABASE_URL")?;
+            store::migrate(&pool).await.context("applying migrations")?;
+            let devices = store::devices::broker_password_hashes(&pool).await?;
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            let mut passwords = format!(
+                "{server_username}:{}\n",
+                accounts::mosquitto_hash(&server_password)
+            );
+            for (id, hash) in &devices {
+                passwords.push_str(&format!("{id}:{hash}\n"));
+            }
+            write_private(&out.join("password_file"), &passwords)?;
+            write_private(
+                &out.join("acl_file"),
+                &accounts::static_acl_file(&config.topic_root, &server_username),
+            )?;
+            eprintln!(
+                "wrote {}/password_file ({} devices and {server_username:?}) and {}/acl_file",
+                out.display(),
+                devices.len(),
+                out.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Writes a file only its owner may read (it holds password hashes).
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    file.write_all(text.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Sends `commands` with the admin account and returns the answers.
+async fn send_as_admin(
+    config: &ValidConfig,
+    username: &str,
+    password: &str,
+    commands: Vec<Value>,
+) -> anyhow::Result<Vec<CommandResult>> {
+    let mut options = MqttOptions::new(
+        format!("idem-broker-init:{}", uuid::Uuid::new_v4().simple()),
+        config.broker.host.clone(),
+        config.broker.port,
+    );
+    options
+        .set_credentials(username, password)
+        .set_keep_alive(Duration::from_secs(30))
+        .set_max_packet_size(1 << 24, 1 << 24);
+    let (client, mut eventloop) = AsyncClient::new(options, 16);
+    client
+        .subscribe(accounts::RESPONSE_TOPIC, QoS::AtLeastOnce)
+        .await
+        .context("subscribing to the dynamic-security answers")?;
+    let batch = uuid::Uuid::new_v4().simple().to_string();
+    let commands: Vec<Value> = commands
+        .into_iter()
+        .map(|mut c| {
+            if let Some(map) = c.as_object_mut() {
+                map.insert("correlationData".into(), json!(batch));
+            }
+            c
+        })
+        .collect();
+    let payload = json!({ "commands": commands }).to_string();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut sent = false;
+    loop {
+        let event = tokio::time::timeout_at(deadline, eventloop.poll())
+            .await
+            .context(
+                "the broker did not answer within 20 s (is the dynamic-security plugin loaded?)",
+            )?
+            .with_context(|| {
+                format!(
+                    "connecting to mqtt://{}:{} as {username:?}",
+                    config.broker.host, config.broker.port
+                )
+            })?;
+        match event {
+            Event::Incoming(Packet::SubAck(_)) if !sent => {
+                client
+                    .publish(
+                        accounts::CONTROL_TOPIC,
+                        QoS::AtLeastOnce,
+                        false,
+                        payload.clone(),
+                    )
+                    .await
+                    .context("sending the commands")?;
+                sent = true;
+            }
+            Event::Incoming(Packet::Publish(p)) if p.topic == accounts::RESPONSE_TOPIC => {
+                let results = accounts::parse_responses(&p.payload).map_err(anyhow::Error::msg)?;
+                if results
+                    .iter()
+                    .any(|r| r.correlation.as_deref() == Some(&batch))
+                {
+                    let _ = client.disconnect().await;
+                    return Ok(results);
+                }
+            }
+            Event::Incoming(_) | Event::Outgoing(_) => {}
+        }
+    }
+}
