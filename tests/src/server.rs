@@ -109,8 +109,8 @@ impl TestServer {
     ) -> Result<Self> {
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let mut config = idem_server::Config::defaults();
-        config.database_url = db.url().to_owned();
-        config.mqtt_url = broker.url();
+        config.database_url = db.url().into();
+        config.mqtt_url = broker.url().into();
         config.topic_root = format!("idem-test/{}", &unique[..12]);
         config.instance = format!("test-{}", &unique[..12]);
         config.push_timeout = settings.push_timeout;
