@@ -15,7 +15,7 @@ use idem_protocol::TopicRoot;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::api::{ApiError, RunCounts, ServerClient};
+use crate::api::{ApiError, ClientAuth, RunCounts, ServerClient};
 use crate::check::{check_outcomes, GroundTruthCheck};
 use crate::config::{BrokerAddr, FleetConfig};
 use crate::error::SimError;
@@ -84,6 +84,8 @@ pub struct DemoSettings {
     pub timeout: Duration,
     /// How often the server is polled for progress.
     pub poll_interval: Duration,
+    /// Operator token and CA for the API.
+    pub auth: ClientAuth,
 }
 
 impl DemoSettings {
@@ -104,6 +106,7 @@ impl DemoSettings {
             register_chunk: 1_000,
             timeout: Duration::from_secs(300),
             poll_interval: Duration::from_millis(20),
+            auth: ClientAuth::default(),
         }
     }
 }
@@ -282,12 +285,13 @@ pub async fn run_demo(
         register_chunk,
         timeout,
         poll_interval,
+        auth,
     } = settings;
     let devices = plan.devices.len();
     if devices == 0 {
         return Err(DemoError::NoDevices);
     }
-    let client = ServerClient::new(&server_url)?;
+    let client = ServerClient::with_auth(&server_url, &auth)?;
     if !client.is_ready().await? {
         return Err(DemoError::NotReady { url: server_url });
     }

@@ -74,6 +74,73 @@ impl ProcessServer {
         instance: &str,
         extra_env: &[(&str, &str)],
     ) -> Result<Self> {
+        let mut server = Self::new(
+            binary,
+            database_url,
+            broker_url,
+            topic_root,
+            instance,
+            extra_env,
+        )?;
+        server.port = free_port()?;
+        server.start_on_some_port().await?;
+        Ok(server)
+    }
+
+    /// Like [`ProcessServer::start`], but returns as soon as the process is
+    /// spawned, ready or not: for tests of start-up failures and servers
+    /// that must not become ready (read [`ProcessServer::log_text`],
+    /// [`ProcessServer::wait_exit`], [`ProcessServer::readyz`]).
+    pub fn launch(
+        binary: &Path,
+        database_url: &str,
+        broker_url: &str,
+        topic_root: &TopicRoot,
+        instance: &str,
+        extra_env: &[(&str, &str)],
+    ) -> Result<Self> {
+        let mut server = Self::new(
+            binary,
+            database_url,
+            broker_url,
+            topic_root,
+            instance,
+            extra_env,
+        )?;
+        server.port = free_port()?;
+        server.spawn()?;
+        Ok(server)
+    }
+
+    /// Waits up to `timeout` for the process to exit; `None` if it still runs.
+    pub async fn wait_exit(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<std::process::ExitStatus>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let Some(child) = self.child.as_mut() else {
+                bail!("idem-server is not running");
+            };
+            if let Some(status) = child.try_wait().context("checking idem-server")? {
+                self.child = None;
+                return Ok(Some(status));
+            }
+            if Instant::now() > deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn new(
+        binary: &Path,
+        database_url: &str,
+        broker_url: &str,
+        topic_root: &TopicRoot,
+        instance: &str,
+        extra_env: &[(&str, &str)],
+    ) -> Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("idem-server-")
             .tempdir()
@@ -90,7 +157,7 @@ impl ProcessServer {
             env.retain(|(k, _)| k != key);
             env.push(((*key).into(), (*value).into()));
         }
-        let mut server = Self {
+        Ok(Self {
             binary: binary.to_path_buf(),
             env,
             port: 0,
@@ -104,10 +171,7 @@ impl ProcessServer {
             topic_root: topic_root.clone(),
             instance: instance.into(),
             _dir: dir,
-        };
-        server.port = free_port()?;
-        server.start_on_some_port().await?;
-        Ok(server)
+        })
     }
 
     /// `127.0.0.1:PORT` of the HTTP API.
