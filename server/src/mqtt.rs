@@ -221,6 +221,31 @@ impl ConnectFailures {
 /// What an operator should check for a failed connection attempt.
 pub fn connect_hint(error: &ConnectionError) -> &'static str {
     use rumqttc::ConnectReturnCode as Code;
+    // rumqttc passes TLS failures on as text inside I/O and state errors;
+    // the rustls alert names tell the cases apart.
+    let text = error.to_string();
+    if text.contains("CertificateRequired") {
+        return "the broker requires a client certificate: set IDEM_MQTT_CLIENT_CERT and \
+                IDEM_MQTT_CLIENT_KEY (PEM, signed by a CA the broker trusts)";
+    }
+    if [
+        "BadCertificate",
+        "UnknownCA",
+        "CertificateUnknown",
+        "CertificateExpired",
+    ]
+    .iter()
+    .any(|alert| text.contains(alert))
+    {
+        return "the broker refused the server's client certificate: check that \
+                IDEM_MQTT_CLIENT_CERT is signed by a CA the broker trusts (its cafile) and \
+                has not expired";
+    }
+    if text.contains("invalid peer certificate") {
+        return "the broker's certificate is not trusted: check that IDEM_MQTT_CA_FILE holds the \
+                CA that signed the broker's certificate (without it, the system trust store is \
+                used) and that the host in IDEM_MQTT_URL is named in that certificate";
+    }
     match error {
         ConnectionError::ConnectionRefused(Code::BadUserNamePassword | Code::NotAuthorized) => {
             "the broker refused the server's credentials: check IDEM_MQTT_USERNAME and \
