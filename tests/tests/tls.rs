@@ -558,3 +558,116 @@ async fn no_secret_appears_in_the_server_log_after_start_up_failures_or_a_run() 
     assert_no_secret(&log, &secrets, "a run over TLS");
     assert_no_secret(&log, &device_secrets, "a run over TLS");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_reaches_postgresql_over_verified_tls_with_a_password_it_never_prints() {
+    let db_password = secret("pg");
+    let pg = tokio::task::spawn_blocking({
+        let pw = db_password.clone();
+        move || {
+            idem_tests::PrivatePostgres::builder()
+                .tls()
+                .password(&pw)
+                .start()
+        }
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let ca = pg.ca_file().unwrap().to_str().unwrap().to_owned();
+    assert!(pg.url().contains(&db_password));
+
+    // The cluster refuses plain TCP, so being ready proves TLS.
+    let plain = sqlx::PgPool::connect(&format!("{}?sslmode=disable", pg.url())).await;
+    let refused = plain.unwrap_err().to_string();
+    assert!(refused.contains("pg_hba.conf"), "{refused}");
+
+    let broker = PrivateMosquitto::start().unwrap();
+    let root = unique_root();
+    let url = format!("{}?sslmode=verify-full&sslrootcert={ca}", pg.url());
+    let mut server = ProcessServer::start(
+        Path::new(SERVER_BIN),
+        &url,
+        &broker.url(),
+        &root,
+        "pg-tls",
+        &[("RUST_LOG", "debug")],
+    )
+    .await
+    .unwrap();
+    let (status, body) = server.readyz().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    // Every connection of the server's pool is encrypted.
+    let check = sqlx::PgPool::connect(&url).await.unwrap();
+    let (all, encrypted): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE s.ssl) FROM pg_stat_activity a \
+         JOIN pg_stat_ssl s USING (pid) WHERE a.backend_type = 'client backend' \
+         AND a.pid <> pg_backend_pid()",
+    )
+    .fetch_one(&check)
+    .await
+    .unwrap();
+    assert!(
+        all >= 1 && encrypted == all,
+        "{encrypted} of {all} encrypted"
+    );
+    check.close().await;
+    server.stop().unwrap();
+    let log = server.log_text();
+    assert!(log.contains("sslmode=verify-full"), "{log}");
+    assert_no_secret(&log, &[&db_password], "PostgreSQL over TLS");
+
+    // A CA that did not sign the cluster's certificate: refused, clearly.
+    let other = tempfile::tempdir().unwrap();
+    let other_ca = TestCa::create(other.path(), "some other CA").unwrap();
+    let untrusted = format!(
+        "{}?sslmode=verify-full&sslrootcert={}",
+        pg.url(),
+        other_ca.ca_file().display()
+    );
+    let mut server = ProcessServer::launch(
+        Path::new(SERVER_BIN),
+        &untrusted,
+        &broker.url(),
+        &root,
+        "pg-tls",
+        &[],
+    )
+    .unwrap();
+    let status = server.wait_exit(Duration::from_secs(30)).await.unwrap();
+    assert!(status.is_some_and(|s| !s.success()), "{status:?}");
+    let log = server.log_text();
+    assert!(log.contains("cannot reach PostgreSQL"), "{log}");
+    assert!(log.to_lowercase().contains("certificate"), "{log}");
+    assert_no_secret(&log, &[&db_password], "untrusted PostgreSQL certificate");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_require_against_a_postgresql_without_tls_fails_clearly_without_the_password() {
+    let db_password = secret("pg");
+    let pg = tokio::task::spawn_blocking({
+        let pw = db_password.clone();
+        move || idem_tests::PrivatePostgres::builder().password(&pw).start()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let mut server = ProcessServer::launch(
+        Path::new(SERVER_BIN),
+        &format!("{}?sslmode=require", pg.url()),
+        "mqtt://127.0.0.1:1",
+        &unique_root(),
+        "pg-no-tls",
+        &[("RUST_LOG", "trace")],
+    )
+    .unwrap();
+    let status = server.wait_exit(Duration::from_secs(30)).await.unwrap();
+    assert!(status.is_some_and(|s| !s.success()), "{status:?}");
+    let log = server.log_text();
+    assert!(
+        log.contains("cannot reach PostgreSQL at postgres://postgres:***@127.0.0.1"),
+        "{log}"
+    );
+    assert!(log.contains("TLS"), "no word of TLS in:\n{log}");
+    assert_no_secret(&log, &[&db_password], "sslmode=require without TLS");
+}
