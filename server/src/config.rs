@@ -881,6 +881,24 @@ mod tests {
     }
 
     #[test]
+    fn help_never_shows_secret_values_from_the_environment() {
+        use clap::CommandFactory;
+        let command = Config::command();
+        for id in ["database_url", "mqtt_password"] {
+            let arg = command.get_arguments().find(|a| a.get_id() == id).unwrap();
+            assert!(arg.is_hide_env_values_set(), "--{id} shows its env value");
+        }
+        for arg in command.get_arguments() {
+            let env = arg.get_env().and_then(|e| e.to_str()).unwrap_or("");
+            assert!(
+                env.starts_with("IDEM_") || ["help", "version"].contains(&arg.get_id().as_str()),
+                "--{} has no IDEM_* variable",
+                arg.get_id()
+            );
+        }
+    }
+
+    #[test]
     fn tls_files_need_mqtts_and_come_in_pairs() {
         let dir = tempfile::tempdir().unwrap();
         let key = rcgen::KeyPair::generate().unwrap();

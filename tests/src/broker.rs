@@ -525,6 +525,48 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_tls_broker_with_passwords_refuses_anonymous_clients_and_hashes_the_passwords() {
+        let broker = PrivateMosquitto::builder()
+            .tls()
+            .password_file(&[("idem-server", "pw-1"), ("dev-1", "pw-2")])
+            .start()
+            .unwrap();
+        assert!(broker.url().starts_with("mqtts://127.0.0.1:"));
+        let config = fs::read_to_string(&broker.config).unwrap();
+        for line in [
+            "allow_anonymous false",
+            "require_certificate false",
+            &format!("cafile {}", broker.ca_file().unwrap().display()),
+        ] {
+            assert!(
+                config.lines().any(|l| l == line),
+                "missing {line:?} in\n{config}"
+            );
+        }
+        let passwords = fs::read_to_string(broker.password_file.as_ref().unwrap()).unwrap();
+        assert!(
+            passwords.contains("idem-server:$") && !passwords.contains("pw-1"),
+            "{passwords}"
+        );
+
+        let certs = PrivateMosquitto::builder()
+            .require_client_cert()
+            .start()
+            .unwrap();
+        let config = fs::read_to_string(&certs.config).unwrap();
+        for line in [
+            "require_certificate true",
+            "use_identity_as_username true",
+            "allow_anonymous false",
+        ] {
+            assert!(
+                config.lines().any(|l| l == line),
+                "missing {line:?} in\n{config}"
+            );
+        }
+    }
+
+    #[test]
     fn a_missing_mosquitto_binary_is_an_error_that_says_what_to_install() {
         let empty = tempfile::tempdir().unwrap();
         let err = mosquitto_binary(
