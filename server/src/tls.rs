@@ -74,6 +74,8 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 }
 
 /// The first private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
+// rustls_pki_types::pem::Error is #[non_exhaustive]: a catch-all arm is required.
+#[allow(clippy::wildcard_enum_match_arm)]
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let pem = read(path)?;
     PrivateKeyDer::from_pem_slice(&pem).map_err(|e| match e {

@@ -245,7 +245,7 @@ impl PrivatePostgres {
         } else {
             "trust"
         };
-        let mut hba = format!("# private cluster of one idem test\nlocal all all trust\n");
+        let mut hba = String::from("# private cluster of one idem test\nlocal all all trust\n");
         if self.settings.tls {
             hba.push_str(&format!(
                 "hostssl all all 127.0.0.1/32 {method}\nhostssl all all ::1/128 {method}\n\

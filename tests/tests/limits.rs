@@ -30,6 +30,7 @@ async fn every_request_limit_answers_4xx_naming_the_limit() {
         .collect();
     let many_ids: Vec<String> = (0..100_001).map(|i| format!("lim-{i}")).collect();
     let long_after = "a".repeat(300);
+    #[allow(clippy::type_complexity)]
     let cases: Vec<(&str, (u16, Value), u16, &str, &str)> = vec![
         (
             "registrations per request",
