@@ -10,6 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::config::SecretString;
 use crate::plan::format_count;
 
 /// How long one HTTP request may take before it fails.
@@ -24,6 +25,10 @@ pub enum ApiError {
     InvalidUrl { url: String },
     #[error("could not build the HTTP client: {0}")]
     Client(#[source] reqwest::Error),
+    #[error("the API CA file {path}: {reason}")]
+    CaFile { path: String, reason: String },
+    #[error("the API token cannot be sent in an HTTP header (it holds characters outside visible ASCII)")]
+    InvalidToken,
     #[error("{method} {url} failed: {source} (is idem-server running there? set --server)")]
     Request {
         method: &'static str,
@@ -51,8 +56,26 @@ pub enum ApiError {
 }
 
 /// `POST /v1/devices` answer.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+/// One device's broker credentials from a registration answer.
+#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct IssuedCredential {
+    pub id: String,
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for IssuedCredential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IssuedCredential({}, ***)", self.id)
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 pub struct RegisterCounts {
+    /// Broker credentials the server issued to the new devices (with
+    /// `--broker-accounts dynsec|password-file`), shown only in this answer.
+    #[serde(default, skip_serializing)]
+    pub credentials: Vec<IssuedCredential>,
     #[serde(default)]
     pub created: u64,
     #[serde(default)]
@@ -188,6 +211,15 @@ struct FleetView {
     devices: u64,
 }
 
+/// How a [`ServerClient`] authenticates to the API and what it trusts.
+#[derive(Debug, Clone, Default)]
+pub struct ClientAuth {
+    /// Operator token, sent as `Authorization: Bearer …`.
+    pub token: Option<SecretString>,
+    /// PEM CA file for an `https://` server; `None`: the system trust store.
+    pub ca_file: Option<std::path::PathBuf>,
+}
+
 /// A client for one idem server.
 #[derive(Debug, Clone)]
 pub struct ServerClient {
@@ -198,6 +230,13 @@ pub struct ServerClient {
 impl ServerClient {
     /// `base_url` like `http://127.0.0.1:8080` (a trailing `/` is ignored).
     pub fn new(base_url: &str) -> Result<Self, ApiError> {
+        Self::with_auth(base_url, &ClientAuth::default())
+    }
+
+    /// Like [`ServerClient::new`], sending `auth.token` as
+    /// `Authorization: Bearer …` with every request and, for `https://`,
+    /// trusting `auth.ca_file` instead of the system's trust store.
+    pub fn with_auth(base_url: &str, auth: &ClientAuth) -> Result<Self, ApiError> {
         let base = base_url.trim_end_matches('/').to_owned();
         let rest = base
             .strip_prefix("http://")
@@ -207,10 +246,46 @@ impl ServerClient {
                 url: base_url.to_owned(),
             });
         }
-        let http = reqwest::Client::builder()
-            .timeout(REQUEST_TIMEOUT)
-            .build()
-            .map_err(ApiError::Client)?;
+        let mut builder = reqwest::Client::builder().timeout(REQUEST_TIMEOUT);
+        if let Some(token) = &auth.token {
+            let mut value =
+                reqwest::header::HeaderValue::from_str(&format!("Bearer {}", token.expose()))
+                    .map_err(|_| ApiError::InvalidToken)?;
+            // Kept out of reqwest's Debug output and HTTP/2 header tables.
+            value.set_sensitive(true);
+            let mut headers = reqwest::header::HeaderMap::new();
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+            builder = builder.default_headers(headers);
+        }
+        match &auth.ca_file {
+            Some(path) => {
+                let bad = |reason: String| ApiError::CaFile {
+                    path: path.display().to_string(),
+                    reason,
+                };
+                let pem = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+                let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                    .map_err(|e| bad(format!("not a PEM certificate bundle: {e}")))?;
+                if certs.is_empty() {
+                    return Err(bad("no PEM certificate in it".to_owned()));
+                }
+                builder = builder.tls_built_in_root_certs(false);
+                for cert in certs {
+                    builder = builder.add_root_certificate(cert);
+                }
+            }
+            None if base.starts_with("https://") => {
+                // The system's trust store (there is no bundled one).
+                builder = builder.tls_built_in_root_certs(false);
+                for cert in rustls_native_certs::load_native_certs().certs {
+                    if let Ok(cert) = reqwest::Certificate::from_der(&cert) {
+                        builder = builder.add_root_certificate(cert);
+                    }
+                }
+            }
+            None => {}
+        }
+        let http = builder.build().map_err(ApiError::Client)?;
         Ok(Self { base, http })
     }
 

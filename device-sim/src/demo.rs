@@ -15,7 +15,7 @@ use idem_protocol::TopicRoot;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::api::{ApiError, RunCounts, ServerClient};
+use crate::api::{ApiError, ClientAuth, RunCounts, ServerClient};
 use crate::check::{check_outcomes, GroundTruthCheck};
 use crate::config::{BrokerAddr, FleetConfig};
 use crate::error::SimError;
@@ -84,6 +84,8 @@ pub struct DemoSettings {
     pub timeout: Duration,
     /// How often the server is polled for progress.
     pub poll_interval: Duration,
+    /// Operator token and CA for the API.
+    pub auth: ClientAuth,
 }
 
 impl DemoSettings {
@@ -104,6 +106,7 @@ impl DemoSettings {
             register_chunk: 1_000,
             timeout: Duration::from_secs(300),
             poll_interval: Duration::from_millis(20),
+            auth: ClientAuth::default(),
         }
     }
 }
@@ -277,17 +280,18 @@ pub async fn run_demo(
     let DemoSettings {
         server_url,
         plan,
-        fleet: fleet_config,
+        fleet: mut fleet_config,
         label,
         register_chunk,
         timeout,
         poll_interval,
+        auth,
     } = settings;
     let devices = plan.devices.len();
     if devices == 0 {
         return Err(DemoError::NoDevices);
     }
-    let client = ServerClient::new(&server_url)?;
+    let client = ServerClient::with_auth(&server_url, &auth)?;
     if !client.is_ready().await? {
         return Err(DemoError::NotReady { url: server_url });
     }
@@ -299,6 +303,7 @@ pub async fn run_demo(
     observer.phase_started(DemoPhase::Register, devices as u64);
     let labels = json!({ FLEET_LABEL: label });
     let mut registered = 0u64;
+    let mut issued = std::collections::HashMap::new();
     for chunk in plan.devices.chunks(register_chunk.max(1)) {
         let counts = client
             .register(
@@ -315,7 +320,16 @@ pub async fn run_demo(
             });
         }
         registered += chunk.len() as u64;
+        for credential in counts.credentials {
+            if let Ok(id) = idem_protocol::DeviceId::parse(&credential.id) {
+                issued.insert(id, credential.password);
+            }
+        }
         observer.progress(DemoPhase::Register, registered);
+    }
+    // The server issued broker accounts: the devices connect with them.
+    if fleet_config.credentials.is_none() && !issued.is_empty() {
+        fleet_config.credentials = Some(crate::config::Credentials::new(issued));
     }
     let register_time = started.elapsed();
     observer.phase_finished(DemoPhase::Register, register_time);

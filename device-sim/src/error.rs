@@ -1,6 +1,7 @@
 //! Typed errors of the simulator library: configuration, planning and fleet
 //! control. Nothing here performs IO.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use idem_protocol::{DeviceId, InvalidDeviceId};
@@ -30,6 +31,19 @@ pub enum SimError {
         wanted: usize,
         connected: usize,
     },
+    #[error("TLS settings for {}: {reason}", path.display())]
+    Tls { path: PathBuf, reason: String },
+    #[error("TLS settings were given but the broker {0} is not mqtts://: use an mqtts:// broker URL or drop --ca-file / --client-cert")]
+    TlsNeedsMqtts(String),
+    #[error("credentials file {}{}: {reason}", path.display(), if *line > 0 { format!(", line {line}") } else { String::new() })]
+    Credentials {
+        path: PathBuf,
+        /// 1-based; 0 when the file as a whole is the problem.
+        line: usize,
+        reason: String,
+    },
+    #[error("no broker password for device {device} ({missing} devices without one): add `{device}:password` lines to the credentials file")]
+    MissingPassword { device: DeviceId, missing: usize },
     #[error(transparent)]
     Plan(#[from] PlanError),
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use idem_protocol::{Channel, DeviceId, Health, Rejection, TopicRoot};
-use rumqttc::{LastWill, MqttOptions, NetworkOptions, QoS};
+use rumqttc::{LastWill, MqttOptions, NetworkOptions, QoS, TlsConfiguration, Transport};
 use serde_json::Value;
 use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::time::Instant;
@@ -141,6 +141,8 @@ impl Fleet {
         let t0 = Instant::now();
         let connect_gate =
             (config.max_connecting > 0).then(|| Arc::new(Semaphore::new(config.max_connecting)));
+        // One TLS configuration shared by every connection (Arc).
+        let tls = config.effective_tls()?;
         let mut network = NetworkOptions::new();
         network.set_connection_timeout(config.connect_timeout.as_secs().max(1));
 
@@ -165,6 +167,17 @@ impl Fleet {
                     QoS::AtLeastOnce,
                     true,
                 ));
+            if let Some(tls) = &tls {
+                options.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
+                    tls.clone(),
+                )));
+            }
+            if let Some(credentials) = &config.credentials {
+                // validate() checked that every device has a password.
+                if let Some(password) = credentials.password(&device.id) {
+                    options.set_credentials(device.id.as_str(), password.expose());
+                }
+            }
             let start_at = match config.connect_rate {
                 0 => t0,
                 rate => t0 + Duration::from_secs_f64(i as f64 / f64::from(rate)),

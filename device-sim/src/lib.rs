@@ -2,7 +2,8 @@
 //! demos, end-to-end tests and load.
 //!
 //! Each simulated device has its own MQTT connection (one rumqttc client and
-//! event loop per device, MQTT 3.1.1, plain TCP), its own current spec, and a
+//! event loop per device, MQTT 3.1.1, plain TCP or TLS, optionally with a
+//! per-device password), its own current spec, and a
 //! [`DeviceBehaviour`] deciding how it answers pushed configuration. A
 //! [`FleetPlan`] builds a fleet with a known mix of drifted, rejecting and
 //! silent devices plus the ground truth ([`ExpectedOutcome`]) a correct server
@@ -41,12 +42,12 @@ pub mod fleet;
 pub mod memory;
 pub mod plan;
 
-pub use api::{ApiError, OutcomeRow, RunCounts, RunView, ServerClient};
+pub use api::{ApiError, ClientAuth, OutcomeRow, RunCounts, RunView, ServerClient};
 pub use behaviour::{respond_to_desired, seq_base_now, DeviceBehaviour, DeviceState};
 pub use check::{check_outcomes, GroundTruthCheck, Mismatch};
 pub use config::{
-    Backoff, BrokerAddr, FleetConfig, OfflineMode, SimDevice, DEFAULT_MAX_CONNECTING,
-    DEFAULT_MQTT_PORT,
+    Backoff, BrokerAddr, Credentials, FleetConfig, OfflineMode, SecretString, SimDevice, SimTls,
+    DEFAULT_MAX_CONNECTING, DEFAULT_MQTTS_PORT, DEFAULT_MQTT_PORT,
 };
 pub use demo::{run_demo, DemoError, DemoObserver, DemoPhase, DemoReport, DemoRun, DemoSettings};
 pub use error::{PlanError, SimError};

@@ -271,6 +271,7 @@ pub async fn run(
         listener,
         app,
         http_limits,
+        state.config.http_tls.as_ref().map(|tls| tls.config.clone()),
         state.metrics.clone(),
         token.clone(),
     )

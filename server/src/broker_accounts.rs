@@ -121,13 +121,29 @@ pub fn ensure_role(name: &str, acls: &[Value]) -> Vec<Value> {
 /// An account with one role (created, or its password and role set when it
 /// exists: the role is removed and added again, because the plugin answers
 /// an error when adding a role the account has).
-pub fn ensure_client(username: &str, password: &str, role: &str) -> Vec<Value> {
-    vec![
-        json!({"command": "createClient", "username": username, "password": password, "roles": [{"rolename": role}]}),
-        json!({"command": "setClientPassword", "username": username, "password": password}),
-        json!({"command": "removeClientRole", "username": username, "rolename": role}),
-        json!({"command": "addClientRole", "username": username, "rolename": role}),
-    ]
+/// With `client_id`, the account may connect only with that client id, so
+/// no other account can take over its session.
+pub fn ensure_client(
+    username: &str,
+    password: &str,
+    role: &str,
+    client_id: Option<&str>,
+) -> Vec<Value> {
+    let mut create = json!({"command": "createClient", "username": username, "password": password, "roles": [{"rolename": role}]});
+    let mut commands = Vec::new();
+    if let Some(client_id) = client_id {
+        create["clientid"] = json!(client_id);
+    }
+    commands.push(create);
+    commands
+        .push(json!({"command": "setClientPassword", "username": username, "password": password}));
+    if let Some(client_id) = client_id {
+        commands
+            .push(json!({"command": "modifyClient", "username": username, "clientid": client_id}));
+    }
+    commands.push(json!({"command": "removeClientRole", "username": username, "rolename": role}));
+    commands.push(json!({"command": "addClientRole", "username": username, "rolename": role}));
+    commands
 }
 
 /// The answer to one command.

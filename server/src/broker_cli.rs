@@ -22,7 +22,9 @@ use crate::store;
 pub enum BrokerCommand {
     /// Create the `idem-server` and `idem-events-reader` roles and their
     /// accounts on a Mosquitto broker with the dynamic-security plugin
-    /// (idempotent: safe to run again, e.g. to rotate a password).
+    /// (idempotent: safe to run again, e.g. to rotate a password). The
+    /// server's account may connect only as `idem-server:{--instance}`, a
+    /// reader's only with its user name as client id.
     Init {
         /// The plugin's admin account (`mosquitto_ctrl dynsec init … <user>`).
         #[arg(long, env = "IDEM_BROKER_ADMIN_USERNAME")]
@@ -88,17 +90,23 @@ pub async fn run(config: &ValidConfig, command: BrokerCommand) -> anyhow::Result
                 accounts::EVENTS_READER_ROLE,
                 &accounts::events_reader_acls(root),
             ));
+            // Bound to the server's client id (one account per instance), so
+            // no other account can take over the server's session.
+            let server_client_id = crate::mqtt::server_client_id(&config.config.instance);
             commands.extend(accounts::ensure_client(
                 &server_username,
                 &server_password,
                 accounts::SERVER_ROLE,
+                Some(&server_client_id),
             ));
             if let (Some(user), Some(file)) = (&reader_username, &reader_password_file) {
                 let password = read_secret(file)?;
+                // A reader connects with its user name as client id.
                 commands.extend(accounts::ensure_client(
                     user,
                     &password,
                     accounts::EVENTS_READER_ROLE,
+                    Some(user),
                 ));
             }
             let results = send_as_admin(config, &admin_username, &admin_password, commands).await?;
@@ -127,7 +135,7 @@ pub async fn run(config: &ValidConfig, command: BrokerCommand) -> anyhow::Result
             server_password_file,
         } => {
             let server_password = read_secret(&server_password_file)?;
-            let pool = store::connect(&config.config.database_url, 2)
+            let pool = store::connect(config.config.database_url.expose(), 2)
                 .await
                 .context("cannot reach PostgreSQL: start it or set IDEM_DATABASE_URL")?;
             store::migrate(&pool).await.context("applying migrations")?;
@@ -187,6 +195,13 @@ async fn send_as_admin(
         .set_credentials(username, password)
         .set_keep_alive(Duration::from_secs(30))
         .set_max_packet_size(1 << 24, 1 << 24);
+    // Same TLS as the server's own connection (`--mqtt-ca-file`, client
+    // certificate), so `broker init` works against an mqtts:// listener.
+    if let Some(tls) = &config.mqtt_tls {
+        options.set_transport(rumqttc::Transport::tls_with_config(
+            rumqttc::TlsConfiguration::Rustls(tls.config.clone()),
+        ));
+    }
     let (client, mut eventloop) = AsyncClient::new(options, 16);
     client
         .subscribe(accounts::RESPONSE_TOPIC, QoS::AtLeastOnce)
@@ -211,12 +226,7 @@ async fn send_as_admin(
             .context(
                 "the broker did not answer within 20 s (is the dynamic-security plugin loaded?)",
             )?
-            .with_context(|| {
-                format!(
-                    "connecting to mqtt://{}:{} as {username:?}",
-                    config.broker.host, config.broker.port
-                )
-            })?;
+            .with_context(|| format!("connecting to {} as {username:?}", config.config.mqtt_url))?;
         match event {
             Event::Incoming(Packet::SubAck(_)) if !sent => {
                 client

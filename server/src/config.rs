@@ -2,11 +2,15 @@
 //! `validate` fails fast with a message that says how to fix the value.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
 use idem_protocol::limits::{MAX_MAX_SPEC_BYTES, MIN_MAX_SPEC_BYTES};
 use idem_protocol::{SpecBudget, TopicRoot, DEFAULT_MAX_SPEC_BYTES};
+
+use crate::secret::{Secret, SecretUrl};
+use crate::tls::{CertKeyFiles, ClientTls, ServerTls, TlsError};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -15,17 +19,22 @@ use idem_protocol::{SpecBudget, TopicRoot, DEFAULT_MAX_SPEC_BYTES};
     about = "idem fleet reconciliation server"
 )]
 pub struct Config {
-    /// PostgreSQL connection URL (the database must exist; migrations run at start-up).
+    /// PostgreSQL connection URL (the database must exist; migrations run at
+    /// start-up). TLS with `?sslmode=require` or `verify-full` (with
+    /// `sslrootcert=/path/ca.pem`). Its password is never printed.
     #[arg(
         long,
         env = "IDEM_DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/idem"
+        default_value = "postgres://postgres@127.0.0.1:5432/idem",
+        hide_env_values = true
     )]
-    pub database_url: String,
+    pub database_url: SecretUrl,
 
-    /// MQTT broker URL, `mqtt://host:port`.
+    /// MQTT broker URL: `mqtt://host:port` (default port 1883) or, with TLS,
+    /// `mqtts://host:port` (default port 8883). Credentials go in
+    /// `--mqtt-username` / `--mqtt-password`, not in the URL.
     #[arg(long, env = "IDEM_MQTT_URL", default_value = "mqtt://127.0.0.1:1883")]
-    pub mqtt_url: String,
+    pub mqtt_url: SecretUrl,
 
     /// Topic root shared with the devices.
     #[arg(long, env = "IDEM_TOPIC_ROOT", default_value = idem_protocol::DEFAULT_TOPIC_ROOT)]
@@ -197,6 +206,44 @@ pub struct Config {
     /// Events per second one SSE client is sent while it replays the event log.
     #[arg(long, env = "IDEM_SSE_REPLAY_RATE", default_value_t = 5_000)]
     pub sse_replay_rate: u32,
+
+    // --- TLS and credentials of the server's own connections ---
+    /// User name the server presents to the broker.
+    #[arg(long, env = "IDEM_MQTT_USERNAME")]
+    pub mqtt_username: Option<String>,
+
+    /// Password the server presents to the broker (prefer
+    /// `--mqtt-password-file`: a flag's value is visible in the process list).
+    #[arg(long, env = "IDEM_MQTT_PASSWORD", hide_env_values = true)]
+    pub mqtt_password: Option<Secret<String>>,
+
+    /// File holding the broker password (one line; a trailing newline is
+    /// ignored). Instead of `--mqtt-password`.
+    #[arg(long, env = "IDEM_MQTT_PASSWORD_FILE")]
+    pub mqtt_password_file: Option<PathBuf>,
+
+    /// PEM file of the CA(s) that signed the broker's certificate
+    /// (`mqtts://` only). Without it, the system trust store is used.
+    #[arg(long, env = "IDEM_MQTT_CA_FILE")]
+    pub mqtt_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate (chain) for mutual TLS with the broker; needs
+    /// `--mqtt-client-key`.
+    #[arg(long, env = "IDEM_MQTT_CLIENT_CERT")]
+    pub mqtt_client_cert: Option<PathBuf>,
+
+    /// PEM private key of `--mqtt-client-cert` (unencrypted).
+    #[arg(long, env = "IDEM_MQTT_CLIENT_KEY")]
+    pub mqtt_client_key: Option<PathBuf>,
+
+    /// PEM certificate (chain) for serving the API over HTTPS; needs
+    /// `--tls-key`. Without both, the API is plain HTTP.
+    #[arg(long, env = "IDEM_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of `--tls-cert` (unencrypted).
+    #[arg(long, env = "IDEM_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Who manages the devices' broker accounts (`--broker-accounts`).
@@ -220,12 +267,26 @@ impl BrokerAccounts {
 /// A configuration value that cannot work, with the fix in the message.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("IDEM_MQTT_URL / --mqtt-url {0:?} is not `mqtt://host:port` (example: mqtt://127.0.0.1:1883)")]
-    MqttUrl(String),
+    #[error("IDEM_MQTT_URL / --mqtt-url {url:?} {reason} (examples: mqtt://127.0.0.1:1883, mqtts://broker.example:8883)")]
+    MqttUrl {
+        /// Redacted: a password typed into the URL is never echoed.
+        url: String,
+        reason: MqttUrlError,
+    },
+    #[error("{0}")]
+    Credentials(&'static str),
+    #[error("{flag}: {source}")]
+    Tls {
+        flag: &'static str,
+        #[source]
+        source: TlsError,
+    },
+    #[error("IDEM_MQTT_PASSWORD_FILE / --mqtt-password-file {}: {reason}", path.display())]
+    PasswordFile { path: PathBuf, reason: String },
     #[error("IDEM_TOPIC_ROOT / --topic-root {0:?} is invalid: use levels like `idem/v1`, without leading or trailing '/', '+', '#'")]
     TopicRoot(String),
     #[error("IDEM_DATABASE_URL / --database-url must start with postgres:// or postgresql:// (got {0:?})")]
-    DatabaseUrl(String),
+    DatabaseUrl(SecretUrl),
     #[error("IDEM_PUSH_TIMEOUT / --push-timeout must be at least 10ms (got {0:?})")]
     PushTimeout(Duration),
     #[error(
@@ -285,23 +346,56 @@ pub enum ConfigError {
     SseReplayRate(u32),
 }
 
-/// Broker address parsed from `mqtt://host:port`.
+/// Broker address parsed from `mqtt://host:port` or `mqtts://host:port`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerAddr {
     pub host: String,
     pub port: u16,
+    /// `mqtts://`: the connection is TLS.
+    pub tls: bool,
+}
+
+/// Default port of `mqtt://`.
+pub const MQTT_PORT: u16 = 1883;
+/// Default port of `mqtts://`.
+pub const MQTTS_PORT: u16 = 8883;
+
+/// Why an MQTT URL was refused; the message says what to write instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MqttUrlError {
+    #[error("has an unknown scheme: use mqtt:// (plain) or mqtts:// (TLS)")]
+    Scheme,
+    #[error("carries credentials: put the user name in --mqtt-username / IDEM_MQTT_USERNAME and the password in --mqtt-password-file / IDEM_MQTT_PASSWORD_FILE (or --mqtt-password / IDEM_MQTT_PASSWORD)")]
+    Credentials,
+    #[error("has a path or query: write only mqtt[s]://host[:port]")]
+    Path,
+    #[error("has no host")]
+    Host,
+    #[error("has a port that is not a number from 1 to 65535")]
+    Port,
+}
+
+/// Credentials the server presents to the broker.
+#[derive(Debug, Clone)]
+pub struct MqttCredentials {
+    pub username: String,
+    /// Empty: the CONNECT carries a user name only.
+    pub password: Secret<String>,
 }
 
 impl Config {
     /// Checks every value and returns the parsed pieces the server needs.
     pub fn validate(&self) -> Result<ValidConfig, ConfigError> {
-        let broker = parse_mqtt_url(&self.mqtt_url)
-            .ok_or_else(|| ConfigError::MqttUrl(self.mqtt_url.clone()))?;
+        crate::tls::install_crypto_provider();
+        let broker =
+            parse_mqtt_url(self.mqtt_url.expose()).map_err(|reason| ConfigError::MqttUrl {
+                url: self.mqtt_url.redacted(),
+                reason,
+            })?;
         let topic_root = TopicRoot::new(self.topic_root.clone())
             .map_err(|_| ConfigError::TopicRoot(self.topic_root.clone()))?;
-        if !(self.database_url.starts_with("postgres://")
-            || self.database_url.starts_with("postgresql://"))
-        {
+        let database_url = self.database_url.expose();
+        if !(database_url.starts_with("postgres://") || database_url.starts_with("postgresql://")) {
             return Err(ConfigError::DatabaseUrl(self.database_url.clone()));
         }
         if self.push_timeout < Duration::from_millis(10) {
@@ -352,12 +446,119 @@ impl Config {
             return Err(ConfigError::DbConnections(self.db_max_connections));
         }
         self.validate_http()?;
+        let mqtt_credentials = self.mqtt_credentials()?;
+        let mqtt_tls = self.mqtt_tls(&broker)?;
+        let http_tls = self.http_tls()?;
         Ok(ValidConfig {
             config: self.clone(),
             broker,
             topic_root,
             budget: SpecBudget::new(self.max_spec_bytes),
+            mqtt_credentials,
+            mqtt_tls,
+            http_tls,
         })
+    }
+
+    /// User name and password for the broker, from the flags or the file.
+    fn mqtt_credentials(&self) -> Result<Option<MqttCredentials>, ConfigError> {
+        let password = match (&self.mqtt_password, &self.mqtt_password_file) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::Credentials(
+                    "IDEM_MQTT_PASSWORD / --mqtt-password and IDEM_MQTT_PASSWORD_FILE / --mqtt-password-file are both set: keep one",
+                ))
+            }
+            (Some(password), None) => Some(password.clone()),
+            (None, Some(path)) => Some(read_password_file(path)?),
+            (None, None) => None,
+        };
+        match (&self.mqtt_username, password) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => Err(ConfigError::Credentials(
+                "a broker password needs a user name: set IDEM_MQTT_USERNAME / --mqtt-username",
+            )),
+            (Some(username), _) if username.is_empty() => Err(ConfigError::Credentials(
+                "IDEM_MQTT_USERNAME / --mqtt-username is empty: set a user name or unset it",
+            )),
+            (Some(username), password) => Ok(Some(MqttCredentials {
+                username: username.clone(),
+                password: password.unwrap_or_default(),
+            })),
+        }
+    }
+
+    /// The MQTT client's TLS configuration, for `mqtts://` only.
+    fn mqtt_tls(&self, broker: &BrokerAddr) -> Result<Option<ClientTls>, ConfigError> {
+        let client = match (&self.mqtt_client_cert, &self.mqtt_client_key) {
+            (Some(cert), Some(key)) => Some(CertKeyFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            (None, None) => None,
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(ConfigError::Credentials(
+                    "IDEM_MQTT_CLIENT_CERT / --mqtt-client-cert and IDEM_MQTT_CLIENT_KEY / --mqtt-client-key go together: set both or neither",
+                ))
+            }
+        };
+        if !broker.tls {
+            if self.mqtt_ca_file.is_some() || client.is_some() {
+                return Err(ConfigError::Credentials(
+                    "IDEM_MQTT_CA_FILE / IDEM_MQTT_CLIENT_CERT / IDEM_MQTT_CLIENT_KEY apply to TLS only: use an mqtts:// IDEM_MQTT_URL, or unset them",
+                ));
+            }
+            return Ok(None);
+        }
+        let flag = if client.is_some() {
+            "IDEM_MQTT_CA_FILE / IDEM_MQTT_CLIENT_CERT / IDEM_MQTT_CLIENT_KEY"
+        } else {
+            "IDEM_MQTT_CA_FILE / --mqtt-ca-file"
+        };
+        let config = crate::tls::client_config(self.mqtt_ca_file.as_deref(), client.as_ref())
+            .map_err(|source| ConfigError::Tls { flag, source })?;
+        Ok(Some(ClientTls {
+            config,
+            ca_file: self.mqtt_ca_file.clone(),
+            client,
+        }))
+    }
+
+    /// The API's HTTPS configuration, when `--tls-cert` and `--tls-key` are set.
+    fn http_tls(&self) -> Result<Option<ServerTls>, ConfigError> {
+        let files = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => CertKeyFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+            },
+            (None, None) => return Ok(None),
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(ConfigError::Credentials(
+                    "IDEM_TLS_CERT / --tls-cert and IDEM_TLS_KEY / --tls-key go together: set both for HTTPS, or neither for plain HTTP",
+                ))
+            }
+        };
+        let config = crate::tls::server_config(&files).map_err(|source| ConfigError::Tls {
+            flag: "IDEM_TLS_CERT / IDEM_TLS_KEY",
+            source,
+        })?;
+        Ok(Some(ServerTls { config, files }))
+    }
+
+    /// Every secret value this configuration holds (database URL password,
+    /// broker password), for scrubbing log text.
+    pub fn secret_values(&self) -> Vec<String> {
+        let mut values = self.database_url.passwords();
+        values.extend(self.mqtt_url.passwords());
+        if let Some(password) = &self.mqtt_password {
+            values.push(password.expose().clone());
+        }
+        if let Some(path) = &self.mqtt_password_file {
+            if let Ok(password) = read_password_file(path) {
+                values.push(password.expose().clone());
+            }
+        }
+        values.retain(|v| !v.is_empty());
+        values
     }
 
     /// The HTTP and SSE limits.
@@ -412,24 +613,81 @@ pub struct ValidConfig {
     pub topic_root: TopicRoot,
     /// The one size budget every limit derives from.
     pub budget: SpecBudget,
+    /// What the server presents to the broker, if anything.
+    pub mqtt_credentials: Option<MqttCredentials>,
+    /// Loaded for `mqtts://`.
+    pub mqtt_tls: Option<ClientTls>,
+    /// Loaded when the API is served over HTTPS.
+    pub http_tls: Option<ServerTls>,
 }
 
-pub fn parse_mqtt_url(url: &str) -> Option<BrokerAddr> {
-    let rest = url
-        .strip_prefix("mqtt://")
-        .or_else(|| url.strip_prefix("tcp://"))?;
-    let rest = rest.trim_end_matches('/');
-    let (host, port) = match rest.rsplit_once(':') {
-        Some((host, port)) => (host, port.parse().ok()?),
-        None => (rest, 1883),
+/// Parses `mqtt://host[:port]` (also `tcp://`) and `mqtts://host[:port]`
+/// (also `ssl://`); IPv6 hosts in brackets.
+pub fn parse_mqtt_url(url: &str) -> Result<BrokerAddr, MqttUrlError> {
+    let (scheme, rest) = url.split_once("://").ok_or(MqttUrlError::Scheme)?;
+    let (tls, default_port) = match scheme {
+        "mqtt" | "tcp" => (false, MQTT_PORT),
+        "mqtts" | "ssl" => (true, MQTTS_PORT),
+        _ => return Err(MqttUrlError::Scheme),
     };
-    if host.is_empty() || host.contains('/') {
-        return None;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('@') {
+        return Err(MqttUrlError::Credentials);
     }
-    Some(BrokerAddr {
+    if rest.contains(['/', '?', '#']) {
+        return Err(MqttUrlError::Path);
+    }
+    let (host, port) = if let Some(bracketed) = rest.strip_prefix('[') {
+        let (host, after) = bracketed.split_once(']').ok_or(MqttUrlError::Host)?;
+        match after.strip_prefix(':') {
+            Some(port) => (host, Some(port)),
+            None if after.is_empty() => (host, None),
+            None => return Err(MqttUrlError::Port),
+        }
+    } else {
+        match rest.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (rest, None),
+        }
+    };
+    if host.is_empty() || host.contains(['[', ']']) {
+        return Err(MqttUrlError::Host);
+    }
+    let port = match port {
+        None => default_port,
+        Some(p) => p
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or(MqttUrlError::Port)?,
+    };
+    Ok(BrokerAddr {
         host: host.to_owned(),
         port,
+        tls,
     })
+}
+
+/// Reads a password file: its content without one trailing newline.
+fn read_password_file(path: &std::path::Path) -> Result<Secret<String>, ConfigError> {
+    let bad = |reason: String| ConfigError::PasswordFile {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+    let password = text
+        .strip_suffix("\r\n")
+        .or_else(|| text.strip_suffix('\n'))
+        .unwrap_or(&text);
+    if password.is_empty() {
+        return Err(bad("it is empty; write the password into it".to_owned()));
+    }
+    if password.contains(['\n', '\r']) {
+        return Err(bad(
+            "it has more than one line; the whole file is the password (one line)".to_owned(),
+        ));
+    }
+    Ok(Secret::new(password.to_owned()))
 }
 
 /// Parses `250ms`, `30s`, `5m`, `1h`, `7d` (a bare number means seconds).
@@ -463,9 +721,12 @@ mod tests {
             valid.broker,
             BrokerAddr {
                 host: "127.0.0.1".into(),
-                port: 1883
+                port: 1883,
+                tls: false,
             }
         );
+        assert!(valid.mqtt_credentials.is_none() && valid.mqtt_tls.is_none());
+        assert!(valid.http_tls.is_none());
         assert_eq!(valid.topic_root.as_str(), "idem/v1");
     }
 
@@ -549,14 +810,191 @@ mod tests {
     }
 
     #[test]
-    fn mqtt_urls_default_to_port_1883() {
-        assert_eq!(
-            parse_mqtt_url("mqtt://broker.local"),
-            Some(BrokerAddr {
-                host: "broker.local".into(),
-                port: 1883
-            })
+    fn mqtt_urls_default_to_port_1883_and_mqtts_to_8883() {
+        let addr = |host: &str, port, tls| BrokerAddr {
+            host: host.into(),
+            port,
+            tls,
+        };
+        let cases = [
+            ("mqtt://broker.local", addr("broker.local", 1883, false)),
+            ("tcp://h:2000/", addr("h", 2000, false)),
+            ("mqtts://broker.local", addr("broker.local", 8883, true)),
+            ("mqtts://10.0.0.1:9883", addr("10.0.0.1", 9883, true)),
+            ("ssl://[::1]:8884", addr("::1", 8884, true)),
+            ("mqtt://[::1]", addr("::1", 1883, false)),
+        ];
+        for (url, expected) in cases {
+            assert_eq!(parse_mqtt_url(url), Ok(expected), "{url}");
+        }
+        let refused = [
+            ("mqtt://h:notaport", MqttUrlError::Port),
+            ("mqtt://h:0", MqttUrlError::Port),
+            ("http://h", MqttUrlError::Scheme),
+            ("broker:1883", MqttUrlError::Scheme),
+            ("mqtt://", MqttUrlError::Host),
+            ("mqtt://h/x", MqttUrlError::Path),
+            ("mqtt://user@h", MqttUrlError::Credentials),
+            ("mqtts://user:pw@h:8883", MqttUrlError::Credentials),
+        ];
+        for (url, reason) in refused {
+            assert_eq!(parse_mqtt_url(url), Err(reason), "{url}");
+        }
+    }
+
+    #[test]
+    fn credentials_in_the_mqtt_url_are_refused_without_echoing_the_password() {
+        let mut config = Config::defaults();
+        config.mqtt_url = "mqtt://idem:hunter2-secret@broker:1883".into();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(!err.contains("hunter2-secret"), "{err}");
+        assert!(err.contains("--mqtt-username"), "{err}");
+        assert!(err.contains("mqtt://idem:***@broker:1883"), "{err}");
+        config.mqtt_url = "mqtt://idem@broker".into();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("--mqtt-username"), "{err}");
+    }
+
+    #[test]
+    fn the_database_url_password_is_never_printed() {
+        let mut config = Config::defaults();
+        config.database_url = "postgres://idem:db-secret-9@db/idem".into();
+        config.mqtt_password = Some("mqtt-secret-7".into());
+        config.mqtt_username = Some("idem-server".into());
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("db-secret-9"), "{shown}");
+        assert!(!shown.contains("mqtt-secret-7"), "{shown}");
+        let valid = config.validate().unwrap();
+        let shown = format!("{valid:?}");
+        assert!(!shown.contains("db-secret-9") && !shown.contains("mqtt-secret-7"));
+        let secrets = config.secret_values();
+        assert!(secrets.contains(&"db-secret-9".to_owned()));
+        assert!(secrets.contains(&"mqtt-secret-7".to_owned()));
+
+        config.database_url = "mysql://idem:db-secret-9@db".into();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("IDEM_DATABASE_URL") && !err.contains("db-secret-9"),
+            "{err}"
         );
-        assert_eq!(parse_mqtt_url("mqtt://h:notaport"), None);
+    }
+
+    #[test]
+    fn broker_credentials_come_from_the_flag_or_the_file_never_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pw");
+        std::fs::write(&file, "from-file\n").unwrap();
+
+        let mut config = Config::defaults();
+        config.mqtt_username = Some("idem-server".into());
+        config.mqtt_password_file = Some(file.clone());
+        let creds = config.validate().unwrap().mqtt_credentials.unwrap();
+        assert_eq!(creds.username, "idem-server");
+        assert_eq!(creds.password.expose(), "from-file");
+
+        config.mqtt_password = Some("flag".into());
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("both set"), "{err}");
+
+        config.mqtt_password_file = None;
+        config.mqtt_username = None;
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("IDEM_MQTT_USERNAME"), "{err}");
+
+        let mut config = Config::defaults();
+        config.mqtt_username = Some("idem-server".into());
+        config.mqtt_password_file = Some(dir.path().join("missing"));
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("IDEM_MQTT_PASSWORD_FILE") && err.contains("cannot read"),
+            "{err}"
+        );
+        std::fs::write(&file, "").unwrap();
+        config.mqtt_password_file = Some(file.clone());
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("empty"), "{err}");
+        std::fs::write(&file, "a\nb\n").unwrap();
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("more than one line"), "{err}");
+
+        // A user name alone is allowed (brokers that check only names).
+        let mut config = Config::defaults();
+        config.mqtt_username = Some("idem-server".into());
+        let creds = config.validate().unwrap().mqtt_credentials.unwrap();
+        assert!(creds.password.expose().is_empty());
+    }
+
+    #[test]
+    fn help_never_shows_secret_values_from_the_environment() {
+        use clap::CommandFactory;
+        let command = Config::command();
+        for id in ["database_url", "mqtt_password"] {
+            let arg = command.get_arguments().find(|a| a.get_id() == id).unwrap();
+            assert!(arg.is_hide_env_values_set(), "--{id} shows its env value");
+        }
+        for arg in command.get_arguments() {
+            let env = arg.get_env().and_then(|e| e.to_str()).unwrap_or("");
+            assert!(
+                env.starts_with("IDEM_") || ["help", "version"].contains(&arg.get_id().as_str()),
+                "--{} has no IDEM_* variable",
+                arg.get_id()
+            );
+        }
+    }
+
+    #[test]
+    fn tls_files_need_mqtts_and_come_in_pairs() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let cert_path = dir.path().join("cert.pem");
+        let key_path = dir.path().join("key.pem");
+        std::fs::write(&cert_path, cert.pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+
+        let mut config = Config::defaults();
+        config.mqtt_ca_file = Some(cert_path.clone());
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("mqtts://"), "{err}");
+
+        config.mqtt_url = "mqtts://127.0.0.1".into();
+        let valid = config.validate().unwrap();
+        assert_eq!(valid.broker.port, 8883);
+        assert!(valid.mqtt_tls.unwrap().client.is_none());
+
+        config.mqtt_client_cert = Some(cert_path.clone());
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("set both or neither"), "{err}");
+        config.mqtt_client_key = Some(key_path.clone());
+        assert!(config
+            .validate()
+            .unwrap()
+            .mqtt_tls
+            .unwrap()
+            .client
+            .is_some());
+
+        config.mqtt_ca_file = Some(dir.path().join("missing.pem"));
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("IDEM_MQTT_CA_FILE") && err.contains("missing.pem"),
+            "{err}"
+        );
+
+        let mut config = Config::defaults();
+        config.tls_cert = Some(cert_path.clone());
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("IDEM_TLS_KEY"), "{err}");
+        config.tls_key = Some(key_path);
+        assert!(config.validate().unwrap().http_tls.is_some());
+        config.tls_key = Some(cert_path);
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("IDEM_TLS_CERT") && err.contains("private key"),
+            "{err}"
+        );
     }
 }

@@ -1,5 +1,7 @@
-//! The HTTP server's connection handling: our own accept loop (hyper HTTP/1.1)
-//! with a cap on open connections kept below the open-file limit, a header
+//! The HTTP server's connection handling: our own accept loop (hyper HTTP/1.1,
+//! optionally over TLS with tokio-rustls: the handshake runs in the
+//! connection's task, bounded by the header timeout) with a cap on open
+//! connections kept below the open-file limit, a header
 //! read timeout, and a size limit and deadline on request bodies. On shutdown
 //! it stops accepting, gives in-flight requests a short grace and closes what
 //! is left.
@@ -23,8 +25,10 @@ use axum::Router;
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics::Gauge;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
@@ -181,18 +185,22 @@ impl BodyRejection {
 
 /// Serves `router` on `listener` until `token` is cancelled, then stops
 /// accepting, lets in-flight requests finish for up to [`SHUTDOWN_GRACE`] and
-/// closes the connections still open.
+/// closes the connections still open. With `tls`, every connection is TLS
+/// (HTTPS); without, plain HTTP.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     limits: HttpLimits,
+    tls: Option<Arc<rustls::ServerConfig>>,
     metrics: Arc<Metrics>,
     token: CancellationToken,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let connections = TaskTracker::new();
+    let tls = tls.map(TlsAcceptor::from);
     tracing::info!(
         max_connections = limits.max_connections,
+        https = tls.is_some(),
         "HTTP server accepting connections"
     );
     loop {
@@ -220,8 +228,9 @@ pub async fn serve(
             continue;
         };
         let slot = ConnectionSlot::new(permit, metrics.http_connections.clone());
-        connections.spawn(serve_connection(
+        connections.spawn(accept_connection(
             stream,
+            tls.clone(),
             router.clone(),
             limits,
             metrics.clone(),
@@ -279,16 +288,46 @@ impl Drop for ConnectionSlot {
     }
 }
 
-async fn serve_connection(
+/// Completes the TLS handshake (when serving HTTPS) within the header
+/// timeout, so a client that never finishes one holds its slot no longer
+/// than one that never sends a request, then serves the connection.
+async fn accept_connection(
     stream: TcpStream,
+    tls: Option<TlsAcceptor>,
     router: Router,
     limits: HttpLimits,
     metrics: Arc<Metrics>,
     token: CancellationToken,
     slot: ConnectionSlot,
 ) {
-    let _slot = slot;
     let _ = stream.set_nodelay(true);
+    let Some(acceptor) = tls else {
+        return serve_connection(stream, router, limits, metrics, token, slot).await;
+    };
+    let handshake = tokio::select! {
+        () = token.cancelled() => return,
+        done = tokio::time::timeout(limits.header_timeout, acceptor.accept(stream)) => done,
+    };
+    match handshake {
+        Ok(Ok(stream)) => serve_connection(stream, router, limits, metrics, token, slot).await,
+        // A failed or slow handshake ends one connection; it is the
+        // client's business (wrong CA, plain HTTP to the HTTPS port, …).
+        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+        Err(_) => tracing::debug!("TLS handshake not completed within the header timeout"),
+    }
+}
+
+async fn serve_connection<S>(
+    stream: S,
+    router: Router,
+    limits: HttpLimits,
+    metrics: Arc<Metrics>,
+    token: CancellationToken,
+    slot: ConnectionSlot,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let _slot = slot;
     let closer = CancellationToken::new();
     let request_closer = ConnectionCloser(closer.clone());
     let service = hyper::service::service_fn(move |request: Request<Incoming>| {

@@ -23,9 +23,11 @@ pub mod mqtt;
 pub mod reconcile;
 pub mod relay;
 pub mod retention;
+pub mod secret;
 pub mod sse;
 pub mod stall;
 pub mod store;
+pub mod tls;
 pub mod token_cli;
 
 pub use app::{run, AppState, ServerError};

@@ -17,8 +17,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_protocol::{Channel, DeviceId, SpecBudget, TopicRoot, GET_PAYLOAD};
 use rumqttc::{
-    AsyncClient, ClientError, Event, EventLoop, MqttOptions, Packet, Publish, QoS, Request,
-    SubscribeFilter,
+    AsyncClient, ClientError, ConnectionError, Event, EventLoop, MqttOptions, Packet, Publish, QoS,
+    Request, SubscribeFilter, TlsConfiguration, Transport,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -69,7 +69,9 @@ pub fn server_client_id(instance: &str) -> String {
     format!("idem-server:{instance}")
 }
 
-/// Builds the client and its event loop from the configuration.
+/// Builds the client and its event loop from the configuration: plain TCP
+/// or TLS (`mqtts://`, the configuration's rustls client config, optionally
+/// with a client certificate), with the configured credentials.
 pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
     let mut options = MqttOptions::new(
         server_client_id(&config.config.instance),
@@ -88,6 +90,18 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
         // the connection fail (and be redelivered forever by our persistent
         // session); the publisher bounds what we send.
         .set_max_packet_size(MQTT_MAX_REMAINING_LENGTH, MQTT_MAX_REMAINING_LENGTH);
+    if let Some(tls) = &config.mqtt_tls {
+        options.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
+            tls.config.clone(),
+        )));
+    }
+    if let Some(credentials) = &config.mqtt_credentials {
+        // The one place the broker password leaves its `Secret`.
+        options.set_credentials(
+            credentials.username.clone(),
+            credentials.password.expose().clone(),
+        );
+    }
     AsyncClient::new(options, REQUEST_CHANNEL_CAPACITY)
 }
 
@@ -104,6 +118,7 @@ pub async fn run_event_loop(
     dynsec: Option<Arc<crate::dynsec::Dynsec>>,
     token: CancellationToken,
 ) {
+    let (broker_host, broker_port) = eventloop.mqtt_options.broker_address();
     let mut filters = vec![
         SubscribeFilter::new(root.filter(Channel::Reported), QoS::AtLeastOnce),
         SubscribeFilter::new(root.filter(Channel::Status), QoS::AtLeastOnce),
@@ -116,6 +131,7 @@ pub async fn run_event_loop(
     }
     let mut ever_connected = false;
     let mut backoff = Duration::from_millis(100);
+    let mut failures = ConnectFailures::default();
     loop {
         let event = tokio::select! {
             () = token.cancelled() => break,
@@ -156,6 +172,7 @@ pub async fn run_event_loop(
                 }
                 ever_connected = true;
                 backoff = Duration::from_millis(100);
+                failures = ConnectFailures::default();
                 if let Err(e) = client.try_subscribe_many(filters.clone()) {
                     tracing::error!(error = %e, "could not queue subscriptions");
                 }
@@ -167,6 +184,14 @@ pub async fn run_event_loop(
             Err(e) => {
                 if status.connected.swap(false, Ordering::AcqRel) {
                     tracing::warn!(error = %e, "MQTT connection lost; reconnecting");
+                } else if failures.should_log(&e, tokio::time::Instant::now()) {
+                    // Not ready until this is fixed; say why, with the fix.
+                    tracing::error!(
+                        error = %e,
+                        broker = %format_args!("{}:{}", broker_host, broker_port),
+                        hint = connect_hint(&e),
+                        "cannot connect to the MQTT broker; retrying"
+                    );
                 } else {
                     tracing::debug!(error = %e, "MQTT connect failed; retrying in {backoff:?}");
                 }
@@ -183,6 +208,87 @@ pub async fn run_event_loop(
     status.connected.store(false, Ordering::Release);
     status.subscribed.store(false, Ordering::Release);
     metrics.mqtt_connected.set(0.0);
+}
+
+/// How often an unchanged connect failure is logged at error level again.
+const REPEAT_CONNECT_ERROR: Duration = Duration::from_secs(60);
+
+/// Decides which failed connection attempts are worth an error line: the
+/// first, each one whose error differs from the last, and the same one
+/// again once a minute (the rest go to debug).
+#[derive(Debug, Default)]
+struct ConnectFailures {
+    last: Option<(String, tokio::time::Instant)>,
+}
+
+impl ConnectFailures {
+    fn should_log(&mut self, error: &ConnectionError, now: tokio::time::Instant) -> bool {
+        let text = error.to_string();
+        let log = match &self.last {
+            None => true,
+            Some((last, at)) => *last != text || now.duration_since(*at) >= REPEAT_CONNECT_ERROR,
+        };
+        if log {
+            self.last = Some((text, now));
+        }
+        log
+    }
+}
+
+/// What an operator should check for a failed connection attempt.
+pub fn connect_hint(error: &ConnectionError) -> &'static str {
+    use rumqttc::ConnectReturnCode as Code;
+    // rumqttc passes TLS failures on as text inside I/O and state errors;
+    // the rustls alert names tell the cases apart.
+    let text = error.to_string();
+    if text.contains("CertificateRequired") {
+        return "the broker requires a client certificate: set IDEM_MQTT_CLIENT_CERT and \
+                IDEM_MQTT_CLIENT_KEY (PEM, signed by a CA the broker trusts)";
+    }
+    if [
+        "BadCertificate",
+        "UnknownCA",
+        "CertificateUnknown",
+        "CertificateExpired",
+    ]
+    .iter()
+    .any(|alert| text.contains(alert))
+    {
+        return "the broker refused the server's client certificate: check that \
+                IDEM_MQTT_CLIENT_CERT is signed by a CA the broker trusts (its cafile) and \
+                has not expired";
+    }
+    if text.contains("invalid peer certificate") {
+        return "the broker's certificate is not trusted: check that IDEM_MQTT_CA_FILE holds the \
+                CA that signed the broker's certificate (without it, the system trust store is \
+                used) and that the host in IDEM_MQTT_URL is named in that certificate";
+    }
+    match error {
+        ConnectionError::ConnectionRefused(Code::BadUserNamePassword | Code::NotAuthorized) => {
+            "the broker refused the server's credentials: check IDEM_MQTT_USERNAME and \
+             IDEM_MQTT_PASSWORD / IDEM_MQTT_PASSWORD_FILE (or the client certificate's identity) \
+             and the broker's accounts"
+        }
+        ConnectionError::ConnectionRefused(Code::BadClientId) => {
+            "the broker refused the client id idem-server:{instance}: check IDEM_INSTANCE and the broker's client id rules"
+        }
+        ConnectionError::ConnectionRefused(
+            Code::Success | Code::RefusedProtocolVersion | Code::ServiceUnavailable,
+        ) => "the broker refused the connection: see the broker's log",
+        ConnectionError::Tls(_) => {
+            "TLS failed: check that IDEM_MQTT_CA_FILE holds the CA that signed the broker's \
+             certificate, that the host in IDEM_MQTT_URL is named in that certificate, and \
+             IDEM_MQTT_CLIENT_CERT / IDEM_MQTT_CLIENT_KEY if the broker requires a client certificate"
+        }
+        ConnectionError::Io(_) | ConnectionError::NetworkTimeout | ConnectionError::FlushTimeout => {
+            "cannot reach the broker or it closed the connection: check the host and port in \
+             IDEM_MQTT_URL, whether the listener expects TLS (mqtts://), and whether it requires a \
+             client certificate (IDEM_MQTT_CLIENT_CERT / IDEM_MQTT_CLIENT_KEY)"
+        }
+        ConnectionError::MqttState(_) | ConnectionError::NotConnAck(_) | ConnectionError::RequestsDone => {
+            "the connection failed after it was opened: check the broker's log"
+        }
+    }
 }
 
 /// Publishes desired state, report requests and events.

@@ -32,6 +32,24 @@ impl ApiClient {
         })
     }
 
+    /// A client for `https://addr` trusting only the CA in `ca_file` (PEM).
+    pub fn https(addr: SocketAddr, ca_file: &std::path::Path) -> Result<Self> {
+        let pem = std::fs::read(ca_file)
+            .with_context(|| format!("reading the CA file {}", ca_file.display()))?;
+        let ca = reqwest::Certificate::from_pem(&pem).context("parsing the CA certificate")?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(ca)
+            .build()
+            .context("building the HTTPS client")?;
+        Ok(Self {
+            base: format!("https://{addr}"),
+            http,
+            token: None,
+        })
+    }
+
     /// A client for `addr` reusing an existing HTTP connection pool.
     pub fn with_client(addr: SocketAddr, http: reqwest::Client) -> Self {
         Self {

@@ -1,6 +1,9 @@
 //! A private Mosquitto per test: the system `mosquitto` binary on a free
 //! loopback port with its own config, logs and temporary directory, so fault
 //! tests can stop and restart it without touching anyone else's broker.
+//! [`PrivateMosquitto::builder`] adds a TLS listener (certificates made at
+//! start with rcgen: `certs.rs`), required client certificates and a
+//! password file (hashed with the system's `mosquitto_passwd`).
 //!
 //! It owns exactly one child process and one temporary directory; it must
 //! never signal any other process, nor use the machine's broker on 1883.
@@ -16,6 +19,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
+use crate::certs::{CertFiles, TestCa};
 use crate::support::{
     find_binary_in, free_port, kill_and_reap, loopback_addr, tail, wait_for_tcp, LOOPBACK,
 };
@@ -32,6 +36,8 @@ const START_ATTEMPTS: usize = 3;
 
 const MISSING_BINARY: &str = "mosquitto binary not found: install it with \
     `apt-get install mosquitto` or run scripts/test, which installs it";
+const MISSING_PASSWD: &str = "mosquitto_passwd not found: install it with \
+    `apt-get install mosquitto` (it ships the tool) or run scripts/test";
 
 /// Raises this process's soft `RLIMIT_NOFILE` to its hard limit and returns
 /// the new soft limit. Tests that open hundreds of MQTT clients need it, and
@@ -41,14 +47,89 @@ pub fn raise_fd_limit() -> Result<u64> {
         .context("raising RLIMIT_NOFILE (the open-file limit) to its hard limit")
 }
 
+/// How a private broker is set up; made by [`PrivateMosquitto::builder`].
+/// Every option is off by default: a plain, anonymous, non-persistent broker.
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct MosquittoBuilder {
+    persistent: bool,
+    tls: bool,
+    require_client_cert: bool,
+    /// `(user, password)` accounts of the password file.
+    accounts: Vec<(String, String)>,
+    /// The dynamic-security plugin with this `(admin, password)` account.
+    dynsec: Option<(String, String)>,
+}
+
+impl MosquittoBuilder {
+    /// Retained messages and persistent sessions survive `stop()` +
+    /// `restart()` (see [`PrivateMosquitto::start_persistent`]).
+    pub fn persistent(mut self) -> Self {
+        self.persistent = true;
+        self
+    }
+
+    /// The listener speaks TLS only (`mqtts://`), with a server certificate
+    /// for 127.0.0.1 / localhost signed by the broker's own test CA
+    /// ([`PrivateMosquitto::ca_file`]).
+    pub fn tls(mut self) -> Self {
+        self.tls = true;
+        self
+    }
+
+    /// Clients must present a certificate signed by the broker's CA
+    /// (`require_certificate true`); its common name becomes the user name
+    /// (`use_identity_as_username true`) and anonymous clients are refused.
+    /// Implies [`MosquittoBuilder::tls`].
+    pub fn require_client_cert(mut self) -> Self {
+        self.tls = true;
+        self.require_client_cert = true;
+        self
+    }
+
+    /// A password file with these accounts; anonymous clients are refused
+    /// (`allow_anonymous false`). Can be called again to add accounts.
+    pub fn password_file<U: AsRef<str>, P: AsRef<str>>(mut self, accounts: &[(U, P)]) -> Self {
+        self.accounts.extend(
+            accounts
+                .iter()
+                .map(|(u, p)| (u.as_ref().to_owned(), p.as_ref().to_owned())),
+        );
+        self
+    }
+
+    /// Mosquitto's dynamic-security plugin (Debian's
+    /// `mosquitto_dynamic_security.so`), initialised with `mosquitto_ctrl
+    /// dynsec init` and this admin account; anonymous clients are refused.
+    pub fn dynamic_security(mut self, admin: &str, password: &str) -> Self {
+        self.dynsec = Some((admin.to_owned(), password.to_owned()));
+        self
+    }
+
+    /// Starts the broker on a free port of 127.0.0.1 and waits until it
+    /// accepts TCP connections.
+    pub fn start(self) -> Result<PrivateMosquitto> {
+        PrivateMosquitto::start_with(self)
+    }
+
+    fn authenticates(&self) -> bool {
+        self.require_client_cert || !self.accounts.is_empty() || self.dynsec.is_some()
+    }
+}
+
 /// A Mosquitto broker owned by one test. Dropping it kills and reaps the
 /// child and deletes its directory.
 #[derive(Debug)]
 pub struct PrivateMosquitto {
     /// `None` while stopped.
     child: Option<Child>,
-    /// Whether retained messages and sessions survive `stop()` + `restart()`.
-    persistent: bool,
+    settings: MosquittoBuilder,
+    /// The broker's CA and server certificate, for a TLS listener.
+    tls: Option<(TestCa, CertFiles)>,
+    /// Written (hashed) at start when the settings have accounts.
+    password_file: Option<PathBuf>,
+    /// The plugin library and its state file, with dynamic security.
+    dynsec: Option<(PathBuf, PathBuf)>,
     binary: PathBuf,
     port: u16,
     config: PathBuf,
@@ -64,17 +145,23 @@ impl PrivateMosquitto {
     /// TCP connections. Nothing is persisted: a restarted broker has no
     /// retained messages and no sessions.
     pub fn start() -> Result<Self> {
-        Self::start_with(false)
+        Self::builder().start()
+    }
+
+    /// Options for a broker with TLS, client certificates or passwords:
+    /// `PrivateMosquitto::builder().tls().password_file(&[("idem-server", "pw")]).start()`.
+    pub fn builder() -> MosquittoBuilder {
+        MosquittoBuilder::default()
     }
 
     /// Like [`PrivateMosquitto::start`], but with persistence on, like a
     /// production broker: retained messages and persistent sessions are saved
     /// on a graceful `stop()` and restored by `restart()` (not after `kill()`).
     pub fn start_persistent() -> Result<Self> {
-        Self::start_with(true)
+        Self::builder().persistent().start()
     }
 
-    fn start_with(persistent: bool) -> Result<Self> {
+    fn start_with(settings: MosquittoBuilder) -> Result<Self> {
         raise_fd_limit()?;
         let binary = mosquitto_binary(
             std::env::var_os("PATH").as_deref(),
@@ -84,9 +171,34 @@ impl PrivateMosquitto {
             .prefix("idem-mosquitto-")
             .tempdir()
             .context("creating a temporary directory for a private Mosquitto")?;
+        let tls = if settings.tls {
+            let ca = TestCa::create(dir.path(), "idem test broker CA")?;
+            let server = ca.issue_server("server")?;
+            Some((ca, server))
+        } else {
+            None
+        };
+        let password_file = if settings.accounts.is_empty() {
+            None
+        } else {
+            let path = dir.path().join("passwords");
+            write_password_file(&path, &settings.accounts)?;
+            Some(path)
+        };
+        let dynsec = match &settings.dynsec {
+            None => None,
+            Some((admin, password)) => {
+                let state = dir.path().join("dynamic-security.json");
+                init_dynamic_security(&state, admin, password)?;
+                Some((dynsec_plugin()?, state))
+            }
+        };
         let mut broker = Self {
             child: None,
-            persistent,
+            settings,
+            tls,
+            password_file,
+            dynsec,
             binary,
             port: 0,
             config: dir.path().join("mosquitto.conf"),
@@ -119,15 +231,66 @@ impl PrivateMosquitto {
         LOOPBACK
     }
 
-    /// `mqtt://127.0.0.1:PORT`.
+    /// `mqtt://127.0.0.1:PORT`, or `mqtts://…` for a TLS listener.
     pub fn url(&self) -> String {
-        format!("mqtt://{LOOPBACK}:{}", self.port)
+        let scheme = if self.is_tls() { "mqtts" } else { "mqtt" };
+        format!("{scheme}://{LOOPBACK}:{}", self.port)
     }
 
-    /// rumqttc options for a client of this broker (keep-alive 5 s).
+    /// Whether the listener speaks TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// The CA certificate that signed the broker's certificate (TLS only).
+    pub fn ca_file(&self) -> Option<&Path> {
+        self.tls.as_ref().map(|(ca, _)| ca.ca_file())
+    }
+
+    /// The broker's test CA (TLS only), to issue more client certificates.
+    pub fn ca(&self) -> Option<&TestCa> {
+        self.tls.as_ref().map(|(ca, _)| ca)
+    }
+
+    /// A client certificate signed by the broker's CA, with `common_name`
+    /// as its identity (the user name when client certificates are
+    /// required). Fails on a broker without TLS.
+    pub fn client_cert(&self, common_name: &str) -> Result<CertFiles> {
+        self.ca()
+            .ok_or_else(|| anyhow!("this private broker has no TLS listener: use builder().tls()"))?
+            .issue_client(common_name)
+    }
+
+    /// rumqttc options for a client of this broker (keep-alive 5 s), over
+    /// TLS trusting the broker's CA when the listener is TLS. No
+    /// credentials: see [`PrivateMosquitto::mqtt_options_as`].
     pub fn mqtt_options(&self, client_id: impl Into<String>) -> rumqttc::MqttOptions {
         let mut options = rumqttc::MqttOptions::new(client_id, LOOPBACK, self.port);
         options.set_keep_alive(Duration::from_secs(5));
+        if let Some((ca, _)) = &self.tls {
+            match ca.client_config(None) {
+                Ok(config) => {
+                    options.set_transport(rumqttc::Transport::tls_with_config(
+                        rumqttc::TlsConfiguration::Rustls(config),
+                    ));
+                }
+                // The CA file was just written by us; a failure here shows
+                // up as a failed connection naming TLS.
+                Err(e) => eprintln!("idem-tests: no TLS client config for the broker: {e:#}"),
+            }
+        }
+        options
+    }
+
+    /// Like [`PrivateMosquitto::mqtt_options`], logged in as `username`.
+    pub fn mqtt_options_as(
+        &self,
+        client_id: impl Into<String>,
+        username: &str,
+        password: &str,
+    ) -> rumqttc::MqttOptions {
+        let mut options = self.mqtt_options(client_id);
+        options.set_credentials(username, password);
         options
     }
 
@@ -221,7 +384,7 @@ impl PrivateMosquitto {
         } else {
             ""
         };
-        let persistence = if self.persistent {
+        let persistence = if self.settings.persistent {
             // Saved on SIGTERM (graceful stop); no periodic autosave, so a
             // kill() loses what a crash would lose.
             format!(
@@ -234,11 +397,44 @@ impl PrivateMosquitto {
         } else {
             "persistence false\n".to_owned()
         };
+        let tls = match &self.tls {
+            None => String::new(),
+            Some((ca, server)) => {
+                let mut tls = format!(
+                    "cafile {}\n\
+                     certfile {}\n\
+                     keyfile {}\n",
+                    ca.ca_file().display(),
+                    server.cert.display(),
+                    server.key.display(),
+                );
+                if self.settings.require_client_cert {
+                    tls.push_str("require_certificate true\nuse_identity_as_username true\n");
+                } else {
+                    tls.push_str("require_certificate false\n");
+                }
+                tls
+            }
+        };
+        let anonymous = !self.settings.authenticates();
+        let mut passwords = match &self.password_file {
+            Some(path) => format!("password_file {}\n", path.display()),
+            None => String::new(),
+        };
+        if let Some((plugin, state)) = &self.dynsec {
+            passwords.push_str(&format!(
+                "plugin {}\nplugin_opt_config_file {}\n",
+                plugin.display(),
+                state.display()
+            ));
+        }
         let config = format!(
             "# private broker of one idem test\n\
              {user}\
              listener {port} {LOOPBACK}\n\
-             allow_anonymous true\n\
+             {tls}\
+             allow_anonymous {anonymous}\n\
+             {passwords}\
              {persistence}\
              max_queued_messages 100000\n\
              max_inflight_messages 0\n\
@@ -295,6 +491,90 @@ impl PrivateMosquitto {
     }
 }
 
+/// Writes `accounts` as `user:password` lines and hashes the file in place
+/// with `mosquitto_passwd -U` (one call for any number of accounts).
+const MISSING_DYNSEC: &str = "Mosquitto's dynamic-security plugin \
+    (mosquitto_dynamic_security.so) or mosquitto_ctrl not found: install Debian's \
+    `mosquitto` and `mosquitto-clients` packages, or run scripts/test, which installs them";
+
+/// Where Debian and other distributions put the plugin.
+fn dynsec_plugin() -> Result<PathBuf> {
+    let candidates = [
+        "/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so",
+        "/usr/lib/aarch64-linux-gnu/mosquitto_dynamic_security.so",
+        "/usr/lib/mosquitto_dynamic_security.so",
+        "/usr/lib64/mosquitto_dynamic_security.so",
+        "/usr/local/lib/mosquitto_dynamic_security.so",
+    ];
+    candidates
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .ok_or_else(|| anyhow!(MISSING_DYNSEC))
+}
+
+/// `mosquitto_ctrl dynsec init <state> <admin> <password>`.
+fn init_dynamic_security(state: &Path, admin: &str, password: &str) -> Result<()> {
+    let ctrl = find_binary_in(
+        std::env::var_os("PATH").as_deref(),
+        "mosquitto_ctrl",
+        &[PathBuf::from("/usr/bin/mosquitto_ctrl")],
+    )
+    .ok_or_else(|| anyhow!(MISSING_DYNSEC))?;
+    let output = Command::new(&ctrl)
+        .args(["dynsec", "init"])
+        .arg(state)
+        .arg(admin)
+        .arg(password)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {} dynsec init", ctrl.display()))?;
+    if !output.status.success() || !state.is_file() {
+        bail!(
+            "{} dynsec init failed with {}: {}",
+            ctrl.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn write_password_file(path: &Path, accounts: &[(String, String)]) -> Result<()> {
+    let passwd = find_binary_in(
+        std::env::var_os("PATH").as_deref(),
+        "mosquitto_passwd",
+        &[PathBuf::from("/usr/bin/mosquitto_passwd")],
+    )
+    .ok_or_else(|| anyhow!(MISSING_PASSWD))?;
+    let mut plain = String::new();
+    for (user, password) in accounts {
+        if user.contains(':') || user.contains('\n') || password.contains('\n') {
+            bail!(
+                "account {user:?}: user names cannot hold ':' or newlines, passwords no newlines"
+            );
+        }
+        plain.push_str(&format!("{user}:{password}\n"));
+    }
+    fs::write(path, plain).with_context(|| format!("writing {}", path.display()))?;
+    let output = Command::new(&passwd)
+        .arg("-U")
+        .arg(path)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {} -U", passwd.display()))?;
+    if !output.status.success() {
+        bail!(
+            "{} -U {} failed with {}: {}",
+            passwd.display(),
+            path.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
 /// The mosquitto binary on `path_var`, else among `fallbacks`; the error
 /// says what to install.
 fn mosquitto_binary(path_var: Option<&OsStr>, fallbacks: &[PathBuf]) -> Result<PathBuf> {
@@ -320,6 +600,48 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_tls_broker_with_passwords_refuses_anonymous_clients_and_hashes_the_passwords() {
+        let broker = PrivateMosquitto::builder()
+            .tls()
+            .password_file(&[("idem-server", "pw-1"), ("dev-1", "pw-2")])
+            .start()
+            .unwrap();
+        assert!(broker.url().starts_with("mqtts://127.0.0.1:"));
+        let config = fs::read_to_string(&broker.config).unwrap();
+        for line in [
+            "allow_anonymous false",
+            "require_certificate false",
+            &format!("cafile {}", broker.ca_file().unwrap().display()),
+        ] {
+            assert!(
+                config.lines().any(|l| l == line),
+                "missing {line:?} in\n{config}"
+            );
+        }
+        let passwords = fs::read_to_string(broker.password_file.as_ref().unwrap()).unwrap();
+        assert!(
+            passwords.contains("idem-server:$") && !passwords.contains("pw-1"),
+            "{passwords}"
+        );
+
+        let certs = PrivateMosquitto::builder()
+            .require_client_cert()
+            .start()
+            .unwrap();
+        let config = fs::read_to_string(&certs.config).unwrap();
+        for line in [
+            "require_certificate true",
+            "use_identity_as_username true",
+            "allow_anonymous false",
+        ] {
+            assert!(
+                config.lines().any(|l| l == line),
+                "missing {line:?} in\n{config}"
+            );
+        }
+    }
+
+    #[test]
     fn a_missing_mosquitto_binary_is_an_error_that_says_what_to_install() {
         let empty = tempfile::tempdir().unwrap();
         let err = mosquitto_binary(
@@ -339,7 +661,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let broker = PrivateMosquitto {
             child: None,
-            persistent: false,
+            settings: MosquittoBuilder::default(),
+            tls: None,
+            password_file: None,
+            dynsec: None,
             binary: PathBuf::from("mosquitto"),
             port: 41234,
             config: dir.path().join("mosquitto.conf"),

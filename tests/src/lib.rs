@@ -10,19 +10,22 @@
 
 pub mod api_client;
 pub mod broker;
+pub mod certs;
 pub mod database;
 pub mod grafana;
 pub mod postgres;
 pub mod process_server;
 pub mod prometheus;
 pub mod scenario;
+pub mod secured;
 pub mod server;
 pub mod sse_client;
 mod support;
 pub mod witness;
 
 pub use api_client::ApiClient;
-pub use broker::{raise_fd_limit, PrivateMosquitto};
+pub use broker::{raise_fd_limit, MosquittoBuilder, PrivateMosquitto};
+pub use certs::{CertFiles, TestCa};
 pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};
 pub use postgres::PrivatePostgres;
 pub use process_server::ProcessServer;

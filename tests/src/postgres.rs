@@ -1,7 +1,9 @@
 //! A throwaway PostgreSQL cluster per fault test: made with the system's
 //! `initdb` and run with `pg_ctl` in a temporary directory on a free loopback
 //! port, with trust auth, so a test can stop and start "the database" without
-//! touching the machine's shared PostgreSQL.
+//! touching the machine's shared PostgreSQL. [`PrivatePostgres::builder`]
+//! adds TLS (`ssl = on`, a certificate from a test CA, plain TCP refused)
+//! and a superuser password (scram-sha-256 over TCP).
 //!
 //! It owns one data directory and the postmaster started from it; it must
 //! never stop or configure any other cluster. As root, the cluster runs as
@@ -9,6 +11,7 @@
 
 use std::fs::{self, OpenOptions};
 use std::io::Write as _;
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
@@ -16,6 +19,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use tempfile::TempDir;
 
+use crate::certs::TestCa;
 use crate::support::{
     accepts_tcp, find_binary, free_port, is_executable, loopback_addr, tail, LOOPBACK,
 };
@@ -31,10 +35,43 @@ const MISSING_BINARIES: &str = "PostgreSQL server binaries (initdb, pg_ctl) not 
     or in /usr/lib/postgresql/*/bin: install them with `apt-get install postgresql` or run \
     scripts/test, which installs it";
 
+/// How a private cluster is set up; made by [`PrivatePostgres::builder`].
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct PostgresBuilder {
+    tls: bool,
+    password: Option<String>,
+}
+
+impl PostgresBuilder {
+    /// TCP connections must use TLS (`hostssl`; plain `host` is rejected),
+    /// with a server certificate for 127.0.0.1 / localhost signed by the
+    /// cluster's own test CA ([`PrivatePostgres::ca_file`]).
+    pub fn tls(mut self) -> Self {
+        self.tls = true;
+        self
+    }
+
+    /// The superuser `postgres` gets this password and TCP clients must
+    /// give it (scram-sha-256); local socket connections stay trusted.
+    pub fn password(mut self, password: &str) -> Self {
+        self.password = Some(password.to_owned());
+        self
+    }
+
+    /// Creates and starts the cluster (see [`PrivatePostgres::start`]).
+    pub fn start(self) -> Result<PrivatePostgres> {
+        PrivatePostgres::start_with(self)
+    }
+}
+
 /// A private PostgreSQL cluster. Dropping it stops the server (`immediate`)
 /// and deletes the data directory.
 #[derive(Debug)]
 pub struct PrivatePostgres {
+    settings: PostgresBuilder,
+    /// The cluster's CA, with TLS.
+    ca: Option<TestCa>,
     bin_dir: PathBuf,
     /// `Some(runuser)` when we are root and must run the cluster as `postgres`.
     runuser: Option<PathBuf>,
@@ -51,6 +88,16 @@ impl PrivatePostgres {
     /// of 127.0.0.1 and waits until it accepts connections. Blocks for a few
     /// seconds (initdb).
     pub fn start() -> Result<Self> {
+        Self::builder().start()
+    }
+
+    /// Options for a cluster with TLS or a password:
+    /// `PrivatePostgres::builder().tls().password("pw").start()`.
+    pub fn builder() -> PostgresBuilder {
+        PostgresBuilder::default()
+    }
+
+    fn start_with(settings: PostgresBuilder) -> Result<Self> {
         let bin_dir = find_bin_dir()?;
         let runuser = if nix::unistd::geteuid().is_root() {
             Some(
@@ -79,6 +126,8 @@ impl PrivatePostgres {
             chown_to_cluster_user(dir.path())?;
         }
         let mut cluster = Self {
+            settings,
+            ca: None,
             bin_dir,
             runuser,
             port: 0,
@@ -88,6 +137,7 @@ impl PrivatePostgres {
             dir,
         };
         cluster.initdb()?;
+        cluster.write_auth()?;
         let mut last_error = None;
         for _ in 0..START_ATTEMPTS {
             cluster.port = free_port()?;
@@ -112,12 +162,25 @@ impl PrivatePostgres {
         LOOPBACK
     }
 
-    /// `postgres://postgres@127.0.0.1:PORT/postgres` (trust auth).
+    /// `postgres://postgres@127.0.0.1:PORT/postgres` (trust auth), with
+    /// the password when the cluster has one. No TLS parameters: add
+    /// `?sslmode=…` (see [`PrivatePostgres::ca_file`]).
     pub fn url(&self) -> String {
+        let password = self
+            .settings
+            .password
+            .as_ref()
+            .map(|p| format!(":{p}"))
+            .unwrap_or_default();
         format!(
-            "postgres://{CLUSTER_USER}@{LOOPBACK}:{}/postgres",
+            "postgres://{CLUSTER_USER}{password}@{LOOPBACK}:{}/postgres",
             self.port
         )
+    }
+
+    /// The CA that signed the cluster's certificate (TLS clusters only).
+    pub fn ca_file(&self) -> Option<&Path> {
+        self.ca.as_ref().map(TestCa::ca_file)
     }
 
     /// The last lines of the server log, for assertion messages.
@@ -152,22 +215,90 @@ impl PrivatePostgres {
     }
 
     fn initdb(&self) -> Result<()> {
-        let output = self
-            .command("initdb")
-            .arg("-D")
-            .arg(&self.data)
-            .args([
-                "-U",
-                CLUSTER_USER,
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--locale=C",
-                "--no-sync",
-            ])
-            .output()
-            .context("running initdb")?;
+        let mut command = self.command("initdb");
+        command.arg("-D").arg(&self.data).args([
+            "-U",
+            CLUSTER_USER,
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        ]);
+        if let Some(password) = &self.settings.password {
+            let pwfile = self.dir.path().join("pwfile");
+            fs::write(&pwfile, format!("{password}\n"))
+                .with_context(|| format!("writing {}", pwfile.display()))?;
+            self.give_to_cluster_user(&pwfile)?;
+            command.arg(format!("--pwfile={}", pwfile.display()));
+        }
+        let output = command.output().context("running initdb")?;
         check(&output, "initdb")
+    }
+
+    /// `pg_hba.conf` for the settings, and the TLS files: local sockets
+    /// trusted; TCP over TLS only (`hostssl`) when TLS is on, with a
+    /// password when one is set.
+    fn write_auth(&mut self) -> Result<()> {
+        let method = if self.settings.password.is_some() {
+            "scram-sha-256"
+        } else {
+            "trust"
+        };
+        let mut hba = String::from("# private cluster of one idem test\nlocal all all trust\n");
+        if self.settings.tls {
+            hba.push_str(&format!(
+                "hostssl all all 127.0.0.1/32 {method}\nhostssl all all ::1/128 {method}\n\
+                 host all all 127.0.0.1/32 reject\nhost all all ::1/128 reject\n"
+            ));
+            let ca = TestCa::create(self.dir.path(), "idem test PostgreSQL CA")?;
+            let server = ca.issue_server("pg-server")?;
+            // PostgreSQL refuses a key others can read.
+            self.give_to_cluster_user(&server.cert)?;
+            self.give_to_cluster_user(&server.key)?;
+            fs::set_permissions(&server.key, fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("chmod 600 {}", server.key.display()))?;
+            let tls = format!(
+                "ssl = on\nssl_cert_file = '{}'\nssl_key_file = '{}'\n",
+                server.cert.display(),
+                server.key.display()
+            );
+            let path = self.data.join("idem_tls.conf");
+            fs::write(&path, tls).with_context(|| format!("writing {}", path.display()))?;
+            self.give_to_cluster_user(&path)?;
+            self.append_include("include 'idem_tls.conf'\n")?;
+            self.ca = Some(ca);
+        } else {
+            hba.push_str(&format!(
+                "host all all 127.0.0.1/32 {method}\nhost all all ::1/128 {method}\n"
+            ));
+        }
+        let path = self.data.join("pg_hba.conf");
+        fs::write(&path, hba).with_context(|| format!("writing {}", path.display()))?;
+        self.give_to_cluster_user(&path)
+    }
+
+    /// Makes a file we wrote readable by the cluster when it runs as
+    /// `postgres` (we are root); a no-op otherwise.
+    fn give_to_cluster_user(&self, path: &Path) -> Result<()> {
+        if self.runuser.is_some() {
+            chown_to_cluster_user(path)?;
+        }
+        Ok(())
+    }
+
+    fn append_include(&self, include: &str) -> Result<()> {
+        let main_conf = self.data.join("postgresql.conf");
+        let current = fs::read_to_string(&main_conf)
+            .with_context(|| format!("reading {}", main_conf.display()))?;
+        if !current.contains(include) {
+            OpenOptions::new()
+                .append(true)
+                .open(&main_conf)
+                .and_then(|mut file| file.write_all(format!("\n{include}").as_bytes()))
+                .with_context(|| format!("appending an include to {}", main_conf.display()))?;
+        }
+        Ok(())
     }
 
     /// Our settings live in their own file, rewritten for each port tried;
@@ -189,18 +320,7 @@ impl PrivatePostgres {
         let settings_path = self.data.join("idem_harness.conf");
         fs::write(&settings_path, settings)
             .with_context(|| format!("writing {}", settings_path.display()))?;
-        let main_conf = self.data.join("postgresql.conf");
-        let current = fs::read_to_string(&main_conf)
-            .with_context(|| format!("reading {}", main_conf.display()))?;
-        let include = "include 'idem_harness.conf'\n";
-        if !current.contains(include) {
-            OpenOptions::new()
-                .append(true)
-                .open(&main_conf)
-                .and_then(|mut file| file.write_all(format!("\n{include}").as_bytes()))
-                .with_context(|| format!("appending an include to {}", main_conf.display()))?;
-        }
-        Ok(())
+        self.append_include("include 'idem_harness.conf'\n")
     }
 
     fn pg_ctl_start(&mut self) -> Result<()> {

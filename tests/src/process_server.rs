@@ -60,6 +60,34 @@ pub struct ProcessServer {
     _dir: TempDir,
 }
 
+/// An admin token for a server that will run against `database_url`,
+/// unless its environment turns authentication off.
+async fn admin_token(
+    database_url: &str,
+    instance: &str,
+    env: &[(String, String)],
+) -> Result<Option<String>> {
+    let insecure = env
+        .iter()
+        .any(|(k, v)| k == "IDEM_INSECURE_NO_AUTH" && v == "true");
+    if insecure {
+        return Ok(None);
+    }
+    let pool = sqlx::PgPool::connect(database_url)
+        .await
+        .context("connecting to the test database to create an admin token")?;
+    // The server would apply them at start-up anyway; the token table must
+    // exist before.
+    idem_server::MIGRATOR
+        .run(&pool)
+        .await
+        .context("migrating the test database")?;
+    let name = format!("test-admin-{instance}");
+    let token = crate::server::create_token(&pool, &name, "admin").await?;
+    pool.close().await;
+    Ok(Some(token))
+}
+
 impl ProcessServer {
     /// Spawns `binary` (the real server CLI) with `IDEM_DATABASE_URL`,
     /// `IDEM_MQTT_URL`, `IDEM_TOPIC_ROOT`, `IDEM_INSTANCE`, `IDEM_HTTP_ADDR`
@@ -70,6 +98,75 @@ impl ProcessServer {
     /// Keep `instance` fixed for the test: the MQTT client id `idem-server:{instance}`
     /// names the server's persistent session, which a restart must resume.
     pub async fn start(
+        binary: &Path,
+        database_url: &str,
+        broker_url: &str,
+        topic_root: &TopicRoot,
+        instance: &str,
+        extra_env: &[(&str, &str)],
+    ) -> Result<Self> {
+        let mut server = Self::new(
+            binary,
+            database_url,
+            broker_url,
+            topic_root,
+            instance,
+            extra_env,
+        )?;
+        server.token = admin_token(database_url, instance, &server.env).await?;
+        server.port = free_port()?;
+        server.start_on_some_port().await?;
+        Ok(server)
+    }
+
+    /// Like [`ProcessServer::start`], but returns as soon as the process is
+    /// spawned, ready or not: for tests of start-up failures and servers
+    /// that must not become ready (read [`ProcessServer::log_text`],
+    /// [`ProcessServer::wait_exit`], [`ProcessServer::readyz`]).
+    pub fn launch(
+        binary: &Path,
+        database_url: &str,
+        broker_url: &str,
+        topic_root: &TopicRoot,
+        instance: &str,
+        extra_env: &[(&str, &str)],
+    ) -> Result<Self> {
+        let mut server = Self::new(
+            binary,
+            database_url,
+            broker_url,
+            topic_root,
+            instance,
+            extra_env,
+        )?;
+        server.port = free_port()?;
+        server.spawn()?;
+        Ok(server)
+    }
+
+    /// Waits up to `timeout` for the process to exit; `None` if it still runs.
+    /// (A launched server's API client sends no token.)
+    pub async fn wait_exit(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<std::process::ExitStatus>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let Some(child) = self.child.as_mut() else {
+                bail!("idem-server is not running");
+            };
+            if let Some(status) = child.try_wait().context("checking idem-server")? {
+                self.child = None;
+                return Ok(Some(status));
+            }
+            if Instant::now() > deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn new(
         binary: &Path,
         database_url: &str,
         broker_url: &str,
@@ -93,22 +190,8 @@ impl ProcessServer {
             env.retain(|(k, _)| k != key);
             env.push(((*key).into(), (*value).into()));
         }
-        let insecure = env
-            .iter()
-            .any(|(k, v)| k == "IDEM_INSECURE_NO_AUTH" && v == "true");
-        let token = if insecure {
-            None
-        } else {
-            let pool = sqlx::PgPool::connect(database_url)
-                .await
-                .context("connecting to the test database to create an admin token")?;
-            let name = format!("test-admin-{instance}");
-            let token = crate::server::create_token(&pool, &name, "admin").await?;
-            pool.close().await;
-            Some(token)
-        };
-        let mut server = Self {
-            token,
+        Ok(Self {
+            token: None,
             binary: binary.to_path_buf(),
             env,
             port: 0,
@@ -122,10 +205,7 @@ impl ProcessServer {
             topic_root: topic_root.clone(),
             instance: instance.into(),
             _dir: dir,
-        };
-        server.port = free_port()?;
-        server.start_on_some_port().await?;
-        Ok(server)
+        })
     }
 
     /// `127.0.0.1:PORT` of the HTTP API.

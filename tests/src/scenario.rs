@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use idem_device_sim::{BrokerAddr, Fleet, FleetConfig, Plan, SimDevice};
+use idem_device_sim::{BrokerAddr, Fleet, FleetConfig, Plan, SimDevice, SimTls};
 use serde_json::{json, Value};
 
 use crate::broker::{raise_fd_limit, PrivateMosquitto};
@@ -23,9 +23,47 @@ impl Scenario {
     pub async fn start(settings: ServerSettings) -> Result<Self> {
         raise_fd_limit().context("raising the open-file limit")?;
         let broker = PrivateMosquitto::start()?;
+        Self::start_on(broker, settings).await
+    }
+
+    /// Like [`Scenario::start`] on a broker the test set up (TLS, passwords,
+    /// client certificates: [`PrivateMosquitto::builder`]).
+    pub async fn start_on(broker: PrivateMosquitto, settings: ServerSettings) -> Result<Self> {
+        raise_fd_limit().context("raising the open-file limit")?;
         let db = TestDatabase::create_with(&idem_server::MIGRATOR).await?;
         let server = TestServer::start(&db, &broker, settings).await?;
         Ok(Self { server, db, broker })
+    }
+
+    /// A fleet configuration for `devices` on the scenario's broker and
+    /// topic root: over TLS trusting the broker's CA when its listener is
+    /// TLS. No credentials (set `credentials` for a password file broker).
+    pub fn fleet_config(&self, devices: Vec<SimDevice>) -> Result<FleetConfig> {
+        let (broker, tls) = match self.broker.ca_file() {
+            Some(ca) => (
+                BrokerAddr::tls(self.broker.host(), self.broker.port()),
+                Some(SimTls::from_files(Some(ca), None).context("TLS settings for the fleet")?),
+            ),
+            None => (
+                BrokerAddr::new(self.broker.host(), self.broker.port()),
+                None,
+            ),
+        };
+        let mut config = FleetConfig::new(broker, self.server.topic_root.clone(), devices);
+        config.tls = tls;
+        Ok(config)
+    }
+
+    /// Starts a fleet from `config` and waits until all its devices are
+    /// connected.
+    pub async fn start_fleet_with(&self, config: FleetConfig) -> Result<Fleet> {
+        let n = config.devices.len();
+        let fleet = Fleet::start(config).context("starting the simulated fleet")?;
+        fleet
+            .wait_connected(n, Duration::from_secs(30))
+            .await
+            .context("waiting for the fleet to connect")?;
+        Ok(fleet)
     }
 
     /// Registers every device of `devices` with `desired` as its desired spec.
@@ -44,18 +82,8 @@ impl Scenario {
     /// Starts simulated devices on the scenario's broker and topic root and
     /// waits until all are connected.
     pub async fn start_fleet(&self, devices: Vec<SimDevice>) -> Result<Fleet> {
-        let n = devices.len();
-        let config = FleetConfig::new(
-            BrokerAddr::new(self.broker.host(), self.broker.port()),
-            self.server.topic_root.clone(),
-            devices,
-        );
-        let fleet = Fleet::start(config).context("starting the simulated fleet")?;
-        fleet
-            .wait_connected(n, Duration::from_secs(30))
-            .await
-            .context("waiting for the fleet to connect")?;
-        Ok(fleet)
+        let config = self.fleet_config(devices)?;
+        self.start_fleet_with(config).await
     }
 
     /// Registers the plan's devices, starts them, and waits until `reporting`

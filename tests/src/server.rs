@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api_client::ApiClient;
 use crate::broker::PrivateMosquitto;
+use crate::certs::CertFiles;
 use crate::database::TestDatabase;
 
 /// A running server; its API client is reached through `Deref`
@@ -76,6 +78,20 @@ pub struct ServerSettings {
     pub sse_send_timeout: Duration,
     /// `--sse-replay-rate` (events per second per client).
     pub sse_replay_rate: u32,
+    /// `--mqtt-username` / `--mqtt-password`.
+    pub mqtt_credentials: Option<(String, String)>,
+    /// `--broker-accounts`.
+    pub broker_accounts: idem_server::config::BrokerAccounts,
+    /// `--mqtt-ca-file`; `None` takes the broker's test CA when its
+    /// listener is TLS.
+    pub mqtt_ca_file: Option<PathBuf>,
+    /// `--mqtt-client-cert` / `--mqtt-client-key`.
+    pub mqtt_client_cert: Option<CertFiles>,
+    /// `--tls-cert` / `--tls-key` with the CA that signed them: the API is
+    /// served over HTTPS and the test client trusts that CA.
+    pub https: Option<(CertFiles, PathBuf)>,
+    /// How long `start` waits for `/readyz` to answer 200.
+    pub ready_timeout: Duration,
 }
 
 impl Default for ServerSettings {
@@ -105,6 +121,12 @@ impl Default for ServerSettings {
             sse_client_buffer: server.sse_client_buffer,
             sse_send_timeout: server.sse_send_timeout,
             sse_replay_rate: server.sse_replay_rate,
+            mqtt_credentials: None,
+            broker_accounts: idem_server::config::BrokerAccounts::None,
+            mqtt_ca_file: None,
+            mqtt_client_cert: None,
+            https: None,
+            ready_timeout: Duration::from_secs(15),
         }
     }
 }
@@ -119,8 +141,8 @@ impl TestServer {
     ) -> Result<Self> {
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let mut config = idem_server::Config::defaults();
-        config.database_url = db.url().to_owned();
-        config.mqtt_url = broker.url();
+        config.database_url = db.url().into();
+        config.mqtt_url = broker.url().into();
         config.topic_root = format!("idem-test/{}", &unique[..12]);
         config.instance = format!("test-{}", &unique[..12]);
         config.push_timeout = settings.push_timeout;
@@ -151,6 +173,22 @@ impl TestServer {
         if let Some(instance) = settings.instance {
             config.instance = instance;
         }
+        config.broker_accounts = settings.broker_accounts;
+        if let Some((username, password)) = settings.mqtt_credentials {
+            config.mqtt_username = Some(username);
+            config.mqtt_password = Some(password.into());
+        }
+        config.mqtt_ca_file = settings
+            .mqtt_ca_file
+            .or_else(|| broker.ca_file().map(Path::to_path_buf));
+        if let Some(client) = settings.mqtt_client_cert {
+            config.mqtt_client_cert = Some(client.cert);
+            config.mqtt_client_key = Some(client.key);
+        }
+        if let Some((identity, _)) = &settings.https {
+            config.tls_cert = Some(identity.cert.clone());
+            config.tls_key = Some(identity.key.clone());
+        }
         let valid = config.validate().context("test server configuration")?;
         let topic_root = valid.topic_root.clone();
         let instance = valid.config.instance.clone();
@@ -166,15 +204,19 @@ impl TestServer {
         let token = CancellationToken::new();
         let pool = db.pool().clone();
         let task = tokio::spawn(idem_server::run(valid, listener, pool, token.clone()));
+        let api = match &settings.https {
+            Some((_, ca)) => ApiClient::https(addr, ca)?,
+            None => ApiClient::new(addr)?,
+        };
         let server = Self {
             addr,
             topic_root,
             instance,
-            api: ApiClient::new(addr)?.with_token(admin_token.as_deref()),
+            api: api.with_token(admin_token.as_deref()),
             token,
             task: Some(task),
         };
-        server.wait_ready(Duration::from_secs(15)).await?;
+        server.wait_ready(settings.ready_timeout).await?;
         Ok(server)
     }
 

@@ -9,17 +9,9 @@
 use std::time::{Duration, Instant};
 
 use idem_device_sim::{
-    run_demo, BrokerAddr, DemoError, DemoSettings, FleetPlan, DEFAULT_REJECT_MESSAGE,
+    run_demo, BrokerAddr, DemoError, DemoSettings, FleetPlan, SecretString, DEFAULT_REJECT_MESSAGE,
 };
 use idem_tests::{Scenario, ServerSettings};
-
-/// The simulator's API client sends no operator token yet.
-fn open_server() -> ServerSettings {
-    ServerSettings {
-        insecure_no_auth: true,
-        ..ServerSettings::default()
-    }
-}
 
 fn settings_for(scenario: &Scenario, plan: idem_device_sim::Plan) -> DemoSettings {
     let mut settings = DemoSettings::new(
@@ -30,6 +22,7 @@ fn settings_for(scenario: &Scenario, plan: idem_device_sim::Plan) -> DemoSetting
     );
     settings.timeout = Duration::from_secs(30);
     settings.register_chunk = 100;
+    settings.auth.token = scenario.server.token().map(SecretString::new);
     settings
 }
 
@@ -37,7 +30,7 @@ fn settings_for(scenario: &Scenario, plan: idem_device_sim::Plan) -> DemoSetting
 async fn the_demo_over_500_devices_reports_exact_counts_and_matches_the_ground_truth() {
     // One attempt per device (the harness default): a rejecting device fails
     // at its first rejection instead of after retries.
-    let scenario = Scenario::start(open_server()).await.unwrap();
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
     let plan = FleetPlan::new("demo-", 500)
         .drifted(5)
         .rejecting(2)
@@ -86,7 +79,7 @@ async fn the_demo_over_500_devices_reports_exact_counts_and_matches_the_ground_t
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_demo_with_the_same_devices_is_refused_because_their_state_is_known() {
-    let scenario = Scenario::start(open_server()).await.unwrap();
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
     let plan = FleetPlan::new("again-", 20)
         .drifted(2)
         .seed(3)
@@ -110,7 +103,7 @@ async fn a_second_demo_with_the_same_devices_is_refused_because_their_state_is_k
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_demo_on_a_server_with_other_devices_runs_only_its_own_fleet() {
-    let scenario = Scenario::start(open_server()).await.unwrap();
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
     let first = FleetPlan::new("first-", 10).seed(1).build().unwrap();
     let earlier = run_demo(settings_for(&scenario, first), &()).await.unwrap();
     earlier.fleet.shutdown().await;

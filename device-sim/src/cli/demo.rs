@@ -13,7 +13,8 @@ use clap::Args;
 use idem_device_sim::demo::Latency;
 use idem_device_sim::memory::{format_bytes, peak_rss_bytes};
 use idem_device_sim::{
-    format_count, run_demo, DemoObserver, DemoPhase, DemoReport, DemoSettings, Fleet,
+    format_count, run_demo, ClientAuth, DemoObserver, DemoPhase, DemoReport, DemoSettings, Fleet,
+    SecretString,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -27,9 +28,18 @@ pub struct DemoArgs {
     #[command(flatten)]
     pub fleet: FleetArgs,
 
-    /// The idem server's HTTP API.
+    /// The idem server's HTTP API (`http://` or `https://`).
     #[arg(long, env = "IDEM_SIM_SERVER", default_value = "http://127.0.0.1:8080")]
     pub server: String,
+
+    /// Operator token for the API, sent as `Authorization: Bearer …`
+    /// (prefer the variable: a flag's value shows in the process list).
+    #[arg(long, env = "IDEM_SIM_TOKEN", hide_env_values = true)]
+    pub token: Option<SecretString>,
+
+    /// PEM CA file for an `https://` server; without it, the system trust store.
+    #[arg(long, env = "IDEM_SIM_API_CA_FILE")]
+    pub api_ca_file: Option<std::path::PathBuf>,
 
     /// Longest wait, in seconds, for the fleet to connect and report, and
     /// again for the run to complete.
@@ -81,6 +91,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     settings.fleet = config;
     settings.timeout = Duration::from_secs(args.timeout.max(1));
     settings.register_chunk = args.register_chunk.max(1);
+    settings.auth = ClientAuth {
+        token: args.token.clone(),
+        ca_file: args.api_ca_file.clone(),
+    };
     if output == Output::Text {
         let f = &args.fleet;
         println!(

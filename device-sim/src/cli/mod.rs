@@ -5,13 +5,15 @@
 mod demo;
 mod run;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use idem_device_sim::{
-    default_desired_spec, BrokerAddr, FleetConfig, FleetPlan, Plan, DEFAULT_REJECT_MESSAGE,
+    default_desired_spec, BrokerAddr, Credentials, FleetConfig, FleetPlan, Plan, SimTls,
+    DEFAULT_REJECT_MESSAGE,
 };
 use idem_protocol::TopicRoot;
 use serde_json::Value;
@@ -80,9 +82,29 @@ pub struct FleetArgs {
     #[arg(long, env = "IDEM_SIM_DEVICES", default_value_t = 10_000)]
     pub devices: usize,
 
-    /// MQTT broker, `mqtt://host:port` (plain TCP).
+    /// MQTT broker: `mqtt://host:port` (plain TCP) or `mqtts://host:port`
+    /// (TLS, default port 8883).
     #[arg(long, env = "IDEM_SIM_BROKER", default_value = "mqtt://127.0.0.1:1883")]
     pub broker: BrokerAddr,
+
+    /// PEM CA file the broker's certificate must chain to (`mqtts://`);
+    /// without it, the system trust store.
+    #[arg(long, env = "IDEM_SIM_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+
+    /// PEM client certificate every device presents (`mqtts://`); needs
+    /// `--client-key`.
+    #[arg(long, env = "IDEM_SIM_CLIENT_CERT", requires = "client_key")]
+    pub client_cert: Option<PathBuf>,
+
+    /// PEM private key of `--client-cert`.
+    #[arg(long, env = "IDEM_SIM_CLIENT_KEY", requires = "client_cert")]
+    pub client_key: Option<PathBuf>,
+
+    /// File of `device-id:password` lines: each device logs in to the broker
+    /// with its id as user name and its password (every device needs one).
+    #[arg(long, env = "IDEM_SIM_CREDENTIALS_FILE")]
+    pub credentials_file: Option<PathBuf>,
 
     /// Topic root shared with the server.
     #[arg(long, env = "IDEM_SIM_TOPIC_ROOT", default_value = idem_protocol::DEFAULT_TOPIC_ROOT)]
@@ -196,6 +218,20 @@ impl FleetArgs {
         config.report_interval =
             (self.report_interval_secs > 0).then(|| Duration::from_secs(self.report_interval_secs));
         config.client_id_prefix = self.client_id_prefix.clone();
+        if self.broker.tls {
+            let client = self.client_cert.as_deref().zip(self.client_key.as_deref());
+            config.tls =
+                Some(SimTls::from_files(self.ca_file.as_deref(), client).context(
+                    "invalid TLS settings (check --ca-file, --client-cert, --client-key)",
+                )?);
+        } else if self.ca_file.is_some() || self.client_cert.is_some() {
+            anyhow::bail!(
+                "--ca-file / --client-cert apply to TLS only: use an mqtts:// --broker, or drop them"
+            );
+        }
+        if let Some(path) = &self.credentials_file {
+            config.credentials = Some(Credentials::from_file(path)?);
+        }
         config.validate().context("invalid fleet configuration")?;
         Ok(config)
     }
@@ -349,7 +385,47 @@ mod tests {
 
     #[test]
     fn a_bad_broker_url_is_refused_with_a_hint() {
-        let err = Cli::try_parse_from(["device-sim", "run", "--broker", "mqtts://x"]).unwrap_err();
-        assert!(err.to_string().contains("plain TCP"), "{err}");
+        let err = Cli::try_parse_from(["device-sim", "run", "--broker", "ws://x"]).unwrap_err();
+        assert!(err.to_string().contains("mqtts://"), "{err}");
+    }
+
+    #[test]
+    fn tls_and_credential_flags_parse_and_tls_files_need_mqtts() {
+        let cli = Cli::try_parse_from([
+            "device-sim",
+            "demo",
+            "--broker",
+            "mqtts://127.0.0.1",
+            "--ca-file",
+            "/tmp/ca.pem",
+            "--credentials-file",
+            "/tmp/creds",
+            "--token",
+            "tok-123",
+        ])
+        .unwrap();
+        let Command::Demo(args) = cli.command else {
+            panic!("parsed as another subcommand")
+        };
+        assert_eq!(args.fleet.broker, BrokerAddr::tls("127.0.0.1", 8883));
+        assert_eq!(args.token.as_ref().map(|t| t.expose()), Some("tok-123"));
+        assert!(!format!("{args:?}").contains("tok-123"));
+        assert!(Cli::try_parse_from(["device-sim", "run", "--client-cert", "/tmp/c.pem"]).is_err());
+
+        let cli = Cli::try_parse_from([
+            "device-sim",
+            "run",
+            "--devices",
+            "1",
+            "--ca-file",
+            "/tmp/ca.pem",
+        ])
+        .unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("parsed as another subcommand")
+        };
+        let plan = args.fleet.plan().unwrap();
+        let err = args.fleet.fleet_config(&plan).unwrap_err().to_string();
+        assert!(err.contains("mqtts://"), "{err}");
     }
 }

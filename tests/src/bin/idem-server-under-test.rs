@@ -3,6 +3,6 @@
 //! Cargo gives integration tests the path of their own package's binaries.
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
     idem_server::cli::run_from_env().await
 }

@@ -1,0 +1,320 @@
+//! End to end, the way an attacker would try it: against a real Mosquitto
+//! with a TLS listener and the dynamic-security plugin, set up by
+//! `idem-server broker init`, with every device on its own account created
+//! by the server at registration. Each attack from the field — forged
+//! reports, desired messages, status and events, a stolen client id,
+//! anonymous and wrong-password logins — is refused by the broker and
+//! changes nothing in idem.
+
+// Test code: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use idem_device_sim::{Credentials, DeviceBehaviour, SimDevice};
+use idem_protocol::{Channel, DeviceId};
+use idem_tests::secured::start_secured;
+use idem_tests::{PrivateMosquitto, ServerSettings};
+use rumqttc::{AsyncClient, ConnectReturnCode, Event, MqttOptions, Packet, QoS};
+use serde_json::{json, Value};
+
+/// What happened to one connection attempt and its publishes.
+#[derive(Debug, PartialEq, Eq)]
+enum Login {
+    Refused(String),
+    Accepted,
+}
+
+/// Connects as `username`/`password` with `client_id` (TLS with the
+/// broker's CA) and reports whether the broker let it in.
+async fn try_login(
+    broker: &PrivateMosquitto,
+    client_id: &str,
+    credentials: Option<(&str, &str)>,
+) -> (Login, Option<(AsyncClient, tokio::task::JoinHandle<()>)>) {
+    let mut options: MqttOptions = broker.mqtt_options(client_id);
+    if let Some((user, password)) = credentials {
+        options.set_credentials(user, password);
+    }
+    let (client, mut eventloop) = AsyncClient::new(options, 32);
+    let first = tokio::time::timeout(Duration::from_secs(10), eventloop.poll())
+        .await
+        .expect("no answer from the broker");
+    match first {
+        Ok(Event::Incoming(Packet::ConnAck(ack))) if ack.code == ConnectReturnCode::Success => {
+            let pump = tokio::spawn(async move { while eventloop.poll().await.is_ok() {} });
+            (Login::Accepted, Some((client, pump)))
+        }
+        Ok(other) => (Login::Refused(format!("{other:?}")), None),
+        Err(e) => (Login::Refused(e.to_string()), None),
+    }
+}
+
+/// A `seq` the server accepts (within its day-ahead ceiling), so only the
+/// broker stands between a forged report and idem.
+fn now_micros() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+async fn wait_until(what: &str, mut ok: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !ok().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_forgery_and_takeover_is_refused_by_the_broker_and_changes_nothing() {
+    let (scenario, accounts) = start_secured(ServerSettings::default()).await.unwrap();
+    let server = &scenario.server;
+    let root = server.topic_root.clone();
+    let desired = json!({"fw": "2.0", "ssh": "closed"});
+    let devices: Vec<SimDevice> = (1..=4)
+        .map(|i| {
+            SimDevice::new(
+                DeviceId::parse(&format!("vb-{i}")).unwrap(),
+                desired.clone(),
+            )
+            .with_behaviour(DeviceBehaviour::Accept)
+        })
+        .collect();
+    // vb-5 is the attacker: a registered device whose (own) credentials
+    // are used to try what no device may do.
+    let body: Vec<Value> = devices
+        .iter()
+        .map(|d| json!({"id": d.id, "spec": desired}))
+        .chain([json!({"id": "vb-5", "spec": desired})])
+        .collect();
+    let (status, answer) = server
+        .post("/v1/devices", &Value::Array(body))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let passwords: HashMap<DeviceId, String> = answer["credentials"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert_eq!(c["username"], c["id"]);
+            (
+                DeviceId::parse(c["id"].as_str().unwrap()).unwrap(),
+                c["password"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(passwords.len(), 5, "{answer}");
+    let mut config = scenario.fleet_config(devices).unwrap();
+    let mut fleet_passwords = passwords.clone();
+    fleet_passwords.remove(&DeviceId::parse("vb-5").unwrap());
+    config.credentials = Some(Credentials::new(fleet_passwords));
+    let fleet = scenario.start_fleet_with(config).await.unwrap();
+    scenario
+        .wait_reports_stored(4, Duration::from_secs(20))
+        .await
+        .unwrap();
+    // A dashboard reader on the event topics, to see what a forged event
+    // would reach.
+    let mut options = scenario.broker.mqtt_options(&accounts.reader.0);
+    options.set_credentials(&accounts.reader.0, &accounts.reader.1);
+    options.set_max_packet_size(1 << 20, 1 << 20);
+    let (reader, mut reader_loop) = AsyncClient::new(options, 32);
+    reader
+        .subscribe(root.events_filter(), QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    let sources = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = sources.clone();
+    let reader_task = tokio::spawn(async move {
+        while let Ok(event) = reader_loop.poll().await {
+            if let Event::Incoming(Packet::Publish(p)) = event {
+                let event: Value = serde_json::from_slice(&p.payload).unwrap_or_default();
+                let source = event["source"].as_str().unwrap_or("?").to_owned();
+                sink.lock().unwrap().push(source);
+            }
+        }
+    });
+    let id = |n: u8| DeviceId::parse(&format!("vb-{n}")).unwrap();
+    let topic = |n: u8, channel| root.topic(&id(n), channel);
+
+    // Anonymous, unknown and wrong-password logins are refused.
+    for credentials in [
+        None,
+        Some(("attacker-A", "guess")),
+        Some(("vb-1", "not-its-password")),
+        Some((accounts.server.0.as_str(), "not-its-password")),
+    ] {
+        let (login, _) = try_login(&scenario.broker, "attacker-A", credentials).await;
+        assert!(
+            matches!(login, Login::Refused(_)),
+            "{credentials:?}: {login:?}"
+        );
+    }
+    // A device's own account, with another client id, is refused too: the
+    // client id is bound to the account.
+    let (login, _) = try_login(
+        &scenario.broker,
+        "attacker-A",
+        Some(("vb-1", &passwords[&id(1)])),
+    )
+    .await;
+    assert!(matches!(login, Login::Refused(_)), "{login:?}");
+    // Nobody takes over the server's session: not a device, not a reader.
+    let server_client_id = format!("idem-server:{}", server.instance);
+    for (user, password) in [
+        ("vb-1", passwords[&id(1)].as_str()),
+        (accounts.reader.0.as_str(), accounts.reader.1.as_str()),
+    ] {
+        let (login, _) =
+            try_login(&scenario.broker, &server_client_id, Some((user, password))).await;
+        assert!(matches!(login, Login::Refused(_)), "{user}: {login:?}");
+    }
+
+    // vb-5, logged in legitimately, tries everything it must not do.
+    let (login, client) =
+        try_login(&scenario.broker, "vb-5", Some(("vb-5", &passwords[&id(5)]))).await;
+    assert_eq!(login, Login::Accepted);
+    let (attacker, _pump) = client.unwrap();
+    let stored_seq_of_vb2 =
+        server.get("/v1/devices/vb-2").await.unwrap().1["reported"]["seq"].clone();
+    let forged_report = json!({"seq": now_micros() + 10_000_000, "spec": {"fw": "0.1-vulnerable"}});
+    let forgeries: Vec<(String, bool, Vec<u8>)> = vec![
+        (topic(2, Channel::Reported), false, forged_report.to_string().into_bytes()),
+        (
+            topic(3, Channel::Desired),
+            true,
+            json!({"generation": 9_000_000_000_000_000_u64, "spec": {"fw": "evil", "ssh": "open"}})
+                .to_string()
+                .into_bytes(),
+        ),
+        (topic(4, Channel::Status), true, b"offline".to_vec()),
+        (
+            root.event_topic("io.idem.device.provisioned", "vb-2"),
+            false,
+            json!({"specversion": "1.0", "type": "io.idem.device.provisioned", "source": "/idem/forged", "id": "x", "subject": "vb-2"})
+                .to_string()
+                .into_bytes(),
+        ),
+    ];
+    for (topic, retain, payload) in &forgeries {
+        attacker
+            .publish(topic.clone(), QoS::AtLeastOnce, *retain, payload.clone())
+            .await
+            .unwrap();
+    }
+    // A message vb-5 may send, after the forgeries: once it is stored, the
+    // broker has handled everything before it.
+    let own = fleet.state(&id(1)).unwrap().seq + 1_000;
+    attacker
+        .publish(
+            topic(5, Channel::Reported),
+            QoS::AtLeastOnce,
+            false,
+            json!({"seq": own, "spec": desired})
+                .to_string()
+                .into_bytes(),
+        )
+        .await
+        .unwrap();
+    wait_until("vb-5's own report is stored", async || {
+        server.get("/v1/devices/vb-5").await.unwrap().1["reported"]["seq"] == own
+    })
+    .await;
+
+    let (_, vb2) = server.get("/v1/devices/vb-2").await.unwrap();
+    assert_eq!(
+        vb2["reported"]["seq"], stored_seq_of_vb2,
+        "a forged report reached idem"
+    );
+    assert_eq!(vb2["reported"]["spec"], desired);
+    let vb3 = fleet.state(&id(3)).unwrap();
+    assert_eq!(vb3.spec, desired, "vb-3 applied a forged desired spec");
+    assert!(vb3.installed.is_empty(), "{:?}", vb3.installed);
+    let (_, vb4) = server.get("/v1/devices/vb-4").await.unwrap();
+    assert_eq!(vb4["online"], true, "a forged offline reached idem: {vb4}");
+    let run_id = server
+        .start_run(&json!({"devices": ["vb-1", "vb-2", "vb-3", "vb-4"]}))
+        .await
+        .unwrap();
+    let run = server
+        .wait_run_completed(&run_id, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(
+        run["summary"], "4 already converged, 0 provisioned, 0 failed",
+        "{run}"
+    );
+    // The server itself was never kicked off the broker.
+    assert_eq!(
+        server.metric("idem_mqtt_reconnects_total").await.unwrap(),
+        0.0
+    );
+    // The reader got the run's real events, and no forged one.
+    wait_until("the reader saw the run's events", async || {
+        sources.lock().unwrap().len() >= 6
+    })
+    .await;
+    let sources = sources.lock().unwrap().clone();
+    let real = format!("/idem/{}", server.instance);
+    assert!(
+        sources.iter().all(|s| *s == real),
+        "an event not from the server reached a dashboard: {sources:?}"
+    );
+    reader_task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_device_loses_its_broker_account_and_new_credentials_replace_old_ones() {
+    let (scenario, _accounts) = start_secured(ServerSettings::default()).await.unwrap();
+    let server = &scenario.server;
+    let (status, answer) = server
+        .post("/v1/devices", &json!([{"id": "acct-1", "spec": {"v": 1}}, {"id": "acct-2", "broker_password": "chosen-by-ops-1"}]))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let first = answer["credentials"][0]["password"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(answer["credentials"][1]["password"], "chosen-by-ops-1");
+    assert!(!answer["credentials"].to_string().is_empty());
+    let login = |id: &'static str, password: String| {
+        let broker = &scenario.broker;
+        async move { try_login(broker, id, Some((id, &password))).await.0 }
+    };
+    assert_eq!(login("acct-1", first.clone()).await, Login::Accepted);
+    assert_eq!(
+        login("acct-2", "chosen-by-ops-1".into()).await,
+        Login::Accepted
+    );
+
+    // A new password replaces the old one at once.
+    let (status, rotated) = server
+        .post("/v1/devices/acct-1/credentials", &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{rotated}");
+    let second = rotated["password"].as_str().unwrap().to_owned();
+    assert_ne!(second, first);
+    assert!(matches!(login("acct-1", first).await, Login::Refused(_)));
+    assert_eq!(login("acct-1", second.clone()).await, Login::Accepted);
+
+    // Deleting the device removes its account.
+    let (status, deleted) = server.delete("/v1/devices/acct-1").await.unwrap();
+    assert_eq!(status, 200, "{deleted}");
+    assert_eq!(deleted["broker_account_removed"], true, "{deleted}");
+    assert!(matches!(login("acct-1", second).await, Login::Refused(_)));
+
+    // Passwords never reach the audit trail.
+    let (_, audit) = server.get("/v1/audit").await.unwrap();
+    let text = audit.to_string();
+    assert!(!text.contains("chosen-by-ops-1"), "{text}");
+    assert!(
+        !text.contains(rotated["password"].as_str().unwrap()),
+        "{text}"
+    );
+}
