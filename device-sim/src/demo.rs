@@ -86,6 +86,10 @@ pub struct DemoSettings {
     pub poll_interval: Duration,
     /// Operator token and CA for the API.
     pub auth: ClientAuth,
+    /// A shell command run after registration, before the devices connect
+    /// (e.g. to regenerate the broker's password file from the accounts the
+    /// server just issued); the demo fails if it fails.
+    pub after_register: Option<String>,
 }
 
 impl DemoSettings {
@@ -107,6 +111,7 @@ impl DemoSettings {
             timeout: Duration::from_secs(300),
             poll_interval: Duration::from_millis(20),
             auth: ClientAuth::default(),
+            after_register: None,
         }
     }
 }
@@ -121,6 +126,8 @@ pub enum DemoError {
     Sim(#[from] SimError),
     #[error("the demo needs at least one device")]
     NoDevices,
+    #[error("the after-register command {command:?} failed: {reason}")]
+    AfterRegister { command: String, reason: String },
     #[error(
         "the idem server at {url} is not ready (GET /readyz is not 200): check that it can \
          reach its database and the broker"
@@ -286,6 +293,7 @@ pub async fn run_demo(
         timeout,
         poll_interval,
         auth,
+        after_register,
     } = settings;
     let devices = plan.devices.len();
     if devices == 0 {
@@ -330,6 +338,9 @@ pub async fn run_demo(
     // The server issued broker accounts: the devices connect with them.
     if fleet_config.credentials.is_none() && !issued.is_empty() {
         fleet_config.credentials = Some(crate::config::Credentials::new(issued));
+    }
+    if let Some(command) = after_register {
+        run_hook(&command).await?;
     }
     let register_time = started.elapsed();
     observer.phase_finished(DemoPhase::Register, register_time);
@@ -649,5 +660,29 @@ mod tests {
             label_selector("demo-1"),
             json!({"selector": {"labels": {"device-sim": "demo-1"}}})
         );
+    }
+}
+
+/// Runs `command` with `sh -c`, failing on a non-zero exit.
+async fn run_hook(command: &str) -> Result<(), DemoError> {
+    let failed = |reason: String| DemoError::AfterRegister {
+        command: command.to_owned(),
+        reason,
+    };
+    let output = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(failed(format!(
+            "{}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )))
     }
 }

@@ -318,3 +318,46 @@ async fn a_deleted_device_loses_its_broker_account_and_new_credentials_replace_o
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_500_device_demo_runs_over_tls_with_the_accounts_the_server_created() {
+    let (scenario, _accounts) = start_secured(ServerSettings::default()).await.unwrap();
+    let plan = idem_device_sim::FleetPlan::new("sec-", 500)
+        .drifted(5)
+        .rejecting(2)
+        .seed(17)
+        .build()
+        .unwrap();
+    let fleet = scenario.fleet_config(Vec::new()).unwrap();
+    let mut demo = idem_device_sim::DemoSettings::new(
+        scenario.server.url(""),
+        plan.clone(),
+        fleet.broker.clone(),
+        scenario.server.topic_root.clone(),
+    );
+    demo.fleet.tls = fleet.tls;
+    demo.auth.token = scenario
+        .server
+        .token()
+        .map(idem_device_sim::SecretString::new);
+    demo.timeout = Duration::from_secs(60);
+    demo.register_chunk = 100;
+    let started = Instant::now();
+    let run = idem_device_sim::run_demo(demo, &()).await.unwrap();
+    println!(
+        "secured demo, 500 devices over TLS with their own accounts: {:?} total; connect {:.2} s, run {:.3} s",
+        started.elapsed(),
+        run.report.timings.connect_s,
+        run.report.timings.run_s
+    );
+    assert_eq!(
+        run.report.summary,
+        "493 already converged, 5 provisioned, 2 failed"
+    );
+    assert!(
+        run.report.check.passed(),
+        "{:#?}",
+        run.report.check.mismatches
+    );
+    assert_eq!(run.report.check.checked, 500);
+}

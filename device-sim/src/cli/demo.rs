@@ -50,6 +50,12 @@ pub struct DemoArgs {
     #[arg(long, env = "IDEM_SIM_REGISTER_CHUNK", default_value_t = 1_000)]
     pub register_chunk: usize,
 
+    /// A shell command to run after registering the fleet and before
+    /// connecting it, e.g. to regenerate the broker's password file from
+    /// the accounts the server issued (see scripts/demo).
+    #[arg(long, env = "IDEM_SIM_AFTER_REGISTER")]
+    pub after_register: Option<String>,
+
     /// Print the report as JSON on stdout (no progress bars).
     #[arg(long, env = "IDEM_SIM_JSON", conflicts_with = "quiet")]
     pub json: bool,
@@ -95,6 +101,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         token: args.token.clone(),
         ca_file: args.api_ca_file.clone(),
     };
+    settings.after_register = args.after_register.clone();
     if output == Output::Text {
         let f = &args.fleet;
         println!(
