@@ -42,6 +42,7 @@ const USAGE: &str = "\
 usage: idem-bench --server-bin PATH [--out FILE] [--devices N] [--drifted N]
                   [--heartbeats K] [--perf STEP] [--perf-scope server|all]
                   [--connect-rate R] [--max-connecting M] [--server-log FILE]
+                  [--secure]
 
   --server-bin PATH   the idem-server binary to benchmark (release build)
   --out FILE          where to write the JSON results
@@ -55,6 +56,10 @@ usage: idem-bench --server-bin PATH [--out FILE] [--devices N] [--drifted N]
   --perf-scope S      profile the server only (default) or all CPUs
   --server-log FILE   keep the server's log there (e.g. with
                       RUST_LOG=info,sqlx::query=debug for statement timings)
+  --secure            the deployment shape: TLS-only broker, the server and
+                      every device (and the counting subscriber) on their own
+                      password accounts, operator token on the API; without
+                      it: plain MQTT, anonymous, no tokens (--insecure-no-auth)
 
 Every IDEM_* variable (and RUST_LOG) in the environment is passed on to the
 server.";
@@ -66,6 +71,8 @@ const POLL: Duration = Duration::from_millis(10);
 /// Longest wait for any one step.
 const STEP_TIMEOUT: Duration = Duration::from_secs(300);
 const APPLIED: &str = "idem_reports_total{result=\"applied\"}";
+/// The bare counting subscriber's client id and (with `--secure`) user.
+const COUNTER_USER: &str = "idem-bench-counter";
 const PUSHES: &str = "idem_pushes_total";
 
 #[derive(Debug, Clone)]
@@ -78,6 +85,7 @@ struct Args {
     connect_rate: u32,
     max_connecting: usize,
     perf: Option<String>,
+    secure: bool,
     perf_all: bool,
     server_log: Option<PathBuf>,
 }
@@ -92,6 +100,7 @@ fn parse_args() -> Result<Args> {
         connect_rate: 0,
         max_connecting: idem_device_sim::DEFAULT_MAX_CONNECTING,
         perf: None,
+        secure: false,
         perf_all: false,
         server_log: None,
     };
@@ -112,6 +121,7 @@ fn parse_args() -> Result<Args> {
                 args.max_connecting = value()?.parse().context("--max-connecting")?
             }
             "--perf" => args.perf = Some(value()?),
+            "--secure" => args.secure = true,
             "--server-log" => args.server_log = Some(PathBuf::from(value()?)),
             "--perf-scope" => {
                 args.perf_all = match value()?.as_str() {
@@ -325,9 +335,17 @@ struct Counter {
 }
 
 impl Counter {
-    async fn start(broker: &PrivateMosquitto, root: &TopicRoot, target: u64) -> Result<Self> {
-        let mut options = MqttOptions::new("idem-bench-counter", broker.host(), broker.port());
+    async fn start(
+        broker: &PrivateMosquitto,
+        root: &TopicRoot,
+        target: u64,
+        password: Option<&str>,
+    ) -> Result<Self> {
+        let mut options: MqttOptions = broker.mqtt_options(COUNTER_USER);
         options.set_keep_alive(Duration::from_secs(30));
+        if let Some(password) = password {
+            options.set_credentials(COUNTER_USER, password);
+        }
         let (client, mut eventloop) = AsyncClient::new(options, 10);
         client
             .subscribe(root.filter(Channel::Reported), QoS::AtLeastOnce)
@@ -382,6 +400,8 @@ struct Bench {
     client: ServerClient,
     db: TestDatabase,
     probe: Probe,
+    /// Broker passwords by user name (`--secure`).
+    passwords: Option<std::collections::HashMap<String, String>>,
 }
 
 /// What the steps produce.
@@ -592,7 +612,12 @@ async fn main() -> Result<()> {
     }
     let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     eprintln!(
-        "idem-bench: {} devices, {} drifted, {} heartbeats each; load average {}",
+        "idem-bench ({}): {} devices, {} drifted, {} heartbeats each; load average {}",
+        if args.secure {
+            "secure: TLS, per-client accounts, operator token"
+        } else {
+            "plain: no TLS, anonymous, no tokens"
+        },
         format_count(args.devices as u64),
         args.drifted,
         args.heartbeats,
@@ -604,7 +629,32 @@ async fn main() -> Result<()> {
     );
 
     // The system under test: private broker, fresh database, server process.
-    let broker = PrivateMosquitto::start().context("starting a private Mosquitto")?;
+    // With --secure, every client has its own password account.
+    let passwords = args.secure.then(|| {
+        let secret = uuid::Uuid::new_v4().simple().to_string();
+        let mut passwords: std::collections::HashMap<String, String> = bench_plan(&args)
+            .map(|plan| {
+                plan.devices
+                    .iter()
+                    .map(|d| (d.id.to_string(), format!("{}-{secret}", d.id)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        passwords.insert("idem-server".into(), format!("server-{secret}"));
+        passwords.insert(COUNTER_USER.into(), format!("counter-{secret}"));
+        passwords
+    });
+    let broker = match &passwords {
+        None => PrivateMosquitto::start(),
+        Some(passwords) => {
+            let accounts: Vec<(&String, &String)> = passwords.iter().collect();
+            PrivateMosquitto::builder()
+                .tls()
+                .password_file(&accounts)
+                .start()
+        }
+    }
+    .context("starting a private Mosquitto")?;
     let db = TestDatabase::create()
         .await
         .context("creating a fresh database")?;
@@ -619,10 +669,19 @@ async fn main() -> Result<()> {
         // Re-drifted devices must wait for our runs, not start their own.
         ("IDEM_DEBOUNCE".into(), "1h".into()),
         ("IDEM_RESYNC_INTERVAL".into(), "0".into()),
-        // The simulator's API client sends no operator token yet.
-        ("IDEM_INSECURE_NO_AUTH".into(), "true".into()),
         ("RUST_LOG".into(), "warn,idem_server=info".into()),
     ];
+    match (&passwords, broker.ca_file()) {
+        (Some(passwords), Some(ca)) => {
+            server_env.push(("IDEM_MQTT_CA_FILE".into(), ca.display().to_string()));
+            server_env.push(("IDEM_MQTT_USERNAME".into(), "idem-server".into()));
+            server_env.push((
+                "IDEM_MQTT_PASSWORD".into(),
+                passwords["idem-server"].clone(),
+            ));
+        }
+        _ => server_env.push(("IDEM_INSECURE_NO_AUTH".into(), "true".into())),
+    }
     for (key, value) in std::env::vars() {
         if (key.starts_with("IDEM_") && !key.starts_with("IDEM_BENCH")) || key == "RUST_LOG" {
             server_env.retain(|(k, _)| *k != key);
@@ -648,7 +707,14 @@ async fn main() -> Result<()> {
         .into_iter()
         .find(|(_, ppid, comm)| *ppid == std::process::id() && comm == "mosquitto")
         .map(|(pid, _, _)| pid);
-    let client = ServerClient::new(&server.url(""))?;
+    let auth = idem_device_sim::ClientAuth {
+        token: server
+            .api()
+            .token()
+            .map(idem_device_sim::SecretString::new),
+        ca_file: None,
+    };
+    let client = ServerClient::with_auth(&server.url(""), &auth)?;
     let bench = Bench {
         args: args.clone(),
         client,
@@ -657,6 +723,7 @@ async fn main() -> Result<()> {
             server_pid,
             broker_pid,
         },
+        passwords,
     };
     let result = run_steps(&bench, &broker, &root, &server_env, &load_before).await;
     let log_tail = server.log_tail();
@@ -676,6 +743,14 @@ async fn main() -> Result<()> {
     }
 }
 
+/// The benchmark's fleet: `--devices`, `--drifted` of them drifted.
+fn bench_plan(args: &Args) -> Result<idem_device_sim::Plan> {
+    Ok(FleetPlan::new("bench-", args.devices)
+        .drifted(args.drifted)
+        .seed(1)
+        .build()?)
+}
+
 async fn run_steps(
     bench: &Bench,
     broker: &PrivateMosquitto,
@@ -685,10 +760,7 @@ async fn run_steps(
 ) -> Result<()> {
     let n = bench.args.devices;
     let k = bench.args.heartbeats;
-    let plan = FleetPlan::new("bench-", n)
-        .drifted(bench.args.drifted)
-        .seed(1)
-        .build()?;
+    let plan = bench_plan(&bench.args)?;
     let drifted_ids = plan.ids_expecting(ExpectedOutcome::Provisioned);
     let expected_summary = plan.expected_counts().summary();
 
@@ -715,11 +787,20 @@ async fn run_steps(
 
     // Connect: every device connected and its first report stored.
     let baseline = bench.metric(APPLIED).await?;
-    let mut config = FleetConfig::new(
-        BrokerAddr::new(broker.host(), broker.port()),
-        root.clone(),
-        plan.devices.clone(),
-    );
+    let broker_addr = match broker.ca_file() {
+        Some(_) => BrokerAddr::tls(broker.host(), broker.port()),
+        None => BrokerAddr::new(broker.host(), broker.port()),
+    };
+    let mut config = FleetConfig::new(broker_addr, root.clone(), plan.devices.clone());
+    if let (Some(passwords), Some(ca)) = (&bench.passwords, broker.ca_file()) {
+        config.tls = Some(idem_device_sim::SimTls::from_files(Some(ca), None)?);
+        let devices: std::collections::HashMap<idem_protocol::DeviceId, String> = plan
+            .devices
+            .iter()
+            .filter_map(|d| passwords.get(d.id.as_str()).map(|p| (d.id.clone(), p.clone())))
+            .collect();
+        config.credentials = Some(idem_device_sim::Credentials::new(devices));
+    }
     config.connect_rate = bench.args.connect_rate;
     config.max_connecting = bench.args.max_connecting;
     let ((fleet, connected_s), connect_wall) = bench
@@ -829,7 +910,12 @@ async fn run_steps(
     // Ingest: every device publishes K reports at once; the server's stored
     // rate against a bare subscriber's received rate, same burst.
     let total = n as u64 * u64::from(k);
-    let counter = Counter::start(broker, root, total).await?;
+    let counter_password = bench
+        .passwords
+        .as_ref()
+        .and_then(|p| p.get(COUNTER_USER))
+        .map(String::as_str);
+    let counter = Counter::start(broker, root, total, counter_password).await?;
     let baseline = bench.metric(APPLIED).await?;
     let final_seqs: Vec<(String, i64)> = fleet
         .states()
@@ -1049,7 +1135,17 @@ async fn run_steps(
             "devices": n,
             "drifted": bench.args.drifted,
             "heartbeats_per_device": k,
-            "server_env": server_env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>(),
+            "secure": bench.args.secure,
+            "server_env": server_env
+                .iter()
+                .map(|(k, v)| {
+                    if k.contains("PASSWORD") {
+                        format!("{k}=***")
+                    } else {
+                        format!("{k}={v}")
+                    }
+                })
+                .collect::<Vec<_>>(),
             "simulator": "one rumqttc v4 client per device in this process",
             "connect_rate_per_s": bench.args.connect_rate,
             "max_connecting": bench.args.max_connecting,
