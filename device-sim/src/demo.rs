@@ -621,6 +621,30 @@ pub fn label_selector(label: &str) -> Value {
     json!({"selector": {"labels": { FLEET_LABEL: label }}})
 }
 
+/// Runs `command` with `sh -c`, failing on a non-zero exit.
+async fn run_hook(command: &str) -> Result<(), DemoError> {
+    let failed = |reason: String| DemoError::AfterRegister {
+        command: command.to_owned(),
+        reason,
+    };
+    let output = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(command)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(failed(format!(
+            "{}: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -660,29 +684,5 @@ mod tests {
             label_selector("demo-1"),
             json!({"selector": {"labels": {"device-sim": "demo-1"}}})
         );
-    }
-}
-
-/// Runs `command` with `sh -c`, failing on a non-zero exit.
-async fn run_hook(command: &str) -> Result<(), DemoError> {
-    let failed = |reason: String| DemoError::AfterRegister {
-        command: command.to_owned(),
-        reason,
-    };
-    let output = tokio::process::Command::new("sh")
-        .arg("-c")
-        .arg(command)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(failed(format!(
-            "{}: {}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        )))
     }
 }

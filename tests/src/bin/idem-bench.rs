@@ -708,10 +708,7 @@ async fn main() -> Result<()> {
         .find(|(_, ppid, comm)| *ppid == std::process::id() && comm == "mosquitto")
         .map(|(pid, _, _)| pid);
     let auth = idem_device_sim::ClientAuth {
-        token: server
-            .api()
-            .token()
-            .map(idem_device_sim::SecretString::new),
+        token: server.api().token().map(idem_device_sim::SecretString::new),
         ca_file: None,
     };
     let client = ServerClient::with_auth(&server.url(""), &auth)?;
@@ -797,7 +794,11 @@ async fn run_steps(
         let devices: std::collections::HashMap<idem_protocol::DeviceId, String> = plan
             .devices
             .iter()
-            .filter_map(|d| passwords.get(d.id.as_str()).map(|p| (d.id.clone(), p.clone())))
+            .filter_map(|d| {
+                passwords
+                    .get(d.id.as_str())
+                    .map(|p| (d.id.clone(), p.clone()))
+            })
             .collect();
         config.credentials = Some(idem_device_sim::Credentials::new(devices));
     }
