@@ -30,7 +30,9 @@ async fn every_request_limit_answers_4xx_naming_the_limit() {
         .collect();
     let many_ids: Vec<String> = (0..100_001).map(|i| format!("lim-{i}")).collect();
     let long_after = "a".repeat(300);
-    let cases: Vec<(&str, (u16, Value), u16, &str, &str)> = vec![
+    // (what, answer, expected status, code, text the message must hold)
+    type Case<'a> = (&'a str, (u16, Value), u16, &'a str, &'a str);
+    let cases: Vec<Case> = vec![
         (
             "registrations per request",
             server
