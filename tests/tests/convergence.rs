@@ -310,12 +310,19 @@ async fn a_desired_change_during_a_push_supersedes_it_and_a_late_ack_does_not_co
     let id = plan.devices[0].id.clone();
     let path = format!("/v1/devices/{id}/desired");
 
+    let received_before = fleet.state(&id).unwrap().desired_received;
     let (_, first) = scenario
         .server
         .put(&path, &json!({"spec": {"firmware": "2"}}))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Change desired again while the device is applying generation 2.
+    wait_for(
+        "the device to receive generation 2",
+        Duration::from_secs(10),
+        || async { fleet.state(&id).unwrap().desired_received > received_before },
+    )
+    .await;
     let (_, second) = scenario
         .server
         .put(&path, &json!({"spec": {"firmware": "3"}}))
@@ -415,7 +422,10 @@ async fn pushes_to_a_thousand_devices_never_exceed_the_rate_limit_in_any_second(
         saw_queue,
         "the push queue depth should be visible while pacing"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    watcher
+        .wait_for_run_completed(&run_id, Duration::from_secs(10))
+        .await
+        .unwrap();
     assert_eq!(watcher.total(), 1_000);
     let peak = watcher.max_per_second();
     println!(
