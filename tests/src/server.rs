@@ -286,8 +286,11 @@ impl DesiredWatcher {
     /// has arrived here. The server sends desired state and events over one
     /// MQTT connection, in order, and relays the event only after the run's
     /// last outcome committed: once it is here, so is every push the run
-    /// made. (A QoS 0 event could overtake queued QoS 1 publishes only if
-    /// this subscriber's in-flight window were full; it acknowledges at once.)
+    /// made. (Order could break only under back-pressure: a push the server
+    /// hands over while its MQTT request queue is full goes out from a task
+    /// of its own, and a QoS 0 event could overtake QoS 1 publishes queued
+    /// for this subscriber if its in-flight window were full. The tests'
+    /// fleets fill neither; this subscriber acknowledges at once.)
     pub async fn wait_for_run_completed(&self, run_id: &str, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
