@@ -180,6 +180,20 @@ mod tests {
     }
 
     #[test]
+    fn an_id_shows_its_text_through_every_view() {
+        let id = DeviceId::parse("pump-7").unwrap();
+        let as_ref: &str = id.as_ref();
+        assert_eq!(as_ref, "pump-7");
+        assert_eq!(id.to_string(), "pump-7");
+        assert_eq!(format!("{id:?}"), "DeviceId(pump-7)");
+        // `Borrow<str>` lets maps keyed by ids be queried with plain text.
+        let known: std::collections::HashSet<DeviceId> = [id.clone()].into();
+        assert!(known.contains("pump-7"));
+        assert!(!known.contains("pump-8"));
+        assert_eq!(id.into_string(), "pump-7");
+    }
+
+    #[test]
     fn deserializing_an_invalid_id_fails() {
         assert!(serde_json::from_str::<DeviceId>("\"a/b\"").is_err());
         assert_eq!(

@@ -197,6 +197,16 @@ mod tests {
     }
 
     #[test]
+    fn a_digest_in_a_log_line_shows_its_first_six_bytes() {
+        let d = digest_of("{}");
+        let hex = &d.to_string()["sha256:".len()..];
+        assert_eq!(
+            format!("{d:?}"),
+            format!("SpecDigest(sha256:{}…)", &hex[..12])
+        );
+    }
+
+    #[test]
     fn a_float_survives_its_canonical_form_exactly() {
         // Found by the fuzz target: without exact float parsing, the
         // canonical text of this number parsed back to a neighbouring

@@ -185,6 +185,26 @@ mod tests {
     }
 
     #[test]
+    fn the_limits_are_the_ones_the_protocol_documents() {
+        // docs/PROTOCOL.md §5.5, with the default 64 KiB budget.
+        let budget = SpecBudget::default();
+        assert_eq!(budget.max_spec_bytes(), 65_536);
+        assert_eq!(budget.max_desired_bytes(), 65_600, "budget + 64 bytes");
+        assert_eq!(budget.max_report_bytes(), 139_264, "2 × budget + 8 KiB");
+        assert_eq!(
+            budget.max_packet_bytes(),
+            140_288,
+            "a report payload + 1 KiB"
+        );
+        // Configurable from 256 bytes to 64 MiB.
+        assert_eq!(SpecBudget::new(0).max_spec_bytes(), 256);
+        assert_eq!(SpecBudget::new(usize::MAX).max_spec_bytes(), 67_108_864);
+        let small = SpecBudget::new(1000);
+        assert_eq!(small.max_report_bytes(), 2 * 1000 + 8 * 1024);
+        assert_eq!(small.max_desired_bytes(), 1000 + 64);
+    }
+
+    #[test]
     fn budgets_outside_the_range_are_clamped() {
         assert_eq!(SpecBudget::new(1).max_spec_bytes(), MIN_MAX_SPEC_BYTES);
         assert_eq!(
@@ -198,6 +218,17 @@ mod tests {
         let budget = SpecBudget::new(256);
         let spec = json!({"b": 1, "a": "x"});
         assert_eq!(budget.check_spec(&spec), Ok(r#"{"a":"x","b":1}"#.len()));
+        // Exactly at the budget is accepted, one byte more is not.
+        let at_limit = json!({"x": "y".repeat(256 - r#"{"x":""}"#.len())});
+        assert_eq!(budget.check_spec(&at_limit), Ok(256));
+        let over = json!({"x": "y".repeat(257 - r#"{"x":""}"#.len())});
+        assert_eq!(
+            budget.check_spec(&over),
+            Err(SpecError::TooLarge {
+                bytes: 257,
+                limit: 256
+            })
+        );
         let big = json!({"x": "y".repeat(300)});
         assert_eq!(
             budget.check_spec(&big),

@@ -278,6 +278,38 @@ mod tests {
     }
 
     #[test]
+    fn a_desired_message_round_trips() {
+        let d = Desired {
+            generation: 7,
+            spec: json!({"fw": "2.0", "fans": [1, 2]}),
+        };
+        assert_eq!(Desired::decode(&d.encode(), budget()).unwrap(), d);
+    }
+
+    #[test]
+    fn a_payload_of_exactly_the_report_limit_is_accepted() {
+        let limit = budget().max_report_bytes();
+        let report = br#"{"seq":1,"spec":{}}"#;
+        let mut payload = report.to_vec();
+        payload.resize(limit, b' ');
+        assert_eq!(Reported::decode(&payload, budget()).unwrap().seq, 1);
+        payload.push(b' ');
+        assert!(matches!(
+            Reported::decode(&payload, budget()),
+            Err(DecodeError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn a_reported_spec_of_exactly_the_budget_is_accepted() {
+        let spec = json!({"x": "y".repeat(1024 - r#"{"x":""}"#.len())});
+        assert_eq!(budget().check_spec(&spec), Ok(1024));
+        let payload = format!(r#"{{"seq":1,"spec":{spec}}}"#);
+        let report = Reported::decode(payload.as_bytes(), budget()).unwrap();
+        assert_eq!(report.spec, spec);
+    }
+
+    #[test]
     fn oversized_payloads_are_refused_before_parsing() {
         let limit = budget().max_report_bytes();
         let err = Reported::decode(&vec![b' '; limit + 1], budget()).unwrap_err();
@@ -388,6 +420,15 @@ mod tests {
         assert_eq!(d.generation, 2);
         assert!(Desired::decode(br#"[2,{"a":1}]"#, budget()).is_err());
         assert!(Desired::decode(b"", budget()).is_err());
+    }
+
+    #[test]
+    fn status_payloads_are_the_bare_words_and_decode_back() {
+        assert_eq!(Status::Online.as_payload(), b"online");
+        assert_eq!(Status::Offline.as_payload(), b"offline");
+        for status in [Status::Online, Status::Offline] {
+            assert_eq!(Status::decode(status.as_payload()), Ok(status));
+        }
     }
 
     #[test]

@@ -221,6 +221,17 @@ mod tests {
     }
 
     #[test]
+    fn a_root_shows_and_parses_as_its_text() {
+        let root: TopicRoot = "acme/fleet".parse().unwrap();
+        assert_eq!(root, TopicRoot::new("acme/fleet").unwrap());
+        assert_eq!(root.as_str(), "acme/fleet");
+        assert_eq!(root.to_string(), "acme/fleet");
+        assert_eq!(format!("{root:?}"), "TopicRoot(acme/fleet)");
+        assert_eq!(root.events_filter(), "acme/fleet/events/#");
+        assert_eq!("acme/#".parse::<TopicRoot>(), Err(TopicError::InvalidRoot));
+    }
+
+    #[test]
     fn roots_with_wildcards_or_stray_slashes_are_refused() {
         for bad in ["", "/idem", "idem/", "idem//v1", "idem/+", "idem/#"] {
             assert_eq!(TopicRoot::new(bad), Err(TopicError::InvalidRoot), "{bad}");

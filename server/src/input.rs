@@ -201,6 +201,33 @@ mod tests {
     }
 
     #[test]
+    fn labels_exactly_at_each_limit_are_accepted() {
+        let most: Map<String, Value> = (0..MAX_LABELS)
+            .map(|i| (format!("k{i}"), json!("v")))
+            .collect();
+        assert!(check_labels(&Value::Object(most)).is_ok());
+        let longest_key = "k".repeat(MAX_LABEL_KEY_BYTES);
+        assert!(check_label_pair(&longest_key, "v").is_ok());
+        assert!(check_label_pair(&format!("{longest_key}k"), "v").is_err());
+        let longest_value = "v".repeat(MAX_LABEL_VALUE_BYTES);
+        assert!(check_label_pair("k", &longest_value).is_ok());
+        assert!(check_label_pair("k", &format!("{longest_value}v")).is_err());
+    }
+
+    #[test]
+    fn a_refused_label_is_named_by_its_key_cut_to_a_readable_length() {
+        let err = check_label_pair("site", &"v".repeat(300)).unwrap_err();
+        assert!(
+            err.to_string().contains(r#"label "site" has a value"#),
+            "{err}"
+        );
+        let long_key = format!("{}\0", "k".repeat(100));
+        let err = check_label_pair(&long_key, "v").unwrap_err();
+        let shown = format!("label {:?} holds a NUL", "k".repeat(64));
+        assert!(err.to_string().contains(&shown), "{err}");
+    }
+
+    #[test]
     fn counts_and_query_text_are_bounded() {
         assert!(check_count("devices", 10, 10).is_ok());
         let err = check_count("devices", 11, 10).unwrap_err();
@@ -208,5 +235,7 @@ mod tests {
         assert!(check_query_text("after", "dev-1").is_ok());
         assert!(check_query_text("after", "a\u{0}").is_err());
         assert!(check_query_text("after", &"a".repeat(300)).is_err());
+        assert!(check_query_text("after", &"a".repeat(MAX_QUERY_TEXT_BYTES)).is_ok());
+        assert!(check_query_text("after", &"a".repeat(MAX_QUERY_TEXT_BYTES + 1)).is_err());
     }
 }

@@ -1,5 +1,6 @@
 //! Store tests against the real PostgreSQL (`DATABASE_URL`, set by
-//! scripts/test): batched writes, no-op skipping, gap-free event sequences.
+//! scripts/test): batched writes, no-op skipping, gap-free event sequences
+//! handed out in commit order.
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -121,6 +122,51 @@ async fn event_sequences_stay_gap_free_when_a_transaction_rolls_back(pool: PgPoo
         "the rolled-back range is reused"
     );
     tx.commit().await.unwrap();
+}
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn a_second_event_writer_waits_for_the_first_to_commit_so_sequences_commit_in_order(
+    pool: PgPool,
+) {
+    let mut first = pool.begin().await.unwrap();
+    assert_eq!(events::reserve_sequences(&mut first, 2).await.unwrap(), 1);
+    // Were the second writer not held back, it could commit sequence 3
+    // while 1 and 2 are still invisible, and a reader tailing the log past
+    // 3 (the relay, an SSE client) would never see them.
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let got = events::reserve_sequences(&mut tx, 1).await.unwrap();
+            tx.commit().await.unwrap();
+            got
+        }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            !second.is_finished(),
+            "the second writer reserved sequence {:?} while the first had not committed",
+            second.await.unwrap()
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second writer neither waited nor finished"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    first.commit().await.unwrap();
+    assert_eq!(second.await.unwrap(), 3);
 }
 
 async fn append_events(pool: &PgPool, count: usize, age: chrono::Duration) {

@@ -4,7 +4,7 @@
 //!
 //! Owns the server task: dropping `TestServer` cancels it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -303,11 +303,15 @@ impl Drop for TestServer {
 }
 
 /// Counts desired-state publishes per device, as a separate subscriber on
-/// `{root}/+/desired` sees them.
+/// `{root}/+/desired` sees them. It also follows the server's
+/// `io.idem.run.completed` events, the marker that every push of a run has
+/// been delivered (see [`DesiredWatcher::wait_for_run_completed`]).
 pub struct DesiredWatcher {
     seen: Arc<Mutex<HashMap<String, usize>>>,
     /// When each publish arrived, in arrival order.
     arrivals: Arc<Mutex<Vec<Instant>>>,
+    /// Run ids whose `io.idem.run.completed` event arrived.
+    completed_runs: Arc<Mutex<HashSet<String>>>,
     client: AsyncClient,
     task: JoinHandle<()>,
 }
@@ -316,48 +320,97 @@ impl DesiredWatcher {
     /// Subscribes and waits for the SUBACK, so nothing published afterwards
     /// is missed.
     pub async fn start(broker: &PrivateMosquitto, root: &TopicRoot) -> Result<Self> {
-        let options =
+        let mut options =
             broker.mqtt_options(format!("desired-watch-{}", uuid::Uuid::new_v4().simple()));
+        // A run.completed event lists up to 1,000 outcomes: far over
+        // rumqttc's default 10 KiB packet limit.
+        options.set_max_packet_size(1 << 20, 1 << 20);
         let (client, mut eventloop) = AsyncClient::new(options, 100);
-        client
-            .subscribe(root.filter(Channel::Desired), QoS::AtLeastOnce)
-            .await
-            .context("subscribing")?;
+        // `{root}/events/io.idem.run.completed/`, followed by the run id.
+        let completed_prefix = root.event_topic("io.idem.run.completed", "");
+        for filter in [
+            root.filter(Channel::Desired),
+            format!("{completed_prefix}+"),
+        ] {
+            client
+                .subscribe(filter, QoS::AtLeastOnce)
+                .await
+                .context("subscribing")?;
+        }
         let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
+        let mut subacks = 0;
+        while subacks < 2 {
             let event = tokio::time::timeout_at(deadline.into(), eventloop.poll())
                 .await
                 .context("no SUBACK from the broker within 5 s")?
                 .context("desired watcher connection")?;
             if let Event::Incoming(Packet::SubAck(_)) = event {
-                break;
+                subacks += 1;
             }
         }
         let seen = Arc::new(Mutex::new(HashMap::new()));
         let sink = seen.clone();
         let arrivals = Arc::new(Mutex::new(Vec::new()));
         let arrivals_sink = arrivals.clone();
+        let completed_runs = Arc::new(Mutex::new(HashSet::new()));
+        let completed_sink = completed_runs.clone();
         let root = root.clone();
         let task = tokio::spawn(async move {
             while let Ok(event) = eventloop.poll().await {
-                if let Event::Incoming(Packet::Publish(p)) = event {
-                    arrivals_sink
+                let Event::Incoming(Packet::Publish(p)) = event else {
+                    continue;
+                };
+                if let Some(run_id) = p.topic.strip_prefix(&completed_prefix) {
+                    completed_sink
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
-                        .push(Instant::now());
-                    if let Ok(parsed) = root.parse(&p.topic) {
-                        let mut seen = sink.lock().unwrap_or_else(PoisonError::into_inner);
-                        *seen.entry(parsed.device.to_string()).or_insert(0) += 1;
-                    }
+                        .insert(run_id.to_owned());
+                    continue;
+                }
+                arrivals_sink
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(Instant::now());
+                if let Ok(parsed) = root.parse(&p.topic) {
+                    let mut seen = sink.lock().unwrap_or_else(PoisonError::into_inner);
+                    *seen.entry(parsed.device.to_string()).or_insert(0) += 1;
                 }
             }
         });
         Ok(Self {
             seen,
             arrivals,
+            completed_runs,
             client,
             task,
         })
+    }
+
+    /// Waits until the server's `io.idem.run.completed` event for `run_id`
+    /// has arrived here. The server sends desired state and events over one
+    /// MQTT connection, in order, and relays the event only after the run's
+    /// last outcome committed: once it is here, so is every push the run
+    /// made. (Order could break only under back-pressure: a push the server
+    /// hands over while its MQTT request queue is full goes out from a task
+    /// of its own, and a QoS 0 event could overtake QoS 1 publishes queued
+    /// for this subscriber if its in-flight window were full. The tests'
+    /// fleets fill neither; this subscriber acknowledges at once.)
+    pub async fn wait_for_run_completed(&self, run_id: &str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self
+                .completed_runs
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains(run_id)
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the run.completed event of run {run_id} did not arrive over MQTT within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Device id → number of desired publishes seen so far.

@@ -310,12 +310,19 @@ async fn a_desired_change_during_a_push_supersedes_it_and_a_late_ack_does_not_co
     let id = plan.devices[0].id.clone();
     let path = format!("/v1/devices/{id}/desired");
 
+    let received_before = fleet.state(&id).unwrap().desired_received;
     let (_, first) = scenario
         .server
         .put(&path, &json!({"spec": {"firmware": "2"}}))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Change desired again while the device is applying generation 2.
+    wait_for(
+        "the device to receive generation 2",
+        Duration::from_secs(10),
+        || async { fleet.state(&id).unwrap().desired_received > received_before },
+    )
+    .await;
     let (_, second) = scenario
         .server
         .put(&path, &json!({"spec": {"firmware": "3"}}))
@@ -362,6 +369,75 @@ async fn a_desired_change_during_a_push_supersedes_it_and_a_late_ack_does_not_co
         .unwrap();
     assert_eq!(view["reported"]["generation"], 3);
     assert_eq!(view["status"], "converged");
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_targets_a_device_being_pushed_shares_the_push_and_both_runs_get_its_outcome() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("shared-", 1)
+        .apply_latency(Duration::from_millis(800), Duration::from_millis(800))
+        .build()
+        .unwrap();
+    let watcher = DesiredWatcher::start(&scenario.broker, &scenario.server.topic_root)
+        .await
+        .unwrap();
+    let fleet = scenario.register_and_start(&plan, 1).await.unwrap();
+    let id = plan.devices[0].id.clone();
+    let pushes_before = watcher.total();
+
+    let received_before = fleet.state(&id).unwrap().desired_received;
+    let (_, desired) = scenario
+        .server
+        .put(
+            &format!("/v1/devices/{id}/desired"),
+            &json!({"spec": {"firmware": "2"}}),
+        )
+        .await
+        .unwrap();
+    // A re-check of the same device while it is applying the push.
+    wait_for(
+        "the device to receive the push",
+        Duration::from_secs(10),
+        || async { fleet.state(&id).unwrap().desired_received > received_before },
+    )
+    .await;
+    let recheck = scenario
+        .server
+        .start_run(&json!({"devices": [id.as_str()]}))
+        .await
+        .unwrap();
+
+    for run_id in [desired["run_id"].as_str().unwrap(), recheck.as_str()] {
+        let run = scenario
+            .server
+            .wait_run_completed(run_id, Duration::from_secs(20))
+            .await
+            .unwrap();
+        assert_eq!(
+            run["summary"], "0 already converged, 1 provisioned, 0 failed",
+            "{run}"
+        );
+        let outcomes = scenario.server.run_outcomes(run_id).await.unwrap();
+        assert_eq!(outcomes.len(), 1, "{outcomes:?}");
+        assert_eq!(outcomes[id.as_str()]["generation"], 2);
+    }
+    watcher
+        .wait_for_run_completed(&recheck, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(
+        watcher.total() - pushes_before,
+        1,
+        "the second run shares the push in flight"
+    );
+    assert_eq!(
+        device_events(&scenario, id.as_str())
+            .await
+            .get("io.idem.device.provisioned"),
+        Some(&2),
+        "one outcome event per run"
+    );
     fleet.shutdown().await;
 }
 
@@ -415,7 +491,10 @@ async fn pushes_to_a_thousand_devices_never_exceed_the_rate_limit_in_any_second(
         saw_queue,
         "the push queue depth should be visible while pacing"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    watcher
+        .wait_for_run_completed(&run_id, Duration::from_secs(10))
+        .await
+        .unwrap();
     assert_eq!(watcher.total(), 1_000);
     let peak = watcher.max_per_second();
     println!(

@@ -1,18 +1,19 @@
 //! End to end: outcome events reach SSE clients (resumable, gap-free) and
-//! MQTT subscribers (one valid CloudEvent per device per run), and the
-//! Prometheus counters agree with the run.
+//! MQTT subscribers (one valid CloudEvent per device per run), only once the
+//! outcomes they report are committed, and the Prometheus counters agree with
+//! the run.
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cloudevents::AttributesReader;
 use idem_device_sim::FleetPlan;
 use idem_tests::{Scenario, ServerSettings, SseMessage};
 use rumqttc::{AsyncClient, Event, Packet, QoS};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// The harness's SSE reader, failing the test on any error.
 struct SseClient(idem_tests::SseClient);
@@ -248,5 +249,91 @@ async fn sse_filters_by_type_device_and_run() {
         assert_eq!(event["type"], "io.idem.device.already_converged");
         assert_eq!(event["runid"], second_run.as_str());
     }
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed() {
+    let scenario = Scenario::start(ServerSettings {
+        stuck_after: Duration::from_millis(500),
+        ..ServerSettings::default()
+    })
+    .await
+    .unwrap();
+    let plan = FleetPlan::new("commit-", 5).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 5).await.unwrap();
+    let pool = scenario.db.pool();
+
+    // Another client holds every device row: the engine's outcome write
+    // (which updates them) waits, while the run itself (manual, no spec,
+    // targets referencing the rows) still commits.
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM devices FOR NO KEY UPDATE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let run_id = scenario
+        .server
+        .start_run(&json!({"all": true}))
+        .await
+        .unwrap();
+    // The engine has decided the five outcomes and waits to commit them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, body) = scenario.server.get("/readyz").await.unwrap();
+        if status == 503 && body["stuck"]["engine"].is_string() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the engine's outcome write never waited: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let decided: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM run_targets WHERE run_id = $1::uuid AND outcome IS NOT NULL",
+    )
+    .bind(&run_id)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let logged: Vec<String> =
+        sqlx::query_scalar("SELECT type FROM events WHERE run_id = $1::uuid ORDER BY sequence")
+            .bind(&run_id)
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    assert_eq!(decided, 0, "outcomes committed while the write was held");
+    assert_eq!(
+        logged,
+        vec!["io.idem.run.started"],
+        "events in the log (and so on SSE and MQTT) before the outcomes they report were committed"
+    );
+
+    blocker.rollback().await.unwrap();
+    let run = scenario
+        .server
+        .wait_run_completed(&run_id, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(
+        run["summary"],
+        "5 already converged, 0 provisioned, 0 failed"
+    );
+    // Each device event now stands next to the committed outcome it reports.
+    let reported: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT e.type, t.outcome FROM events e \
+         LEFT JOIN run_targets t ON t.run_id = e.run_id AND t.device_id = e.subject \
+         WHERE e.run_id = $1::uuid AND e.type LIKE 'io.idem.device.%' ORDER BY e.sequence",
+    )
+    .bind(&run_id)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let expected = (
+        "io.idem.device.already_converged".to_owned(),
+        Some("already_converged".to_owned()),
+    );
+    assert_eq!(reported, vec![expected; 5]);
     fleet.shutdown().await;
 }

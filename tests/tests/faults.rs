@@ -217,6 +217,36 @@ async fn wait_all_runs_completed(
     }
 }
 
+/// Waits until the witness has seen, for every device of `fleet`, a report
+/// with a higher seq than `before` holds for it: each device published again.
+async fn wait_each_published_since(
+    witness: &ReportWitness,
+    fleet: &Fleet,
+    before: &HashMap<String, u64>,
+    when: &str,
+) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        witness.check_intact().unwrap();
+        let seen = witness.highest();
+        let silent: Vec<&str> = fleet
+            .device_ids()
+            .map(|id| id.as_str())
+            .filter(|id| seen.get(*id) <= before.get(*id))
+            .collect();
+        if silent.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} devices published nothing {when} within 15 s, e.g. {:?}",
+            silent.len(),
+            &silent[..silent.len().min(10)]
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Waits until the witness has seen, for every device, exactly the seq of
 /// its last built report: every report a device built reached the broker.
 async fn wait_witness_saw_final(witness: &ReportWitness, finals: &[DeviceSnapshot]) {
@@ -290,7 +320,6 @@ async fn a_server_killed_while_200_devices_report_loses_no_report_and_leaves_no_
     const DEVICES: usize = 200;
     const DRIFTED: usize = 20;
     const HEARTBEAT: Duration = Duration::from_millis(250);
-    const REPORTING_WHILE_DOWN: Duration = Duration::from_secs(2);
     let _serial = SERIAL.lock().await;
     let began = Instant::now();
     raise_fd_limit().unwrap();
@@ -359,7 +388,15 @@ async fn a_server_killed_while_200_devices_report_loses_no_report_and_leaves_no_
         "{decided_at_kill}"
     );
 
-    tokio::time::sleep(REPORTING_WHILE_DOWN).await;
+    // Every leaving device publishes while the server is down: its newest
+    // report then exists only in the server's persistent session.
+    wait_each_published_since(
+        &witness,
+        &leaving_fleet,
+        &highest_at_kill,
+        "while the server was down",
+    )
+    .await;
     let leaving_final = take_all_offline(&leaving_fleet).await;
     let published_while_down = witness.reports() - published_before_kill;
     for device in &leaving_final {
@@ -402,9 +439,17 @@ async fn a_server_killed_while_200_devices_report_loses_no_report_and_leaves_no_
     .unwrap();
     assert_eq!(undecided, 0);
 
-    // Heartbeats keep flowing into the restarted server for a moment, then
-    // the remaining devices leave too and every seq is final.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Heartbeats keep flowing into the restarted server (each staying
+    // device publishes again), then the remaining devices leave too and
+    // every seq is final.
+    let highest_after_restart = witness.highest();
+    wait_each_published_since(
+        &witness,
+        &staying_fleet,
+        &highest_after_restart,
+        "after the restart",
+    )
+    .await;
     let staying_final = take_all_offline(&staying_fleet).await;
     let finals: Vec<DeviceSnapshot> = leaving_final.into_iter().chain(staying_final).collect();
     assert_eq!(finals.len(), DEVICES);

@@ -295,8 +295,28 @@ async fn poison_queued_while_the_server_is_down_is_refused_after_restart_and_nev
     server.stop().await.unwrap();
 
     // The poison was acknowledged: a third process is not sent it again.
+    // The broker sends a resumed session's unacknowledged messages before
+    // anything newer, so once a report published now is stored, any
+    // redelivered poison would already have been counted.
     let server = TestServer::start(&db, &broker, again).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let marker = stored_seq(db.pool(), "queued-00001").await.unwrap() + 1;
+    injector
+        .publish(
+            reported(&server, "queued-00001"),
+            false,
+            json!({"seq": marker, "spec": plan.desired_spec})
+                .to_string()
+                .into_bytes(),
+        )
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stored_seq(db.pool(), "queued-00001").await != Some(marker) {
+        assert!(
+            Instant::now() < deadline,
+            "a report published after the restart was never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     for reason in ["nul_character", "oversized"] {
         let series = format!("idem_reports_rejected_total{{reason=\"{reason}\"}}");
         assert_eq!(metric(&server, &series).await, 0.0, "{reason} redelivered");

@@ -57,7 +57,12 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
         .iter()
         .map(|d| d.to_string())
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every push of the run has reached the watcher once the run's
+    // completed event has (same server connection, sent after them).
+    watcher
+        .wait_for_run_completed(&run_id, Duration::from_secs(10))
+        .await
+        .unwrap();
     let pushed: BTreeSet<String> = watcher.seen().keys().cloned().collect();
     assert_eq!(pushed, drifted);
     assert_eq!(watcher.total(), 4);
@@ -70,12 +75,15 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
     assert_eq!(events.values().sum::<i64>(), 52, "{events:?}");
 
     // The same run again: everything already converged, nothing published.
-    let (_, again) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    let (again_id, again) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
     assert_eq!(
         again["summary"],
         "50 already converged, 0 provisioned, 0 failed"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    watcher
+        .wait_for_run_completed(&again_id, Duration::from_secs(10))
+        .await
+        .unwrap();
     assert_eq!(
         watcher.total(),
         4,

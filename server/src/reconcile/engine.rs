@@ -1076,18 +1076,42 @@ enum FlushError {
 mod tests {
     use super::*;
 
-    /// Slots a 200/s pacer hands out when woken every `step_ms` for `total_ms`.
-    fn slots_taken(step_ms: usize, total_ms: u64) -> Vec<Instant> {
+    /// Slots a 200/s pacer hands out when woken every `step_ms` for
+    /// `total_ms`, the first wake-up `late_ms` after it was created.
+    fn slots_taken_from(late_ms: u64, step_ms: usize, total_ms: u64) -> Vec<Instant> {
         let mut pacer = PushPacer::new(Some(200));
-        let start = Instant::now();
+        let start = pacer.next_slot() + Duration::from_millis(late_ms);
         let mut taken = Vec::new();
         for ms in (0..total_ms).step_by(step_ms) {
             let now = start + Duration::from_millis(ms);
+            let before = taken.len();
             while pacer.try_take(now) {
                 taken.push(now);
+                assert!(
+                    taken.len() - before <= 200,
+                    "more than a window's worth of slots at one instant"
+                );
             }
         }
         taken
+    }
+
+    /// Slots a 200/s pacer hands out when woken every `step_ms` for `total_ms`.
+    fn slots_taken(step_ms: usize, total_ms: u64) -> Vec<Instant> {
+        slots_taken_from(0, step_ms, total_ms)
+    }
+
+    /// The most slots within any [`PACING_WINDOW`].
+    fn peak_per_window(taken: &[Instant]) -> usize {
+        (0..taken.len())
+            .map(|i| {
+                taken[i..]
+                    .iter()
+                    .take_while(|u| **u < taken[i] + PACING_WINDOW)
+                    .count()
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// The most slots within any one-second window.
@@ -1125,6 +1149,28 @@ mod tests {
             "catch-up too weak: {} in 5 s",
             taken.len()
         );
+    }
+
+    #[test]
+    fn a_slot_opens_exactly_one_spacing_after_the_last() {
+        let mut pacer = PushPacer::new(Some(200));
+        let first = pacer.next_slot();
+        assert!(pacer.try_take(first));
+        assert!(!pacer.try_take(first), "one slot per spacing");
+        let second = pacer.next_slot();
+        assert_eq!(second, first + PACING_WINDOW / 200);
+        assert!(!pacer.try_take(second - Duration::from_nanos(1)));
+        assert!(pacer.try_take(second));
+    }
+
+    #[test]
+    fn the_sliding_window_holds_when_catching_up_on_a_late_start() {
+        // Woken first 10 ms late, the pacer catches up on that lateness
+        // with a small burst; spacing alone would then fit 202 slots into
+        // one window, the window keeps it at the rate.
+        let taken = slots_taken_from(10, 1, 3_000);
+        assert!(taken.len() >= 540, "pacing too slow: {}", taken.len());
+        assert_eq!(peak_per_window(&taken), 200);
     }
 
     #[test]

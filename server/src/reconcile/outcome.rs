@@ -241,9 +241,78 @@ mod tests {
     }
 
     #[test]
+    fn counts_add_up_per_kind_and_in_total() {
+        let mut counts = OutcomeCounts::default();
+        for (kind, n) in OutcomeKind::ALL.into_iter().zip(1..) {
+            for _ in 0..n {
+                counts.add(kind);
+            }
+        }
+        assert_eq!(
+            counts,
+            OutcomeCounts {
+                already_converged: 1,
+                provisioned: 2,
+                failed: 3,
+                skipped: 4,
+                superseded: 5,
+            }
+        );
+        for (kind, n) in OutcomeKind::ALL.into_iter().zip(1..) {
+            assert_eq!(counts.get(kind), n, "{kind}");
+        }
+        assert_eq!(counts.total(), 15);
+        assert_eq!(OutcomeCounts::default().total(), 0);
+    }
+
+    #[test]
+    fn failures_and_skips_carry_the_reason_operators_read() {
+        let cases = [
+            (
+                Outcome::Failed(FailureReason::Rejected {
+                    message: "flash full".to_owned(),
+                }),
+                Some("rejected by device: flash full"),
+            ),
+            (
+                Outcome::Failed(FailureReason::Timeout),
+                Some("timeout: device did not confirm the pushed generation in time"),
+            ),
+            (
+                Outcome::Failed(FailureReason::NoReport),
+                Some("timeout: device never reported its state"),
+            ),
+            (
+                Outcome::Failed(FailureReason::AppliedSpecDiffers),
+                Some("device reported the pushed generation with a different spec"),
+            ),
+            (Outcome::Skipped(SkipReason::Offline), Some("offline")),
+            (
+                Outcome::Skipped(SkipReason::Quarantined),
+                Some("quarantined"),
+            ),
+            (
+                Outcome::Skipped(SkipReason::NoDesiredSpec),
+                Some("no desired spec"),
+            ),
+            (
+                Outcome::Skipped(SkipReason::Deleted),
+                Some("device deleted"),
+            ),
+            (Outcome::Provisioned, None),
+            (Outcome::AlreadyConverged, None),
+            (Outcome::Superseded, None),
+        ];
+        for (outcome, reason) in cases {
+            assert_eq!(outcome.reason().as_deref(), reason, "{outcome:?}");
+        }
+    }
+
+    #[test]
     fn outcome_kinds_round_trip_through_their_names() {
         for kind in OutcomeKind::ALL {
             assert_eq!(OutcomeKind::parse(kind.as_str()), Some(kind));
+            assert_eq!(kind.to_string(), kind.as_str());
         }
         assert_eq!(OutcomeKind::parse("converged"), None);
     }
