@@ -846,3 +846,45 @@ async fn an_ingest_that_cannot_commit_makes_readyz_fail_and_recovers() {
     blocker.rollback().await.unwrap();
     assert_the_fleet_is_still_served(&scenario.server, scenario.db.pool(), &fleet).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_and_greedy_event_streams_do_not_stop_the_fleet() {
+    idem_tests::raise_fd_limit().unwrap();
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let (_, fleet) = converged_fleet(&scenario, "greedy-", 20).await;
+    // A log worth replaying: 20,000 events of about 1 KB.
+    scenario.append_events(20_000, 1_000).await.unwrap();
+    // 1,100 connections that never send a request ...
+    let mut idle = Vec::with_capacity(1_100);
+    for _ in 0..1_100 {
+        idle.push(
+            tokio::net::TcpStream::connect(scenario.server.addr)
+                .await
+                .unwrap(),
+        );
+    }
+    // ... and 20 event streams replaying everything, none of them reading.
+    let mut streams = Vec::new();
+    for _ in 0..20 {
+        streams.push(
+            idem_tests::StalledSseClient::open(
+                scenario.server.addr,
+                "/v1/events?after=0",
+                scenario.server.token(),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let started = Instant::now();
+    let (status, _) = scenario.server.get("/healthz").await.unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_the_fleet_is_still_served(&scenario.server, scenario.db.pool(), &fleet).await;
+    drop(streams);
+    drop(idle);
+}
