@@ -34,7 +34,16 @@ pub struct InvalidDigest(pub String);
 impl SpecDigest {
     /// Digest of `spec` in its canonical form.
     pub fn of(spec: &Value) -> Self {
-        Self(Sha256::digest(canonical_json(spec).as_bytes()).into())
+        Self::of_with_len(spec).0
+    }
+
+    /// The digest and the length of the canonical form, from one pass.
+    pub fn of_with_len(spec: &Value) -> (Self, usize) {
+        let canonical = canonical_json(spec);
+        (
+            Self(Sha256::digest(canonical.as_bytes()).into()),
+            canonical.len(),
+        )
     }
 
     /// Parses the text form, e.g. a digest read back from storage.

@@ -159,6 +159,15 @@ impl Reported {
     /// canonical form. `error.message` is kept storable (NUL replaced, cut
     /// to 1 KiB) rather than costing the report.
     pub fn decode(payload: &[u8], budget: SpecBudget) -> Result<Self, DecodeError> {
+        Self::decode_with_digest(payload, budget).map(|(report, _)| report)
+    }
+
+    /// [`Reported::decode`], also returning the spec's digest: the canonical
+    /// form is built once for both the size check and the digest.
+    pub fn decode_with_digest(
+        payload: &[u8],
+        budget: SpecBudget,
+    ) -> Result<(Self, crate::SpecDigest), DecodeError> {
         check_size(payload, budget.max_report_bytes())?;
         require_object(payload)?;
         let mut report: Reported =
@@ -172,7 +181,7 @@ impl Reported {
         if let Some(path) = nul_path(&report.spec) {
             return Err(DecodeError::Nul { path });
         }
-        let bytes = crate::digest::canonical_json(&report.spec).len();
+        let (digest, bytes) = crate::SpecDigest::of_with_len(&report.spec);
         if bytes > budget.max_spec_bytes() {
             return Err(DecodeError::SpecTooLarge {
                 bytes,
@@ -182,7 +191,7 @@ impl Reported {
         if let Some(error) = &mut report.error {
             error.message = storable_text(&error.message, MAX_ERROR_MESSAGE_BYTES);
         }
-        Ok(report)
+        Ok((report, digest))
     }
 
     pub fn encode(&self) -> Vec<u8> {

@@ -38,6 +38,8 @@ pub enum Inbound {
     Report {
         device: DeviceId,
         report: Reported,
+        /// The spec's canonical digest (computed while decoding).
+        digest: SpecDigest,
     },
     Status {
         device: DeviceId,
@@ -95,8 +97,8 @@ pub fn classify(
         };
     }
     match parsed.channel {
-        Channel::Reported => match Reported::decode(payload, rules.budget) {
-            Ok(report) if report.seq > rules.seq_ceiling => Inbound::Rejected {
+        Channel::Reported => match Reported::decode_with_digest(payload, rules.budget) {
+            Ok((report, _)) if report.seq > rules.seq_ceiling => Inbound::Rejected {
                 reason: "seq_out_of_range",
                 detail: format!(
                     "seq {} is more than a day ahead of the server's clock in Unix microseconds (at most {})",
@@ -104,9 +106,10 @@ pub fn classify(
                 ),
                 report: true,
             },
-            Ok(report) => Inbound::Report {
+            Ok((report, digest)) => Inbound::Report {
                 device: parsed.device,
                 report,
+                digest,
             },
             Err(e) => Inbound::Rejected {
                 reason: e.reason(),
@@ -256,7 +259,11 @@ impl Ingest {
                 received.oversized,
                 rules,
             ) {
-                Inbound::Report { device, report } => {
+                Inbound::Report {
+                    device,
+                    report,
+                    digest,
+                } => {
                     let Some(stored) = self.known_seq(&device) else {
                         self.metrics.reject_report("unknown_device");
                         tracing::debug!(%device, "report from an unregistered device refused");
@@ -270,7 +277,6 @@ impl Ingest {
                             if report.health == Some(Health::Unknown) {
                                 self.metrics.health_unknown.increment(1);
                             }
-                            let digest = SpecDigest::of(&report.spec);
                             batch.reports.insert(device, (report, digest));
                         }
                         ReportResult::Duplicate | ReportResult::Stale | ReportResult::Rejected => {}
@@ -444,11 +450,17 @@ mod tests {
     #[test]
     fn a_valid_report_is_classified_with_its_device() {
         let got = classify_plain("idem/v1/pump-1/reported", br#"{"seq":5,"spec":{"a":1}}"#);
-        let Inbound::Report { device, report } = got else {
+        let Inbound::Report {
+            device,
+            report,
+            digest,
+        } = got
+        else {
             panic!("expected a report, got {got:?}")
         };
         assert_eq!(device.as_str(), "pump-1");
         assert_eq!(report.seq, 5);
+        assert_eq!(digest, SpecDigest::of(&serde_json::json!({"a": 1})));
     }
 
     #[test]
