@@ -18,10 +18,9 @@ use crate::http::HttpLimits;
 use crate::ingest::Ingest;
 use crate::metrics::Metrics;
 use crate::mqtt::{self, MqttStatus, Publisher};
-use crate::reconcile::engine::{
-    Engine, EngineCommand, EngineContext, EngineNotice, EngineSettings, EngineStats,
-};
+use crate::reconcile::engine::{Engine, EngineCommand, EngineContext, EngineSettings, EngineStats};
 use crate::reconcile::policy::RetryPolicy;
+use crate::reconcile::run::RunSpec;
 use crate::reconcile::runs::Trigger;
 use crate::relay::{EventRelay, Retention};
 use crate::sse::{SseClients, SseSettings};
@@ -41,7 +40,6 @@ pub struct AppState {
     pub fleet: Arc<Fleet>,
     pub metrics: Arc<Metrics>,
     pub engine: mpsc::Sender<EngineCommand>,
-    pub notices: broadcast::Sender<EngineNotice>,
     /// Committed events, in sequence order, from the relay (for SSE).
     pub live_events: broadcast::Sender<Arc<StoredEvent>>,
     /// Wakes the relay after a commit that wrote events.
@@ -121,7 +119,6 @@ pub async fn run(
     };
     let (inbound_tx, inbound_rx) = mpsc::channel(INBOUND_CAPACITY);
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
-    let (notices, _) = broadcast::channel(1_024);
     let event_source = format!("/idem/{}", config.config.instance);
     let device_writes = DeviceWrites::default();
     let (live_events, _) = broadcast::channel(LIVE_EVENTS_CAPACITY);
@@ -163,7 +160,6 @@ pub async fn run(
         fleet: fleet.clone(),
         metrics: metrics.clone(),
         publisher: publisher.clone(),
-        notices: notices.clone(),
         events_wake: events_wake.clone(),
         stats: engine_stats.clone(),
         event_source: event_source.clone(),
@@ -249,7 +245,6 @@ pub async fn run(
         fleet,
         metrics,
         engine: engine_tx,
-        notices,
         live_events,
         events_wake,
         mqtt: mqtt_status,
@@ -308,17 +303,10 @@ async fn resume_unfinished_runs(
             .iter()
             .filter_map(|id| DeviceId::parse(id).ok())
             .collect();
-        let decided = usize::try_from(run.target_count)
-            .unwrap_or(0)
-            .saturating_sub(targets.len());
         tracing::info!(run_id = %run.id, undecided = targets.len(), "resuming unfinished run");
-        let command = EngineCommand::StartRun {
-            run_id: run.id,
-            trigger: run.trigger,
-            targets,
-            force: run.force,
-            decided,
-        };
+        let target_count = usize::try_from(run.target_count).unwrap_or(0);
+        let spec = RunSpec::resumed(run.id, &run.trigger, run.force, target_count, targets);
+        let command = EngineCommand::StartRun(spec);
         if engine.send(command).await.is_err() {
             break;
         }

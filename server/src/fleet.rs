@@ -4,7 +4,7 @@
 //! Postgres stays the source of truth: entries change only after the write
 //! that they mirror has committed. Never hold a guard across `.await`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -13,6 +13,7 @@ use idem_protocol::{DeviceId, Health, SpecDigest};
 use serde_json::Value;
 
 use crate::reconcile::decide::{self, Actual, ReportedState};
+use crate::reconcile::machine::DeviceChange;
 use crate::reconcile::policy::DeviceStatus;
 use crate::store::devices::DeviceRow;
 use crate::store::to_u64;
@@ -125,6 +126,34 @@ fn stored_digest(stored: &str, spec: &Value) -> SpecDigest {
     SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(spec))
 }
 
+/// Read-only access to the fleet cache, for those that must not write it
+/// (the engine's state machine: its changes reach the cache only through
+/// [`Fleet::apply_engine_changes`], after they are committed).
+#[derive(Debug, Clone)]
+pub struct FleetView(Arc<Fleet>);
+
+impl FleetView {
+    pub fn new(fleet: Arc<Fleet>) -> Self {
+        Self(fleet)
+    }
+
+    pub fn get(&self, id: &DeviceId) -> Option<DeviceEntry> {
+        self.0.get(id)
+    }
+
+    pub fn ids_with_desired_state(&self) -> Vec<DeviceId> {
+        self.0.ids_with_desired_state()
+    }
+
+    pub fn ids_with_retained_behind(&self) -> Vec<DeviceId> {
+        self.0.ids_with_retained_behind()
+    }
+
+    pub fn ids_reported_before(&self, cutoff: DateTime<Utc>) -> Vec<DeviceId> {
+        self.0.ids_reported_before(cutoff)
+    }
+}
+
 /// Every registered device, by id.
 #[derive(Debug, Default)]
 pub struct Fleet {
@@ -208,6 +237,20 @@ impl Fleet {
     /// Forgets a deleted device.
     pub fn remove(&self, id: &DeviceId) {
         self.devices.remove(id);
+    }
+
+    /// Mirrors the engine's committed device changes.
+    pub fn apply_engine_changes(&self, changes: &BTreeMap<DeviceId, DeviceChange>) {
+        for (id, change) in changes {
+            if let Some(mut entry) = self.devices.get_mut(id) {
+                change.apply_to(&mut entry);
+            }
+        }
+    }
+
+    /// Adds or replaces one entry (a device registered with known state).
+    pub fn insert(&self, id: DeviceId, entry: DeviceEntry) {
+        self.devices.insert(id, entry);
     }
 
     pub fn set_failures(&self, id: &DeviceId, failures: u32) {

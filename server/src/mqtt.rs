@@ -382,7 +382,7 @@ impl Publisher {
     }
 
     /// Asks the device to report now.
-    pub async fn ask_for_report(&self, device: &DeviceId) {
+    pub fn ask_for_report(&self, device: &DeviceId) {
         let topic = self.root.topic(device, Channel::Get);
         let sent = self
             .client

@@ -795,11 +795,21 @@ async fn a_report_the_database_refuses_is_isolated_and_the_rest_of_its_batch_is_
     )
     .await;
     assert!(metric(&scenario.server, "idem_ingest_batch_splits_total").await >= 1.0);
-    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM devices WHERE reported_seq = $1")
-        .bind(seq as i64)
-        .fetch_one(scenario.db.pool())
-        .await
-        .unwrap();
+    // The refused report is found (and counted) before the slices after it
+    // in the batch are written: wait for those.
+    let count_stored = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM devices WHERE reported_seq = $1")
+            .bind(seq as i64)
+            .fetch_one(scenario.db.pool())
+            .await
+            .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut stored = count_stored().await;
+    while stored < 19 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        stored = count_stored().await;
+    }
     assert_eq!(stored, 19, "every report but the refused one is stored");
     assert_eq!(
         stored_seq(scenario.db.pool(), "iso-00007")

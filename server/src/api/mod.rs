@@ -925,14 +925,18 @@ async fn create_run(
     })?;
     state.events_wake.notify_one();
     state.metrics.events_committed.increment(1);
-    let run_id = run.run_id;
-    state.engine.send(run.into_command()).await.map_err(|_| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "shutting_down",
-            "the server is shutting down; the run resumes at next start",
-        )
-    })?;
+    let run_id = run.id;
+    state
+        .engine
+        .send(EngineCommand::StartRun(run))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "the server is shutting down; the run resumes at next start",
+            )
+        })?;
     Ok(run_id)
 }
 

@@ -1,10 +1,14 @@
-//! Reconciliation: the pure decision core (`decide`, `outcome`) and the
-//! engine that carries decisions out (`engine`).
+//! Reconciliation: the pure decision core (`decide`, `outcome`, `policy`),
+//! the engine's state machine (`machine`, with `pacer` and `run`), the loop
+//! that carries its effects out (`engine`), and starting runs (`runs`).
 
 pub mod decide;
 pub mod engine;
+pub mod machine;
 pub mod outcome;
+pub mod pacer;
 pub mod policy;
+pub mod run;
 pub mod runs;
 
 pub use outcome::{FailureReason, Outcome, OutcomeCounts, OutcomeKind, SkipReason};

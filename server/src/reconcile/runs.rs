@@ -9,41 +9,11 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::engine::EngineCommand;
+use super::run::RunSpec;
+pub use super::run::Trigger;
 use crate::events::{self, EventDraft, EventError, EventType};
 use crate::fleet::{DesiredState, Fleet};
 use crate::store::{self, DeviceWrites, StoreError};
-
-/// Why a run was started; stored as `runs.trigger`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Trigger {
-    /// An operator changed desired state.
-    Desired,
-    /// An operator asked for a re-check.
-    Manual,
-    Startup,
-    Resync,
-    /// Converged devices reported a different spec.
-    Drift,
-    /// Devices that were offline came back.
-    Reconnect,
-    /// An operator released quarantined devices.
-    Retry,
-}
-
-impl Trigger {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Trigger::Desired => "desired",
-            Trigger::Manual => "manual",
-            Trigger::Startup => "startup",
-            Trigger::Resync => "resync",
-            Trigger::Drift => "drift",
-            Trigger::Reconnect => "reconnect",
-            Trigger::Retry => "retry",
-        }
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommitRunError {
@@ -65,28 +35,6 @@ pub struct NewRun {
     pub started_by: Option<String>,
 }
 
-/// A committed run, ready for the engine.
-#[derive(Debug)]
-pub struct CommittedRun {
-    pub run_id: Uuid,
-    pub trigger: Trigger,
-    pub targets: Vec<DeviceId>,
-    pub force: bool,
-}
-
-impl CommittedRun {
-    /// The engine command that starts it.
-    pub fn into_command(self) -> EngineCommand {
-        EngineCommand::StartRun {
-            run_id: self.run_id,
-            trigger: self.trigger.as_str().to_owned(),
-            targets: self.targets,
-            force: self.force,
-            decided: 0,
-        }
-    }
-}
-
 /// Commits `run`; the caller hands the result to the engine.
 pub async fn commit_run(
     pool: &PgPool,
@@ -94,7 +42,7 @@ pub async fn commit_run(
     fleet: &Fleet,
     event_source: &str,
     run: NewRun,
-) -> Result<CommittedRun, CommitRunError> {
+) -> Result<RunSpec, CommitRunError> {
     let run_id = Uuid::now_v7();
     let target_ids: Vec<String> = run.targets.iter().map(DeviceId::to_string).collect();
     // Only a desired change updates many device rows.
@@ -157,10 +105,11 @@ pub async fn commit_run(
             }
         }
     }
-    Ok(CommittedRun {
-        run_id,
+    Ok(RunSpec {
+        id: run_id,
         trigger: run.trigger,
         targets: run.targets,
         force: run.force,
+        decided: 0,
     })
 }

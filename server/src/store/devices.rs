@@ -335,46 +335,20 @@ pub async fn set_online(
     Ok(())
 }
 
-/// Sets `status` on many devices; unchanged rows are not written.
-pub async fn set_status(
-    tx: &mut Transaction<'_, Postgres>,
-    ids: &[String],
-    status: &str,
-) -> Result<(), StoreError> {
-    if ids.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "UPDATE devices SET status = $2, updated_at = now() \
-         WHERE id = ANY($1) AND status IS DISTINCT FROM $2",
-    )
-    .bind(ids)
-    .bind(status)
-    .execute(&mut **tx)
-    .await
-    .context("storing device status")?;
-    Ok(())
-}
-
-/// Retry bookkeeping of one device after an attempt ended.
+/// One ended attempt, for a device's attempt history.
 #[derive(Debug, Clone)]
 pub struct AttemptRow {
     pub device_id: String,
     pub run_id: Uuid,
     /// Which attempt this was (1 = first since the last success).
     pub attempt: u32,
-    /// Consecutive failed attempts after this one (0 after a success).
-    pub failures: u32,
     pub generation: Option<u64>,
     /// `failed`, `provisioned` or `superseded`.
     pub result: &'static str,
     pub reason: Option<String>,
-    pub next_attempt_at: Option<DateTime<Utc>>,
-    /// Status to set now (e.g. `failed` while a retry waits), if any.
-    pub status: Option<&'static str>,
 }
 
-/// Appends attempt history and updates attempts / next_attempt_at / last_error.
+/// Appends attempt history.
 pub async fn record_attempts(
     tx: &mut Transaction<'_, Postgres>,
     rows: &[AttemptRow],
@@ -384,10 +358,6 @@ pub async fn record_attempts(
     }
     let ids: Vec<&str> = rows.iter().map(|r| r.device_id.as_str()).collect();
     let runs: Vec<Uuid> = rows.iter().map(|r| r.run_id).collect();
-    let failures: Vec<i32> = rows
-        .iter()
-        .map(|r| i32::try_from(r.failures).unwrap_or(i32::MAX))
-        .collect();
     let attempts: Vec<i32> = rows
         .iter()
         .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
@@ -395,8 +365,6 @@ pub async fn record_attempts(
     let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
     let results: Vec<&str> = rows.iter().map(|r| r.result).collect();
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
-    let next: Vec<Option<DateTime<Utc>>> = rows.iter().map(|r| r.next_attempt_at).collect();
-    let statuses: Vec<Option<&str>> = rows.iter().map(|r| r.status).collect();
     // Joined with devices: an attempt of a device deleted meanwhile is
     // dropped, not a foreign-key error that would fail the whole batch.
     sqlx::query(
@@ -415,47 +383,98 @@ pub async fn record_attempts(
     .execute(&mut **tx)
     .await
     .context("appending attempt history")?;
-    sqlx::query(
-        "UPDATE devices d SET attempts = r.failures, next_attempt_at = r.next_at, \
-             last_error = CASE WHEN r.result = 'failed' THEN r.reason ELSE d.last_error END, \
-             status = COALESCE(r.status, d.status), updated_at = now() \
-         FROM UNNEST($1::text[], $2::int4[], $3::text[], $4::text[], $5::timestamptz[], $6::text[]) \
-             AS r(id, failures, result, reason, next_at, status) \
-         WHERE d.id = r.id",
-    )
-    .bind(&ids)
-    .bind(&failures)
-    .bind(&results)
-    .bind(&reasons)
-    .bind(&next)
-    .bind(&statuses)
-    .execute(&mut **tx)
-    .await
-    .context("updating retry bookkeeping")?;
     Ok(())
 }
 
-/// Records the generation of the retained desired message now on the broker;
-/// unchanged rows are not written.
-pub async fn record_retained(
+/// One device row's merged change (`None`: keep the stored value).
+#[derive(Debug, Clone, Default)]
+pub struct DeviceChangeRow<'a> {
+    pub id: &'a str,
+    pub status: Option<&'static str>,
+    /// Consecutive failed attempts and when the next is due (set together).
+    pub failures: Option<(u32, Option<DateTime<Utc>>)>,
+    pub last_error: Option<&'a str>,
+    /// `(run, outcome, reason)` of the device's last outcome.
+    pub last_outcome: Option<(Uuid, &'static str, Option<&'a str>)>,
+    pub retained_generation: Option<u64>,
+}
+
+/// Writes each device's merged change in one statement; a row whose values
+/// would not change is not rewritten.
+pub async fn apply_changes(
     tx: &mut Transaction<'_, Postgres>,
-    rows: &[(String, u64)],
+    rows: &[DeviceChangeRow<'_>],
 ) -> Result<(), StoreError> {
     if rows.is_empty() {
         return Ok(());
     }
-    let ids: Vec<&str> = rows.iter().map(|(id, _)| id.as_str()).collect();
-    let generations: Vec<i64> = rows.iter().map(|(_, g)| to_i64(*g)).collect();
+    let ids: Vec<&str> = rows.iter().map(|r| r.id).collect();
+    let statuses: Vec<Option<&str>> = rows.iter().map(|r| r.status).collect();
+    let set_attempts: Vec<bool> = rows.iter().map(|r| r.failures.is_some()).collect();
+    let attempts: Vec<i32> = rows
+        .iter()
+        .map(|r| {
+            r.failures
+                .map_or(0, |(n, _)| i32::try_from(n).unwrap_or(i32::MAX))
+        })
+        .collect();
+    let next: Vec<Option<DateTime<Utc>>> = rows
+        .iter()
+        .map(|r| r.failures.and_then(|(_, at)| at))
+        .collect();
+    let errors: Vec<Option<&str>> = rows.iter().map(|r| r.last_error).collect();
+    let set_outcome: Vec<bool> = rows.iter().map(|r| r.last_outcome.is_some()).collect();
+    let run_ids: Vec<Option<Uuid>> = rows.iter().map(|r| r.last_outcome.map(|o| o.0)).collect();
+    let outcomes: Vec<Option<&str>> = rows.iter().map(|r| r.last_outcome.map(|o| o.1)).collect();
+    let reasons: Vec<Option<&str>> = rows
+        .iter()
+        .map(|r| r.last_outcome.and_then(|o| o.2))
+        .collect();
+    let retained: Vec<Option<i64>> = rows
+        .iter()
+        .map(|r| r.retained_generation.map(to_i64))
+        .collect();
     sqlx::query(
-        "UPDATE devices d SET retained_generation = r.generation \
-         FROM UNNEST($1::text[], $2::int8[]) AS r(id, generation) \
-         WHERE d.id = r.id AND d.retained_generation IS DISTINCT FROM r.generation",
+        "WITH r AS ( \
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::bool[], $4::int4[], $5::timestamptz[], \
+                 $6::text[], $7::bool[], $8::uuid[], $9::text[], $10::text[], $11::int8[]) \
+                 AS r(id, status, set_attempts, attempts, next_at, last_error, set_outcome, \
+                     run_id, outcome, reason, retained) \
+         ), n AS ( \
+             SELECT d.id, \
+                 COALESCE(r.status, d.status) AS status, \
+                 CASE WHEN r.set_attempts THEN r.attempts ELSE d.attempts END AS attempts, \
+                 CASE WHEN r.set_attempts THEN r.next_at ELSE d.next_attempt_at END AS next_at, \
+                 COALESCE(r.last_error, d.last_error) AS last_error, \
+                 CASE WHEN r.set_outcome THEN r.outcome ELSE d.last_outcome END AS outcome, \
+                 CASE WHEN r.set_outcome THEN r.reason ELSE d.last_outcome_reason END AS reason, \
+                 CASE WHEN r.set_outcome THEN r.run_id ELSE d.last_run_id END AS run_id, \
+                 COALESCE(r.retained, d.retained_generation) AS retained \
+             FROM r JOIN devices d ON d.id = r.id \
+         ) \
+         UPDATE devices d SET status = n.status, attempts = n.attempts, next_attempt_at = n.next_at, \
+             last_error = n.last_error, last_outcome = n.outcome, last_outcome_reason = n.reason, \
+             last_run_id = n.run_id, retained_generation = n.retained, updated_at = now() \
+         FROM n \
+         WHERE d.id = n.id AND (d.status, d.attempts, d.next_attempt_at, d.last_error, d.last_outcome, \
+             d.last_outcome_reason, d.last_run_id, d.retained_generation) \
+             IS DISTINCT FROM (n.status, n.attempts, n.next_at, n.last_error, n.outcome, n.reason, \
+             n.run_id, n.retained)",
     )
     .bind(&ids)
-    .bind(&generations)
+    .bind(&statuses)
+    .bind(&set_attempts)
+    .bind(&attempts)
+    .bind(&next)
+    .bind(&errors)
+    .bind(&set_outcome)
+    .bind(&run_ids)
+    .bind(&outcomes)
+    .bind(&reasons)
+    .bind(&retained)
     .execute(&mut **tx)
     .await
-    .context("recording retained desired generations")?;
+    .context("storing device changes")?;
     Ok(())
 }
 
@@ -490,25 +509,6 @@ pub async fn delete(tx: &mut Transaction<'_, Postgres>, id: &str) -> Result<bool
         .context("deleting a device")?
         .rows_affected();
     Ok(done > 0)
-}
-
-/// Resets the failure count of devices that converged (no-op when already 0).
-pub async fn reset_attempts(
-    tx: &mut Transaction<'_, Postgres>,
-    ids: &[String],
-) -> Result<(), StoreError> {
-    if ids.is_empty() {
-        return Ok(());
-    }
-    sqlx::query(
-        "UPDATE devices SET attempts = 0, next_attempt_at = NULL \
-         WHERE id = ANY($1) AND (attempts <> 0 OR next_attempt_at IS NOT NULL)",
-    )
-    .bind(ids)
-    .execute(&mut **tx)
-    .await
-    .context("resetting attempt counts")?;
-    Ok(())
 }
 
 /// Releases quarantined devices among `ids`: status `failed`, attempts 0.

@@ -5,7 +5,7 @@ use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::{to_i64, Context, StoreError};
-use crate::reconcile::outcome::OutcomeCounts;
+use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct RunRow {
@@ -82,16 +82,14 @@ pub async fn create(
 pub struct OutcomeRow {
     pub run_id: Uuid,
     pub device_id: String,
-    pub outcome: &'static str,
+    pub kind: OutcomeKind,
     pub reason: Option<String>,
     pub generation: Option<u64>,
     pub health: Option<String>,
-    /// The device status this outcome leaves behind; `None` keeps it.
-    pub status: Option<&'static str>,
 }
 
-/// Stores outcomes, adds them to the runs' counts and updates the devices'
-/// last outcome and status, all in the caller's transaction.
+/// Stores outcomes and adds them to the runs' counts, in the caller's
+/// transaction (the devices' last outcome is a device change).
 pub async fn record_outcomes(
     tx: &mut Transaction<'_, Postgres>,
     rows: &[OutcomeRow],
@@ -102,11 +100,10 @@ pub async fn record_outcomes(
     }
     let run_ids: Vec<Uuid> = rows.iter().map(|r| r.run_id).collect();
     let device_ids: Vec<&str> = rows.iter().map(|r| r.device_id.as_str()).collect();
-    let outcomes: Vec<&str> = rows.iter().map(|r| r.outcome).collect();
+    let outcomes: Vec<&str> = rows.iter().map(|r| r.kind.as_str()).collect();
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
     let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
     let health: Vec<Option<&str>> = rows.iter().map(|r| r.health.as_deref()).collect();
-    let statuses: Vec<Option<&str>> = rows.iter().map(|r| r.status).collect();
     sqlx::query(
         "UPDATE run_targets t SET outcome = r.outcome, reason = r.reason, generation = r.generation, \
              health = r.health, decided_at = now() \
@@ -123,23 +120,6 @@ pub async fn record_outcomes(
     .execute(&mut **tx)
     .await
     .context("storing run outcomes")?;
-    sqlx::query(
-        "UPDATE devices d SET status = COALESCE(r.status, d.status), last_outcome = r.outcome, \
-             last_outcome_reason = r.reason, last_run_id = r.run_id, \
-             last_error = CASE WHEN r.outcome = 'failed' THEN r.reason ELSE d.last_error END, \
-             updated_at = now() \
-         FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[]) \
-             AS r(run_id, device_id, outcome, reason, status) \
-         WHERE d.id = r.device_id",
-    )
-    .bind(&run_ids)
-    .bind(&device_ids)
-    .bind(&outcomes)
-    .bind(&reasons)
-    .bind(&statuses)
-    .execute(&mut **tx)
-    .await
-    .context("storing device outcomes")?;
     let ids: Vec<Uuid> = per_run.iter().map(|(id, _)| *id).collect();
     let col = |f: fn(&OutcomeCounts) -> u64| -> Vec<i64> {
         per_run.iter().map(|(_, c)| to_i64(f(c))).collect()

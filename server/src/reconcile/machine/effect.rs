@@ -1,0 +1,106 @@
+//! What goes into the engine's state machine and what comes out: commands,
+//! the time, effects for the caller to carry out, settings and live numbers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use idem_protocol::DeviceId;
+use serde_json::Value;
+
+use super::Record;
+use crate::reconcile::policy::RetryPolicy;
+use crate::reconcile::run::{RunSpec, Trigger};
+
+/// The time, as the caller read it: monotonic for deadlines, wall clock
+/// for what is stored.
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    pub at: Instant,
+    pub wall: DateTime<Utc>,
+}
+
+/// What the rest of the server tells the engine.
+#[derive(Debug)]
+pub enum EngineCommand {
+    /// A run was committed; decide its targets.
+    StartRun(RunSpec),
+    /// A run the engine asked for ([`Effect::StartRun`]) could not be
+    /// committed: its devices wait a debounce window and are tried again.
+    RunNotStarted {
+        trigger: Trigger,
+        targets: Vec<DeviceId>,
+    },
+    /// These devices' reports were committed and are in the fleet cache.
+    ReportsApplied(Vec<DeviceId>),
+    /// These devices' connection state changed (committed, in the cache).
+    Connectivity(Vec<(DeviceId, bool)>),
+    /// Start a run over every device that has desired state.
+    ReconcileAll(Trigger),
+    /// These devices' desired state changed without a run (registration
+    /// with a spec): their retained desired message must follow.
+    DesiredChanged(Vec<DeviceId>),
+    /// These devices were deleted (committed, gone from the cache): their
+    /// attempts end `skipped`, nothing more is published to them.
+    DevicesRemoved(Vec<DeviceId>),
+    /// Refresh every retained desired message that is behind (start-up).
+    SyncRetained,
+}
+
+/// Why desired state is published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishReason {
+    /// An attempt pushes it and waits for the device's confirmation.
+    Attempt,
+    /// The retained message fell behind; no attempt waits on it.
+    RefreshRetained,
+}
+
+/// What the caller carries out, in order.
+#[derive(Debug)]
+pub enum Effect {
+    /// Publish `{generation, spec}` retained on the device's desired topic.
+    Publish {
+        device: DeviceId,
+        generation: u64,
+        spec: Arc<Value>,
+        reason: PublishReason,
+    },
+    /// Send a `get` to the device.
+    AskForReport(DeviceId),
+    /// Commit a run the engine starts itself, then hand it back as
+    /// [`EngineCommand::StartRun`] (or [`EngineCommand::RunNotStarted`]).
+    StartRun {
+        trigger: Trigger,
+        targets: Vec<DeviceId>,
+    },
+    /// Write this in one transaction, apply its device changes to the fleet
+    /// cache once committed, then call [`Machine::record_written`]. Always
+    /// the last effect of a call: the machine is not called again before.
+    Record(Record),
+}
+
+/// Engine tunables (from the configuration).
+#[derive(Debug, Clone)]
+pub struct EngineSettings {
+    pub push_timeout: Duration,
+    pub retry: RetryPolicy,
+    /// Pushes per second; `None` = unlimited.
+    pub push_rate: Option<u32>,
+    /// Pushes awaiting confirmation at once.
+    pub max_in_flight: usize,
+    /// Drift and reconnect triggers within this window make one run.
+    pub debounce: Duration,
+    /// Periodic full re-check; `None` = off.
+    pub resync_interval: Option<Duration>,
+    /// At resync, devices whose last report is older than this are asked for a new one.
+    pub stale_after: Duration,
+}
+
+/// Live numbers for the API and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MachineStats {
+    pub queued_pushes: usize,
+    pub pushes_in_flight: usize,
+    pub attempts_in_flight: usize,
+}

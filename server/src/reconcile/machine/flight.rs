@@ -1,0 +1,80 @@
+//! One device's attempt in flight: its [`Phase`] (the one place its timers
+//! and queue state live) and how `decide` sees it.
+
+use std::time::Instant;
+
+use uuid::Uuid;
+
+use crate::reconcile::decide::Attempt;
+
+/// Where one device's attempt stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// Nothing sent yet in this attempt.
+    Fresh,
+    /// Waiting in the push queue for a pacing slot or room in flight.
+    Queued,
+    /// A `get` was sent; the report is due by `deadline`.
+    AwaitingReport { deadline: Instant },
+    /// `generation` was pushed when the device's last report had
+    /// `seq_at_push`; its confirmation is due by `deadline`.
+    Pushed {
+        generation: u64,
+        seq_at_push: Option<u64>,
+        deadline: Instant,
+    },
+    /// A failed attempt waits until then before it is tried again.
+    RetryAt(Instant),
+}
+
+/// One device's attempt, shared by every run that waits on it.
+#[derive(Debug)]
+pub(super) struct InFlight {
+    pub runs: Vec<Uuid>,
+    pub force: bool,
+    /// Desired generation this attempt works towards.
+    pub generation: Option<u64>,
+    /// When the run that started this attempt began (convergence latency).
+    pub since: Instant,
+    pub phase: Phase,
+}
+
+impl InFlight {
+    /// The attempt as `decide` sees it at `now`.
+    pub fn attempt(&self, now: Instant) -> Attempt {
+        match &self.phase {
+            Phase::Fresh | Phase::Queued | Phase::RetryAt(_) => {
+                Attempt::Fresh { force: self.force }
+            }
+            Phase::AwaitingReport { deadline } => Attempt::AwaitingReport {
+                expired: now >= *deadline,
+            },
+            Phase::Pushed {
+                generation,
+                seq_at_push,
+                deadline,
+            } => Attempt::Pushed {
+                generation: *generation,
+                seq_at_push: *seq_at_push,
+                expired: now >= *deadline,
+            },
+        }
+    }
+
+    /// True when a timer of this attempt has run out at `now`.
+    pub fn is_due(&self, now: Instant) -> bool {
+        match &self.phase {
+            Phase::Fresh | Phase::Queued => false,
+            Phase::AwaitingReport { deadline } | Phase::Pushed { deadline, .. } => now >= *deadline,
+            Phase::RetryAt(at) => now >= *at,
+        }
+    }
+
+    pub fn wakes_at(&self) -> Option<Instant> {
+        match &self.phase {
+            Phase::Fresh | Phase::Queued => None,
+            Phase::AwaitingReport { deadline } | Phase::Pushed { deadline, .. } => Some(*deadline),
+            Phase::RetryAt(at) => Some(*at),
+        }
+    }
+}

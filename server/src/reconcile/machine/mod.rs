@@ -1,0 +1,431 @@
+//! The engine's state machine: every attempt in flight (one [`Phase`] per
+//! device), run progress, the push queue and its pacing, retries, debounce
+//! windows and resync. Inputs and the time go in, [`Effect`]s come out: no
+//! IO, no async, no clock reads, no database. It reads the fleet cache
+//! through a read-only view plus its own not-yet-written changes; the
+//! caller writes each [`Record`] and applies it to the cache after commit.
+//!
+//! It never judges a device itself: that is `decide` and `policy`.
+
+mod effect;
+mod ending;
+mod flight;
+pub mod record;
+#[cfg(test)]
+mod tests;
+mod triggers;
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use idem_protocol::DeviceId;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use uuid::Uuid;
+
+use super::decide::{decide, Decision};
+use super::outcome::{Outcome, SkipReason};
+use super::pacer::PushPacer;
+use super::policy::{gate, DeviceStatus};
+use super::run::{RunProgress, RunSpec, Trigger};
+use crate::fleet::{DeviceEntry, FleetView};
+pub use effect::{Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason};
+use flight::{InFlight, Phase};
+pub use record::{DeviceChange, LastOutcome, Record, Tally};
+
+/// Results are written at least this often while there are any.
+pub const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
+/// Write at once when this many outcomes are waiting; a larger run is
+/// started in slices of this size, bounding memory per write.
+pub const FLUSH_SIZE: usize = 10_000;
+/// How often in-flight attempts are checked against deadlines and retry times.
+pub const SCAN_INTERVAL: Duration = Duration::from_millis(50);
+
+/// Devices collected for one trigger until the debounce window closes.
+#[derive(Debug)]
+struct Debounced {
+    closes_at: Instant,
+    devices: BTreeSet<DeviceId>,
+}
+
+pub struct Machine {
+    settings: EngineSettings,
+    fleet: FleetView,
+    runs: HashMap<Uuid, RunProgress>,
+    in_flight: HashMap<DeviceId, InFlight>,
+    /// Targets of started runs not yet looked at (a large run starts in slices).
+    starting: VecDeque<(Uuid, bool, DeviceId)>,
+    /// Devices in [`Phase::Pushed`] (bounded by `max_in_flight`).
+    pushed: HashSet<DeviceId>,
+    push_queue: VecDeque<DeviceId>,
+    pacer: PushPacer,
+    debounced: HashMap<Trigger, Debounced>,
+    next_scan: Instant,
+    next_resync: Option<Instant>,
+    record: Record,
+    last_write: Instant,
+    rng: StdRng,
+}
+
+impl Machine {
+    /// `seed` feeds the retry jitter.
+    pub fn new(settings: EngineSettings, fleet: FleetView, now: Instant, seed: u64) -> Self {
+        let pacer = PushPacer::new(settings.push_rate, now);
+        let next_resync = settings.resync_interval.map(|i| now + i);
+        Self {
+            settings,
+            fleet,
+            runs: HashMap::new(),
+            in_flight: HashMap::new(),
+            starting: VecDeque::new(),
+            pushed: HashSet::new(),
+            push_queue: VecDeque::new(),
+            pacer,
+            debounced: HashMap::new(),
+            next_scan: now + SCAN_INTERVAL,
+            next_resync,
+            record: Record::default(),
+            last_write: now,
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+
+    /// Handles one command.
+    pub fn on_command(&mut self, command: EngineCommand, now: Now) -> Vec<Effect> {
+        let mut out = Vec::new();
+        match command {
+            EngineCommand::StartRun(spec) => self.start_run(spec, now, &mut out),
+            EngineCommand::RunNotStarted { trigger, targets } => {
+                for id in targets {
+                    self.debounce(trigger, id, now.at);
+                }
+            }
+            EngineCommand::ReportsApplied(ids) => self.reports_applied(ids, now, &mut out),
+            EngineCommand::Connectivity(changes) => {
+                for (id, online) in changes {
+                    self.connectivity_changed(&id, online, now.at);
+                }
+            }
+            EngineCommand::ReconcileAll(trigger) => self.reconcile_all(trigger, &mut out),
+            EngineCommand::DesiredChanged(ids) => {
+                for id in ids {
+                    if self.in_flight.contains_key(&id) {
+                        // An attempt for the old generation ends superseded.
+                        self.advance(&id, false, now, &mut out);
+                    }
+                    if !self.in_flight.contains_key(&id) {
+                        self.refresh_retained(&id, &mut out);
+                    }
+                }
+            }
+            EngineCommand::DevicesRemoved(ids) => {
+                for id in ids {
+                    self.push_queue.retain(|queued| *queued != id);
+                    for debounced in self.debounced.values_mut() {
+                        debounced.devices.remove(&id);
+                    }
+                    let outcome = Outcome::Skipped(SkipReason::Deleted);
+                    self.finish(&id, outcome, &DeviceEntry::default(), None, now, &mut out);
+                }
+            }
+            EngineCommand::SyncRetained => {
+                for id in self.fleet.ids_with_retained_behind() {
+                    if !self.in_flight.contains_key(&id) {
+                        self.refresh_retained(&id, &mut out);
+                    }
+                }
+            }
+        }
+        self.after_input(now, &mut out);
+        out
+    }
+
+    /// These devices' reports were committed and are in the fleet cache.
+    pub fn on_reports(&mut self, ids: Vec<DeviceId>, now: Now) -> Vec<Effect> {
+        self.on_command(EngineCommand::ReportsApplied(ids), now)
+    }
+
+    /// Time passed: deadlines, retries, debounce windows, resync, the push
+    /// queue and the write interval.
+    pub fn on_tick(&mut self, now: Now) -> Vec<Effect> {
+        let mut out = Vec::new();
+        if now.at >= self.next_scan {
+            self.scan(now, &mut out);
+            self.next_scan = now.at + SCAN_INTERVAL;
+        }
+        if let (Some(at), Some(interval)) = (self.next_resync, self.settings.resync_interval) {
+            if now.at >= at {
+                self.resync(now, &mut out);
+                self.next_resync = Some(now.at + interval);
+            }
+        }
+        self.close_debounced(now.at, &mut out);
+        self.after_input(now, &mut out);
+        out
+    }
+
+    /// The write of the last [`Effect::Record`] committed (or was given up)
+    /// at `now`; the next write waits a flush interval from here.
+    pub fn record_written(&mut self, now: Instant) {
+        self.last_write = now;
+    }
+
+    /// Everything not yet written, whatever its size or age (shutdown).
+    pub fn take_record(&mut self) -> Option<Record> {
+        (!self.record.is_empty()).then(|| std::mem::take(&mut self.record))
+    }
+
+    /// When the machine next has something to do without new input.
+    pub fn next_wake(&self) -> Instant {
+        let mut wake = self.next_scan;
+        if let Some(at) = self.next_resync {
+            wake = wake.min(at);
+        }
+        if !self.push_queue.is_empty() && self.pushed.len() < self.settings.max_in_flight {
+            wake = wake.min(self.pacer.next_slot());
+        }
+        for d in self.debounced.values() {
+            wake = wake.min(d.closes_at);
+        }
+        if !self.record.is_empty() {
+            wake = wake.min(self.last_write + FLUSH_INTERVAL);
+        }
+        if !self.starting.is_empty() {
+            wake = wake.min(self.last_write);
+        }
+        wake
+    }
+
+    /// The earliest deadline or retry of any attempt in flight (tests use
+    /// it to jump straight to the next thing that happens).
+    pub fn next_attempt_timer(&self) -> Option<Instant> {
+        self.in_flight.values().filter_map(InFlight::wakes_at).min()
+    }
+
+    pub fn stats(&self) -> MachineStats {
+        MachineStats {
+            queued_pushes: self.push_queue.len(),
+            pushes_in_flight: self.pushed.len(),
+            attempts_in_flight: self.in_flight.len(),
+        }
+    }
+
+    /// Work every input ends with: continue starting runs, drain the push
+    /// queue, and hand over the record when it is due.
+    fn after_input(&mut self, now: Now, out: &mut Vec<Effect>) {
+        self.continue_starting(now, out);
+        self.drain_push_queue(now, out);
+        let due = self.record.outcomes.len() >= FLUSH_SIZE
+            || (!self.record.is_empty() && now.at >= self.last_write + FLUSH_INTERVAL);
+        if due {
+            out.push(Effect::Record(std::mem::take(&mut self.record)));
+        }
+    }
+
+    /// The device as the machine must see it: the cache plus the changes
+    /// of the record not yet written.
+    fn entry(&self, id: &DeviceId) -> Option<DeviceEntry> {
+        let mut entry = self.fleet.get(id)?;
+        if let Some(change) = self.record.devices.get(id) {
+            change.apply_to(&mut entry);
+        }
+        Some(entry)
+    }
+
+    fn start_run(&mut self, spec: RunSpec, now: Now, out: &mut Vec<Effect>) {
+        let progress = RunProgress::new(&spec, now.at);
+        if progress.is_complete() {
+            self.record.completed.push(progress);
+            return;
+        }
+        self.runs.insert(spec.id, progress);
+        self.starting
+            .extend(spec.targets.into_iter().map(|id| (spec.id, spec.force, id)));
+        self.continue_starting(now, out);
+    }
+
+    /// Starts waiting targets until the record holds a write's worth.
+    fn continue_starting(&mut self, now: Now, out: &mut Vec<Effect>) {
+        while self.record.outcomes.len() < FLUSH_SIZE {
+            let Some((run_id, force, id)) = self.starting.pop_front() else {
+                return;
+            };
+            if self.join_attempt_in_flight(&id, run_id, now, out) {
+                continue;
+            }
+            let entry = self.entry(&id).unwrap_or_default();
+            self.in_flight.insert(
+                id.clone(),
+                InFlight {
+                    runs: vec![run_id],
+                    force,
+                    generation: entry.desired.as_ref().map(|d| d.generation),
+                    since: now.at,
+                    phase: Phase::Fresh,
+                },
+            );
+            if let Some(skip) = gate(entry.status, entry.online, entry.desired.is_some()) {
+                self.finish(&id, Outcome::Skipped(skip), &entry, None, now, out);
+            } else {
+                self.advance(&id, false, now, out);
+            }
+        }
+    }
+
+    /// Lets `run_id` share the attempt already in flight for `id` when it
+    /// works towards the current desired generation. An attempt for an older
+    /// generation ends `Superseded` first, and the run starts afresh.
+    fn join_attempt_in_flight(
+        &mut self,
+        id: &DeviceId,
+        run_id: Uuid,
+        now: Now,
+        out: &mut Vec<Effect>,
+    ) -> bool {
+        let entry = self.entry(id).unwrap_or_default();
+        let current = entry.desired.as_ref().map(|d| d.generation);
+        let Some(flight) = self.in_flight.get_mut(id) else {
+            return false;
+        };
+        if flight.generation == current {
+            flight.runs.push(run_id);
+            return true;
+        }
+        self.conclude(id, Outcome::Superseded, &entry, now, out);
+        false
+    }
+
+    fn reports_applied(&mut self, ids: Vec<DeviceId>, now: Now, out: &mut Vec<Effect>) {
+        for id in ids {
+            if self.in_flight.contains_key(&id) {
+                self.advance(&id, false, now, out);
+            } else {
+                self.check_drift(&id, now.at);
+            }
+        }
+    }
+
+    /// Decides for one in-flight device and carries the decision out.
+    /// `permit`: a push slot was already taken for this device.
+    fn advance(&mut self, id: &DeviceId, permit: bool, now: Now, out: &mut Vec<Effect>) {
+        let entry = self.entry(id).unwrap_or_default();
+        let Some(desired) = entry.desired_for_decision() else {
+            let outcome = Outcome::Skipped(SkipReason::NoDesiredSpec);
+            self.conclude(id, outcome, &entry, now, out);
+            return;
+        };
+        let Some(flight) = self.in_flight.get(id) else {
+            return;
+        };
+        match flight.phase {
+            Phase::Queued if !permit => return,
+            Phase::RetryAt(_) => return,
+            Phase::Fresh | Phase::Queued | Phase::AwaitingReport { .. } | Phase::Pushed { .. } => {}
+        }
+        match decide(&desired, &entry.actual(), &flight.attempt(now.at)) {
+            Decision::Finish(outcome) => self.conclude(id, outcome, &entry, now, out),
+            Decision::Push => {
+                let may_push = permit
+                    || (self.push_queue.is_empty()
+                        && self.pushed.len() < self.settings.max_in_flight
+                        && self.pacer.try_take(now.at));
+                if !may_push {
+                    self.set_phase(id, Phase::Queued);
+                    self.push_queue.push_back(id.clone());
+                    return;
+                }
+                self.push(id, &entry, now.at, out);
+            }
+            Decision::AskForReport => {
+                let deadline = now.at + self.settings.push_timeout;
+                self.set_phase(id, Phase::AwaitingReport { deadline });
+                out.push(Effect::AskForReport(id.clone()));
+            }
+            Decision::Wait => {}
+        }
+    }
+
+    fn set_phase(&mut self, id: &DeviceId, phase: Phase) {
+        if let Some(flight) = self.in_flight.get_mut(id) {
+            flight.phase = phase;
+        }
+    }
+
+    fn push(&mut self, id: &DeviceId, entry: &DeviceEntry, now: Instant, out: &mut Vec<Effect>) {
+        let Some(desired) = &entry.desired else {
+            return;
+        };
+        let Some(flight) = self.in_flight.get_mut(id) else {
+            return;
+        };
+        flight.phase = Phase::Pushed {
+            generation: desired.generation,
+            seq_at_push: entry.reported_seq(),
+            deadline: now + self.settings.push_timeout,
+        };
+        flight.generation = Some(desired.generation);
+        self.pushed.insert(id.clone());
+        let change = self.record.device(id);
+        change.status = Some(DeviceStatus::Provisioning);
+        change.retained = Some(desired.generation);
+        out.push(Effect::Publish {
+            device: id.clone(),
+            generation: desired.generation,
+            spec: desired.spec.clone(),
+            reason: PublishReason::Attempt,
+        });
+    }
+
+    /// Republishes the current desired state as the retained message when
+    /// the broker's copy is behind it, without starting an attempt: the
+    /// device already runs it or is not attempted now, but a reboot must
+    /// never bring it a withdrawn generation.
+    fn refresh_retained(&mut self, id: &DeviceId, out: &mut Vec<Effect>) {
+        let Some(entry) = self.entry(id) else {
+            return;
+        };
+        let Some(desired) = entry.retained_behind() else {
+            return;
+        };
+        self.record.device(id).retained = Some(desired.generation);
+        out.push(Effect::Publish {
+            device: id.clone(),
+            generation: desired.generation,
+            spec: desired.spec.clone(),
+            reason: PublishReason::RefreshRetained,
+        });
+    }
+
+    /// Pushes queued devices as pacing and the in-flight cap allow.
+    fn drain_push_queue(&mut self, now: Now, out: &mut Vec<Effect>) {
+        while !self.push_queue.is_empty() && self.pushed.len() < self.settings.max_in_flight {
+            if !self.pacer.try_take(now.at) {
+                break;
+            }
+            let Some(id) = self.push_queue.pop_front() else {
+                break;
+            };
+            if let Some(Phase::Queued) = self.in_flight.get(&id).map(|f| &f.phase) {
+                self.advance(&id, true, now, out);
+            }
+        }
+    }
+
+    /// Expires deadlines and starts due retries.
+    fn scan(&mut self, now: Now, out: &mut Vec<Effect>) {
+        let mut due: Vec<DeviceId> = Vec::new();
+        for (id, flight) in &mut self.in_flight {
+            if flight.is_due(now.at) {
+                if let Phase::RetryAt(_) = flight.phase {
+                    flight.phase = Phase::Fresh;
+                }
+                due.push(id.clone());
+            }
+        }
+        // The same order on every run, whatever the map's.
+        due.sort_unstable();
+        for id in due {
+            self.advance(&id, false, now, out);
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! The runs the engine starts itself: drift, reconnect (both debounced),
+//! reconcile-all and the periodic resync.
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use idem_protocol::DeviceId;
+use serde_json::json;
+
+use super::{Debounced, Effect, Machine, Now};
+use crate::events::{EventDraft, EventType};
+use crate::reconcile::policy::DeviceStatus;
+use crate::reconcile::run::Trigger;
+
+impl Machine {
+    /// A converged device whose new report differs from its desired state
+    /// has drifted: record it and schedule a remediation run.
+    pub(super) fn check_drift(&mut self, id: &DeviceId, now: Instant) {
+        let Some(entry) = self.entry(id) else {
+            return;
+        };
+        let (Some(desired), Some(reported)) = (&entry.desired, &entry.reported) else {
+            return;
+        };
+        if entry.status != DeviceStatus::Converged || desired.digest == reported.digest {
+            return;
+        }
+        self.record.tally.drifts += 1;
+        self.record.device(id).status = Some(DeviceStatus::Drifted);
+        self.record.drafts.push(EventDraft {
+            event_type: EventType::DeviceDrifted,
+            subject: id.to_string(),
+            run_id: None,
+            generation: Some(desired.generation),
+            data: json!({
+                "desired_digest": desired.digest.to_string(),
+                "reported_digest": reported.digest.to_string(),
+                "reported_seq": reported.seq,
+            }),
+        });
+        self.debounce(Trigger::Drift, id.clone(), now);
+    }
+
+    pub(super) fn connectivity_changed(&mut self, id: &DeviceId, online: bool, now: Instant) {
+        let Some(entry) = self.entry(id) else {
+            return;
+        };
+        if online {
+            if entry.status == DeviceStatus::Offline {
+                self.debounce(Trigger::Reconnect, id.clone(), now);
+            }
+        } else if !self.in_flight.contains_key(id) && entry.status != DeviceStatus::Quarantined {
+            self.record.device(id).status = Some(DeviceStatus::Offline);
+        }
+    }
+
+    pub(super) fn debounce(&mut self, trigger: Trigger, id: DeviceId, now: Instant) {
+        let closes_at = now + self.settings.debounce;
+        self.debounced
+            .entry(trigger)
+            .or_insert_with(|| Debounced {
+                closes_at,
+                devices: BTreeSet::new(),
+            })
+            .devices
+            .insert(id);
+    }
+
+    pub(super) fn close_debounced(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let mut due: Vec<Trigger> = self
+            .debounced
+            .iter()
+            .filter(|(_, d)| d.closes_at <= now)
+            .map(|(t, _)| *t)
+            .collect();
+        due.sort_unstable();
+        for trigger in due {
+            if let Some(batch) = self.debounced.remove(&trigger) {
+                out.push(Effect::StartRun {
+                    trigger,
+                    targets: batch.devices.into_iter().collect(),
+                });
+            }
+        }
+    }
+
+    pub(super) fn reconcile_all(&mut self, trigger: Trigger, out: &mut Vec<Effect>) {
+        let targets = self.fleet.ids_with_desired_state();
+        if !targets.is_empty() {
+            out.push(Effect::StartRun { trigger, targets });
+        }
+    }
+
+    /// Periodic resync: asks devices with stale reports for a fresh one and
+    /// re-checks every device against what it last reported.
+    pub(super) fn resync(&mut self, now: Now, out: &mut Vec<Effect>) {
+        let stale_cutoff = now.wall
+            - chrono::Duration::from_std(self.settings.stale_after)
+                .unwrap_or(chrono::Duration::MAX);
+        let mut stale = self.fleet.ids_reported_before(stale_cutoff);
+        stale.sort_unstable();
+        for id in stale {
+            let online = self.fleet.get(&id).and_then(|e| e.online);
+            if online != Some(false) && !self.in_flight.contains_key(&id) {
+                out.push(Effect::AskForReport(id));
+            }
+        }
+        self.reconcile_all(Trigger::Resync, out);
+    }
+}

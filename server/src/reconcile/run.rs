@@ -1,0 +1,223 @@
+//! A run's one home: why it started (`Trigger`), what it covers (`RunSpec`),
+//! how far it is (`RunProgress`, which owns completion) and the data of its
+//! `run.completed` event.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use idem_protocol::DeviceId;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::outcome::{OutcomeCounts, OutcomeKind};
+use crate::events::{EventDraft, EventType};
+
+/// Most device outcomes listed in a `run.completed` event; the full list
+/// stays queryable through the API.
+pub const COMPLETED_EVENT_OUTCOME_CAP: usize = 1_000;
+
+/// Why a run was started; stored as `runs.trigger`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Trigger {
+    /// An operator changed desired state.
+    Desired,
+    /// An operator asked for a re-check.
+    Manual,
+    Startup,
+    Resync,
+    /// Converged devices reported a different spec.
+    Drift,
+    /// Devices that were offline came back.
+    Reconnect,
+    /// An operator released quarantined devices.
+    Retry,
+}
+
+impl Trigger {
+    pub const ALL: [Trigger; 7] = [
+        Trigger::Desired,
+        Trigger::Manual,
+        Trigger::Startup,
+        Trigger::Resync,
+        Trigger::Drift,
+        Trigger::Reconnect,
+        Trigger::Retry,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Desired => "desired",
+            Trigger::Manual => "manual",
+            Trigger::Startup => "startup",
+            Trigger::Resync => "resync",
+            Trigger::Drift => "drift",
+            Trigger::Reconnect => "reconnect",
+            Trigger::Retry => "retry",
+        }
+    }
+
+    /// The trigger stored as `raw` (`None` for a word this version does not know).
+    pub fn parse(raw: &str) -> Option<Self> {
+        Trigger::ALL.into_iter().find(|t| t.as_str() == raw)
+    }
+}
+
+/// A committed run, as the engine starts it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunSpec {
+    pub id: Uuid,
+    pub trigger: Trigger,
+    /// The targets still to decide (all of them for a new run).
+    pub targets: Vec<DeviceId>,
+    pub force: bool,
+    /// Targets that already have outcomes (a run resumed after a restart).
+    pub decided: usize,
+}
+
+impl RunSpec {
+    /// A run resumed after a restart, from its stored row and undecided
+    /// targets. A trigger word this version does not know resumes as manual.
+    pub fn resumed(
+        id: Uuid,
+        trigger: &str,
+        force: bool,
+        target_count: usize,
+        undecided: Vec<DeviceId>,
+    ) -> Self {
+        RunSpec {
+            id,
+            trigger: Trigger::parse(trigger).unwrap_or(Trigger::Manual),
+            decided: target_count.saturating_sub(undecided.len()),
+            targets: undecided,
+            force,
+        }
+    }
+}
+
+/// A running run: how many targets are still undecided, and a sample of
+/// the outcomes for its `run.completed` event.
+#[derive(Debug, Clone)]
+pub struct RunProgress {
+    pub id: Uuid,
+    pub trigger: Trigger,
+    remaining: usize,
+    started: Instant,
+    /// Device → outcome, capped at [`COMPLETED_EVENT_OUTCOME_CAP`].
+    sample: BTreeMap<String, &'static str>,
+    sample_truncated: bool,
+}
+
+impl RunProgress {
+    pub fn new(spec: &RunSpec, now: Instant) -> Self {
+        Self {
+            id: spec.id,
+            trigger: spec.trigger,
+            remaining: spec.targets.len(),
+            started: now,
+            sample: BTreeMap::new(),
+            // A resumed run's earlier outcomes are not in the sample.
+            sample_truncated: spec.decided > 0,
+        }
+    }
+
+    /// True once every target has its outcome.
+    pub fn is_complete(&self) -> bool {
+        self.remaining == 0
+    }
+
+    /// Records one target's outcome.
+    pub fn record(&mut self, device: &DeviceId, kind: OutcomeKind) {
+        self.remaining = self.remaining.saturating_sub(1);
+        if self.sample.len() < COMPLETED_EVENT_OUTCOME_CAP {
+            self.sample.insert(device.to_string(), kind.as_str());
+        } else {
+            self.sample_truncated = true;
+        }
+    }
+
+    /// How long the run has taken by `now`.
+    pub fn elapsed(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.started)
+    }
+
+    /// The `run.completed` event, from the committed run's counts.
+    pub fn completed_event(
+        &self,
+        target_count: i32,
+        counts: &OutcomeCounts,
+        now: Instant,
+    ) -> EventDraft {
+        EventDraft {
+            event_type: EventType::RunCompleted,
+            subject: self.id.to_string(),
+            run_id: Some(self.id),
+            generation: None,
+            data: json!({
+                "trigger": self.trigger.as_str(),
+                "target_count": target_count,
+                "counts": counts,
+                "summary": counts.summary(),
+                "duration_ms": self.elapsed(now).as_millis() as u64,
+                "outcomes": &self.sample,
+                "outcomes_truncated": self.sample_truncated,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(targets: usize, decided: usize) -> RunSpec {
+        RunSpec {
+            id: Uuid::now_v7(),
+            trigger: Trigger::Manual,
+            targets: (0..targets)
+                .map(|i| DeviceId::parse(&format!("d-{i}")).unwrap())
+                .collect(),
+            force: false,
+            decided,
+        }
+    }
+
+    #[test]
+    fn every_trigger_parses_back_from_its_stored_word() {
+        for trigger in Trigger::ALL {
+            assert_eq!(Trigger::parse(trigger.as_str()), Some(trigger));
+        }
+        assert_eq!(Trigger::parse("sometimes"), None);
+    }
+
+    #[test]
+    fn a_run_is_complete_once_each_target_has_an_outcome() {
+        let spec = spec(2, 0);
+        let mut progress = RunProgress::new(&spec, Instant::now());
+        assert!(!progress.is_complete());
+        progress.record(&spec.targets[0], OutcomeKind::AlreadyConverged);
+        assert!(!progress.is_complete());
+        progress.record(&spec.targets[1], OutcomeKind::Provisioned);
+        assert!(progress.is_complete());
+    }
+
+    #[test]
+    fn the_completed_event_lists_the_sample_and_says_when_it_is_cut() {
+        let spec = spec(1, 0);
+        let started = Instant::now();
+        let mut progress = RunProgress::new(&spec, started);
+        progress.record(&spec.targets[0], OutcomeKind::Provisioned);
+        let counts = OutcomeCounts {
+            provisioned: 1,
+            ..OutcomeCounts::default()
+        };
+        let event = progress.completed_event(1, &counts, started + Duration::from_millis(42));
+        assert_eq!(event.data["duration_ms"], 42);
+        assert_eq!(event.data["outcomes"]["d-0"], "provisioned");
+        assert_eq!(event.data["outcomes_truncated"], false);
+        assert_eq!(event.data["trigger"], "manual");
+
+        let resumed = RunProgress::new(&self::spec(1, 3), started);
+        let event = resumed.completed_event(4, &counts, started);
+        assert_eq!(event.data["outcomes_truncated"], true);
+    }
+}
