@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::ValidConfig;
+use crate::config::{Config, ValidConfig};
 use crate::fleet::Fleet;
 use crate::http::HttpLimits;
 use crate::ingest::Ingest;
@@ -101,10 +101,53 @@ pub async fn run(
     drop(rows);
     tracing::info!(devices = fleet.len(), "device cache loaded");
 
-    let metrics = Arc::new(Metrics::new());
-    let mqtt_status = Arc::new(MqttStatus::default());
-    let stalls = Stalls::new(config.config.stuck_after);
     let (client, eventloop) = mqtt::connect(&config);
+    let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
+    let state = Arc::new(shared_state(
+        config, pool, fleet, &client, engine_tx, &token,
+    ));
+    let workers = Workers::start(&state, client, eventloop, engine_rx, &token);
+
+    resume_unfinished_runs(&state.pool, &state.engine).await?;
+    // Retained desired messages left behind by an earlier process (it
+    // stopped between a desired change and its refresh) are refreshed now.
+    let _ = state.engine.send(EngineCommand::SyncRetained).await;
+    if state.config.config.startup_reconcile {
+        // Nothing to do for an empty fleet; the engine skips it then.
+        let _ = state
+            .engine
+            .send(EngineCommand::ReconcileAll(Trigger::Startup))
+            .await;
+    }
+
+    // Body size is limited (with our own 413) by the HTTP layer, not by
+    // axum's 2 MB default.
+    let app = crate::api::router(state.clone()).layer(axum::extract::DefaultBodyLimit::disable());
+    crate::http::serve(
+        listener,
+        app,
+        HttpLimits::from_config(&state.config.config),
+        state.config.http_tls.as_ref().map(|tls| tls.config.clone()),
+        state.metrics.clone(),
+        token.clone(),
+    )
+    .await;
+
+    workers.stop(&state.publisher).await;
+    drop(state);
+    Ok(())
+}
+
+/// What every handler and task shares.
+fn shared_state(
+    config: ValidConfig,
+    pool: PgPool,
+    fleet: Arc<Fleet>,
+    client: &rumqttc::AsyncClient,
+    engine: mpsc::Sender<EngineCommand>,
+    token: &CancellationToken,
+) -> AppState {
+    let metrics = Arc::new(Metrics::new());
     let publisher = Publisher::new(
         client.clone(),
         config.topic_root.clone(),
@@ -117,31 +160,39 @@ pub async fn run(
         }
         crate::config::BrokerAccounts::None | crate::config::BrokerAccounts::PasswordFile => None,
     };
-    let (inbound_tx, inbound_rx) = mpsc::channel(INBOUND_CAPACITY);
-    let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
-    let event_source = format!("/idem/{}", config.config.instance);
-    let device_writes = DeviceWrites::default();
+    let auth = crate::auth::AuthSettings {
+        disabled: config.config.insecure_no_auth,
+        open_metrics: config.config.open_metrics,
+        open_events: config.config.open_events,
+    };
+    if auth.disabled {
+        tracing::warn!("--insecure-no-auth: the API answers everyone as an admin, without a token");
+    }
     let (live_events, _) = broadcast::channel(LIVE_EVENTS_CAPACITY);
-    let events_wake = Arc::new(Notify::new());
+    AppState {
+        pool,
+        fleet,
+        metrics,
+        engine,
+        live_events,
+        events_wake: Arc::new(Notify::new()),
+        mqtt: Arc::new(MqttStatus::default()),
+        publisher,
+        engine_stats: Arc::new(EngineStats::default()),
+        device_writes: DeviceWrites::default(),
+        event_source: format!("/idem/{}", config.config.instance),
+        sse: SseClients::new(SseSettings::from_config(&config.config), token.clone()),
+        stalls: Stalls::new(config.config.stuck_after),
+        config,
+        manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
+        auth,
+        dynsec,
+    }
+}
 
-    // Stop order: HTTP and intake first, then the engine flushes, then MQTT.
-    let intake_token = token.child_token();
-    let engine_token = CancellationToken::new();
-    let mqtt_token = CancellationToken::new();
-
-    let mqtt_task = tokio::spawn(mqtt::run_event_loop(
-        eventloop,
-        client,
-        config.topic_root.clone(),
-        config.budget,
-        inbound_tx,
-        mqtt_status.clone(),
-        metrics.clone(),
-        dynsec.clone(),
-        mqtt_token.clone(),
-    ));
-    let c = &config.config;
-    let settings = EngineSettings {
+/// The engine's tunables, from the configuration.
+fn engine_settings(c: &Config) -> EngineSettings {
+    EngineSettings {
         push_timeout: c.push_timeout,
         retry: RetryPolicy {
             max_attempts: c.max_attempts,
@@ -153,142 +204,164 @@ pub async fn run(
         debounce: c.debounce,
         resync_interval: (!c.resync_interval.is_zero()).then_some(c.resync_interval),
         stale_after: c.stale_after,
-    };
-    let engine_stats = Arc::new(EngineStats::default());
-    let engine = Engine::new(EngineContext {
-        pool: pool.clone(),
-        fleet: fleet.clone(),
-        metrics: metrics.clone(),
-        publisher: publisher.clone(),
-        events_wake: events_wake.clone(),
-        stats: engine_stats.clone(),
-        event_source: event_source.clone(),
-        settings,
-        device_writes: device_writes.clone(),
-        stall: stalls.engine.clone(),
-    });
-    let engine_task = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
-    let ingest = Ingest {
-        pool: pool.clone(),
-        fleet: fleet.clone(),
-        metrics: metrics.clone(),
-        publisher: publisher.clone(),
-        engine: engine_tx.clone(),
-        root: config.topic_root.clone(),
-        budget: config.budget,
-        auto_register: config.config.auto_register,
-        device_writes: device_writes.clone(),
-        stall: stalls.ingest.clone(),
-    };
-    let ingest_task = tokio::spawn(ingest.run(inbound_rx, intake_token.clone()));
-    let upkeep_task = tokio::spawn(metrics_upkeep(
-        metrics.clone(),
-        pool.clone(),
-        intake_token.clone(),
-    ));
+    }
+}
 
-    let relay = EventRelay {
+fn event_relay(
+    c: &Config,
+    pool: &PgPool,
+    publisher: &Publisher,
+    live: &broadcast::Sender<Arc<StoredEvent>>,
+    wake: &Arc<Notify>,
+    metrics: &Arc<Metrics>,
+) -> EventRelay {
+    let qos = if c.mqtt_events_qos == 0 {
+        QoS::AtMostOnce
+    } else {
+        QoS::AtLeastOnce
+    };
+    EventRelay {
         pool: pool.clone(),
-        mqtt: config.config.mqtt_events.then(|| {
-            let qos = if config.config.mqtt_events_qos == 0 {
-                QoS::AtMostOnce
-            } else {
-                QoS::AtLeastOnce
-            };
-            (publisher.clone(), qos)
-        }),
-        live: live_events.clone(),
-        wake: events_wake.clone(),
+        mqtt: c.mqtt_events.then(|| (publisher.clone(), qos)),
+        live: live.clone(),
+        wake: wake.clone(),
         metrics: metrics.clone(),
         retention: Retention {
-            max_age: config.config.event_retention,
-            max_count: config.config.event_retention_count,
+            max_age: c.event_retention,
+            max_count: c.event_retention_count,
         },
-    };
-    let retention_task = tokio::spawn(crate::retention::run(
-        pool.clone(),
-        crate::retention::RunRetention {
-            max_age: config.config.run_retention,
-            max_targets: config.config.run_retention_targets,
-            attempts_max_age: config.config.attempt_retention,
-            attempts_max_count: config.config.attempt_retention_count,
-            audit_max_age: config.config.audit_retention,
-        },
-        intake_token.clone(),
-    ));
-    let relay_token = CancellationToken::new();
-    let relay_task = tokio::spawn(relay.run(relay_token.clone()));
+    }
+}
 
-    resume_unfinished_runs(&pool, &engine_tx).await?;
-    // Retained desired messages left behind by an earlier process (it
-    // stopped between a desired change and its refresh) are refreshed now.
-    let _ = engine_tx.send(EngineCommand::SyncRetained).await;
-    if config.config.startup_reconcile {
-        // Nothing to do for an empty fleet; the engine skips it then.
-        let _ = engine_tx
-            .send(EngineCommand::ReconcileAll(Trigger::Startup))
-            .await;
+fn run_retention(c: &Config) -> crate::retention::RunRetention {
+    crate::retention::RunRetention {
+        max_age: c.run_retention,
+        max_targets: c.run_retention_targets,
+        attempts_max_age: c.attempt_retention,
+        attempts_max_count: c.attempt_retention_count,
+        audit_max_age: c.audit_retention,
+    }
+}
+
+/// The server's tasks and the tokens that stop them.
+struct Workers {
+    intake_token: CancellationToken,
+    engine_token: CancellationToken,
+    relay_token: CancellationToken,
+    mqtt_token: CancellationToken,
+    /// The ingest and the periodic jobs.
+    intake: Vec<tokio::task::JoinHandle<()>>,
+    engine: tokio::task::JoinHandle<()>,
+    relay: tokio::task::JoinHandle<()>,
+    mqtt: tokio::task::JoinHandle<()>,
+}
+
+impl Workers {
+    /// Starts the MQTT event loop, the engine, the ingest, the relay and
+    /// the periodic jobs.
+    fn start(
+        state: &AppState,
+        client: rumqttc::AsyncClient,
+        eventloop: rumqttc::EventLoop,
+        engine_rx: mpsc::Receiver<EngineCommand>,
+        token: &CancellationToken,
+    ) -> Self {
+        // Stop order: HTTP and intake first, then the engine writes, then MQTT.
+        let intake_token = token.child_token();
+        let engine_token = CancellationToken::new();
+        let relay_token = CancellationToken::new();
+        let mqtt_token = CancellationToken::new();
+        let config = &state.config;
+        let (inbound_tx, inbound_rx) = mpsc::channel(INBOUND_CAPACITY);
+        let mqtt = tokio::spawn(mqtt::run_event_loop(
+            eventloop,
+            client,
+            config.topic_root.clone(),
+            config.budget,
+            inbound_tx,
+            state.mqtt.clone(),
+            state.metrics.clone(),
+            state.dynsec.clone(),
+            mqtt_token.clone(),
+        ));
+        let engine = Engine::new(EngineContext {
+            pool: state.pool.clone(),
+            fleet: state.fleet.clone(),
+            metrics: state.metrics.clone(),
+            publisher: state.publisher.clone(),
+            events_wake: state.events_wake.clone(),
+            stats: state.engine_stats.clone(),
+            event_source: state.event_source.clone(),
+            settings: engine_settings(&config.config),
+            device_writes: state.device_writes.clone(),
+            stall: state.stalls.engine.clone(),
+        });
+        let engine = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
+        let ingest = Ingest {
+            pool: state.pool.clone(),
+            fleet: state.fleet.clone(),
+            metrics: state.metrics.clone(),
+            publisher: state.publisher.clone(),
+            engine: state.engine.clone(),
+            root: config.topic_root.clone(),
+            budget: config.budget,
+            auto_register: config.config.auto_register,
+            device_writes: state.device_writes.clone(),
+            stall: state.stalls.ingest.clone(),
+        };
+        let intake = vec![
+            tokio::spawn(ingest.run(inbound_rx, intake_token.clone())),
+            tokio::spawn(metrics_upkeep(
+                state.metrics.clone(),
+                state.pool.clone(),
+                intake_token.clone(),
+            )),
+            tokio::spawn(crate::retention::run(
+                state.pool.clone(),
+                run_retention(&config.config),
+                intake_token.clone(),
+            )),
+        ];
+        let relay = event_relay(
+            &config.config,
+            &state.pool,
+            &state.publisher,
+            &state.live_events,
+            &state.events_wake,
+            &state.metrics,
+        );
+        let relay = tokio::spawn(relay.run(relay_token.clone()));
+        Self {
+            intake_token,
+            engine_token,
+            relay_token,
+            mqtt_token,
+            intake,
+            engine,
+            relay,
+            mqtt,
+        }
     }
 
-    let http_limits = HttpLimits::from_config(&config.config);
-    let sse = SseClients::new(SseSettings::from_config(&config.config), token.clone());
-    let auth = crate::auth::AuthSettings {
-        disabled: config.config.insecure_no_auth,
-        open_metrics: config.config.open_metrics,
-        open_events: config.config.open_events,
-    };
-    if auth.disabled {
-        tracing::warn!("--insecure-no-auth: the API answers everyone as an admin, without a token");
+    /// Stops in order: intake first, then the engine writes what it holds,
+    /// the relay passes on what was committed, and MQTT disconnects last.
+    async fn stop(self, publisher: &Publisher) {
+        self.intake_token.cancel();
+        for task in self.intake {
+            let _ = task.await;
+        }
+        self.engine_token.cancel();
+        let _ = self.engine.await;
+        // Let the relay pass on what the engine's last write committed.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        self.relay_token.cancel();
+        let _ = self.relay.await;
+        publisher.disconnect().await;
+        // Give the event loop a moment to send DISCONNECT before it stops.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        self.mqtt_token.cancel();
+        let _ = self.mqtt.await;
     }
-    let state = Arc::new(AppState {
-        pool,
-        fleet,
-        metrics,
-        engine: engine_tx,
-        live_events,
-        events_wake,
-        mqtt: mqtt_status,
-        publisher: publisher.clone(),
-        engine_stats,
-        device_writes,
-        event_source,
-        sse,
-        config,
-        stalls,
-        manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
-        auth,
-        dynsec,
-    });
-    // Body size is limited (with our own 413) by the HTTP layer, not by
-    // axum's 2 MB default.
-    let app = crate::api::router(state.clone()).layer(axum::extract::DefaultBodyLimit::disable());
-    crate::http::serve(
-        listener,
-        app,
-        http_limits,
-        state.config.http_tls.as_ref().map(|tls| tls.config.clone()),
-        state.metrics.clone(),
-        token.clone(),
-    )
-    .await;
-
-    intake_token.cancel();
-    let _ = ingest_task.await;
-    let _ = upkeep_task.await;
-    let _ = retention_task.await;
-    engine_token.cancel();
-    let _ = engine_task.await;
-    // Let the relay pass on what the engine's last flush committed.
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    relay_token.cancel();
-    let _ = relay_task.await;
-    publisher.disconnect().await;
-    // Give the event loop a moment to send DISCONNECT before it stops.
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    mqtt_token.cancel();
-    let _ = mqtt_task.await;
-    drop(state);
-    Ok(())
 }
 
 /// Runs left `running` by an earlier process continue with their undecided
