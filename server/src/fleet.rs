@@ -9,11 +9,10 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use dashmap::DashMap;
-use idem_protocol::{DeviceId, Health, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
 use serde_json::Value;
 
 use crate::reconcile::decide::{self, Actual, ReportedState};
-use crate::reconcile::policy::DeviceStatus;
 use crate::store::devices::DeviceRow;
 use crate::store::to_u64;
 

@@ -5,6 +5,7 @@
 //! Never a device id as a label: per-device detail lives in Postgres and the
 //! event stream.
 
+use idem_protocol::{DeviceStatus, OutcomeCounts, OutcomeKind};
 use metrics::{
     Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, SharedString, Unit,
 };
@@ -13,8 +14,6 @@ use metrics_exporter_prometheus::{
 };
 
 use crate::http::BodyRejection;
-use crate::reconcile::outcome::OutcomeKind;
-use crate::reconcile::policy::DeviceStatus;
 use crate::sse::DropReason;
 
 const METADATA: Metadata<'static> = Metadata::new("idem", Level::INFO, Some(module_path!()));
@@ -424,7 +423,7 @@ impl Metrics {
     }
 
     /// Sets `idem_last_run_devices{outcome}` to a completed run's counts.
-    pub fn set_last_run(&self, counts: &crate::reconcile::OutcomeCounts) {
+    pub fn set_last_run(&self, counts: &OutcomeCounts) {
         for (kind, gauge) in OutcomeKind::ALL.iter().zip(&self.last_run) {
             gauge.set(counts.get(*kind) as f64);
         }

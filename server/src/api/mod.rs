@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::Extension;
 use axum::{Json, Router};
-use idem_protocol::{DeviceId, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, OutcomeCounts, OutcomeKind, SpecDigest};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -25,9 +25,7 @@ use crate::events;
 use crate::fleet::DesiredState;
 use crate::input::{self, InputError};
 use crate::reconcile::engine::EngineCommand;
-use crate::reconcile::policy::DeviceStatus;
 use crate::reconcile::runs::{commit_run, CommitRunError, NewRun, Trigger};
-use crate::reconcile::OutcomeKind;
 use crate::store::devices::{DeviceFilter, DeviceRow, Registration};
 use crate::store::runs::RunRow;
 use crate::store::{self, StoreError};
@@ -1058,7 +1056,7 @@ struct RunView {
     state: String,
     force: bool,
     target_count: i32,
-    counts: crate::reconcile::OutcomeCounts,
+    counts: OutcomeCounts,
     summary: String,
     started_at: chrono::DateTime<chrono::Utc>,
     finished_at: Option<chrono::DateTime<chrono::Utc>>,
