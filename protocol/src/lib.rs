@@ -1,7 +1,8 @@
 //! idem wire contract v1, shared by the server and every device: topic layout,
 //! payload types, device-id rules and the canonical spec digest; and the
 //! vocabulary the server's API and events share with every client (outcome
-//! kinds and counts, the summary line, device status).
+//! kinds and counts, the summary line, device status, event types and their
+//! data).
 //!
 //! This crate is pure: serde only, no IO, no async runtime. `docs/PROTOCOL.md`
 //! is the normative prose copy of what is encoded here.
@@ -9,6 +10,7 @@
 pub mod device_id;
 pub mod device_status;
 pub mod digest;
+pub mod event;
 pub mod limits;
 pub mod outcome;
 pub mod payload;

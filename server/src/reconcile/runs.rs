@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use idem_protocol::{DeviceId, SpecDigest};
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::engine::EngineCommand;
-use crate::events::{self, EventDraft, EventError, EventType};
+use crate::events::{self, EventDraft, EventError, RunStartedData};
 use crate::fleet::{DesiredState, Fleet};
 use crate::store::{self, DeviceWrites, StoreError};
 
@@ -123,18 +123,15 @@ pub async fn commit_run(
         &target_ids,
     )
     .await?;
-    let draft = EventDraft {
-        event_type: EventType::RunStarted,
-        subject: run_id.to_string(),
-        run_id: Some(run_id),
-        generation: None,
-        data: json!({
-            "trigger": run.trigger.as_str(),
-            "target_count": target_ids.len(),
-            "force": run.force,
-            "started_by": run.started_by,
-        }),
-    };
+    let draft = EventDraft::run_started(
+        run_id,
+        RunStartedData {
+            trigger: run.trigger.as_str().to_owned(),
+            target_count: target_ids.len() as u64,
+            force: run.force,
+            started_by: run.started_by,
+        },
+    );
     let first = store::events::reserve_sequences(&mut tx, 1).await?;
     let rows = events::finalize(vec![draft], first, event_source, chrono::Utc::now())?;
     store::events::insert(&mut tx, &rows).await?;
