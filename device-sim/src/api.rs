@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use idem_protocol::OutcomeCounts;
+use idem_protocol::{OutcomeCounts, OutcomeKind};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -124,10 +124,9 @@ impl RunView {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 pub struct OutcomeRow {
     pub device_id: String,
-    /// `already_converged`, `provisioned`, `failed`, `skipped`, `superseded`;
     /// `None` while the device is undecided.
     #[serde(default)]
-    pub outcome: Option<String>,
+    pub outcome: Option<OutcomeKind>,
     #[serde(default)]
     pub reason: Option<String>,
 }

@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem_protocol::{OutcomeCounts, TopicRoot};
+use idem_protocol::{OutcomeCounts, OutcomeKind, TopicRoot};
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -436,7 +436,16 @@ pub async fn run_demo(
     let check = check_outcomes(&plan, &outcomes);
     let failed = outcomes
         .iter()
-        .filter(|o| o.outcome.as_deref() == Some(ExpectedOutcome::Failed.as_str()))
+        .filter(|o| match o.outcome {
+            Some(OutcomeKind::Failed) => true,
+            Some(
+                OutcomeKind::AlreadyConverged
+                | OutcomeKind::Provisioned
+                | OutcomeKind::Skipped
+                | OutcomeKind::Superseded,
+            )
+            | None => false,
+        })
         .map(|o| FailedDevice {
             device: o.device_id.clone(),
             reason: o.reason.clone(),
