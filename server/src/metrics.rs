@@ -66,7 +66,7 @@ impl ReportResult {
 
 /// Handles to every series the server writes.
 pub struct Metrics {
-    recorder: PrometheusRecorder,
+    /// Renders what the handles below record (the recorder's shared state).
     handle: PrometheusHandle,
     outcomes: [Counter; 5],
     reports: [Counter; 4],
@@ -356,7 +356,6 @@ impl Metrics {
                     &[("reason", reason.as_str())],
                 )
             }),
-            recorder,
             handle,
         };
         for c in metrics
@@ -498,15 +497,6 @@ impl Metrics {
 
     pub fn run_upkeep(&self) {
         self.handle.run_upkeep();
-    }
-
-    /// A series registered on demand (for labels not known up front).
-    pub fn counter_with(
-        &self,
-        name: &'static str,
-        labels: &[(&'static str, &'static str)],
-    ) -> Counter {
-        counter(&self.recorder, name, labels)
     }
 }
 
