@@ -27,7 +27,7 @@ use crate::reconcile::decide::ReportedState;
 use crate::reconcile::engine::EngineCommand;
 use crate::stall::Stall;
 use crate::store::devices::ReportRow;
-use crate::store::{self, DeviceWrites, StoreError};
+use crate::store::{self, Context, DeviceWrites, StoreError};
 
 /// Most messages stored in one database batch.
 const MAX_BATCH: usize = 4_096;
@@ -399,10 +399,12 @@ impl Ingest {
         };
         let reports: Vec<&ReportRow> = rows.iter().map(|(_, row)| row).collect();
         let _one_writer = self.device_writes.lock().await;
-        let mut tx =
-            self.pool.begin().await.map_err(|e| {
-                WriteFailure::Transient(StoreError::db("starting a transaction", e))
-            })?;
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .context("starting a transaction")
+            .map_err(WriteFailure::Transient)?;
         store::devices::apply_reports(&mut tx, &reports, self.auto_register)
             .await
             .map_err(classify_failure)?;
@@ -411,7 +413,8 @@ impl Ingest {
             .map_err(classify_failure)?;
         tx.commit()
             .await
-            .map_err(|e| classify_failure(StoreError::db("committing reports", e)))
+            .context("committing reports")
+            .map_err(classify_failure)
     }
 }
 

@@ -28,7 +28,7 @@ use crate::reconcile::engine::EngineCommand;
 use crate::reconcile::runs::{commit_run, CommitRunError, NewRun, Trigger};
 use crate::store::devices::{DeviceFilter, DeviceRow, Registration};
 use crate::store::runs::RunRow;
-use crate::store::{self, StoreError};
+use crate::store::{self, Context, StoreError};
 
 /// Most items one list page returns.
 const MAX_PAGE: i64 = 1_000;
@@ -166,10 +166,6 @@ impl From<InputError> for ApiError {
     }
 }
 
-fn db_error(context: &'static str) -> impl FnOnce(sqlx::Error) -> ApiError {
-    move |source| ApiError::from(StoreError::Db { context, source })
-}
-
 /// `Json<T>` whose rejections are our JSON errors.
 pub struct ApiJson<T>(pub T);
 
@@ -285,11 +281,7 @@ async fn register_devices(
         ids.push(id);
     }
     let _one_writer = state.device_writes.lock().await;
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let (counts, created) = store::devices::register_returning_new(&mut tx, &registrations).await?;
     // Every new device gets its broker password, when the server issues them.
     let issued = if state.config.config.broker_accounts.issues_passwords() {
@@ -318,9 +310,7 @@ async fn register_devices(
         let spec = Arc::new(spec.clone());
         desired_changes.extend(written.into_iter().map(|w| (w, *digest, spec.clone())));
     }
-    tx.commit()
-        .await
-        .map_err(db_error("committing registrations"))?;
+    tx.commit().await.context("committing registrations")?;
     state.fleet.register(ids);
     let desired_changed = desired_changes.len();
     let mut changed_ids = Vec::with_capacity(desired_changed);
@@ -383,15 +373,9 @@ async fn upsert_device(
         id: id.to_string(),
         labels: parse_labels(body.labels)?,
     };
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let counts = store::devices::register(&mut tx, &[registration]).await?;
-    tx.commit()
-        .await
-        .map_err(db_error("committing a registration"))?;
+    tx.commit().await.context("committing a registration")?;
     state.fleet.register([id.clone()]);
     let status = if counts.created > 0 {
         StatusCode::CREATED
@@ -437,15 +421,9 @@ async fn delete_device(
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let _one_writer = state.device_writes.lock().await;
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let existed = store::devices::delete(&mut tx, id.as_str()).await?;
-    tx.commit()
-        .await
-        .map_err(db_error("committing a device deletion"))?;
+    tx.commit().await.context("committing a device deletion")?;
     drop(_one_writer);
     state.fleet.remove(&id);
     state.publisher.clear_retained(&id);
@@ -475,15 +453,11 @@ async fn reset_reported(
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let _one_writer = state.device_writes.lock().await;
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     store::devices::reset_reported(&mut tx, id.as_str()).await?;
     tx.commit()
         .await
-        .map_err(db_error("committing a reported-state reset"))?;
+        .context("committing a reported-state reset")?;
     state.fleet.clear_reported(&id);
     drop(_one_writer);
     let row = store::devices::get(&state.pool, id.as_str()).await?;

@@ -12,7 +12,7 @@ use uuid::Uuid;
 use super::engine::EngineCommand;
 use crate::events::{self, EventDraft, EventError, RunStartedData};
 use crate::fleet::{DesiredState, Fleet};
-use crate::store::{self, DeviceWrites, StoreError};
+use crate::store::{self, Context, DeviceWrites, StoreError};
 
 /// Why a run was started; stored as `runs.trigger`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -102,10 +102,7 @@ pub async fn commit_run(
         Some(_) => Some(device_writes.lock().await),
         None => None,
     };
-    let mut tx = pool.begin().await.map_err(|e| StoreError::Db {
-        context: "starting a transaction",
-        source: e,
-    })?;
+    let mut tx = pool.begin().await.context("starting a transaction")?;
     let digest_and_spec = run.spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
     let mut desired_changes = Vec::new();
     if let Some((digest, spec)) = &digest_and_spec {
@@ -135,10 +132,7 @@ pub async fn commit_run(
     let first = store::events::reserve_sequences(&mut tx, 1).await?;
     let rows = events::finalize(vec![draft], first, event_source, chrono::Utc::now())?;
     store::events::insert(&mut tx, &rows).await?;
-    tx.commit().await.map_err(|e| StoreError::Db {
-        context: "committing a run",
-        source: e,
-    })?;
+    tx.commit().await.context("committing a run")?;
     if let Some((digest, spec)) = digest_and_spec {
         for write in desired_changes {
             if let Ok(id) = DeviceId::parse(&write.id) {
