@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use idem_protocol::limits::seq_ceiling;
 use idem_protocol::{
@@ -25,6 +25,7 @@ use crate::metrics::{Metrics, ReportResult};
 use crate::mqtt::{Publisher, Received};
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::engine::EngineCommand;
+use crate::retry::Backoff;
 use crate::stall::Stall;
 use crate::store::devices::ReportRow;
 use crate::store::{self, Context, DeviceWrites, StoreError};
@@ -338,7 +339,7 @@ impl Ingest {
         // first write that commits (alone, if every report was refused).
         let mut pending: Vec<&[(DeviceId, ReportRow)]> = vec![&rows];
         let mut online: &[(String, bool)] = &online;
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::store_and_broker();
         loop {
             let slice = match pending.pop() {
                 Some(slice) => slice,
@@ -354,7 +355,7 @@ impl Ingest {
                         .record(started.elapsed().as_secs_f64());
                     self.stall.progressed();
                     online = &[];
-                    backoff = Duration::from_millis(100);
+                    backoff.reset();
                 }
                 Err(WriteFailure::Refused(e)) if slice.len() > 1 => {
                     tracing::warn!(error = %e, reports = slice.len(), "the database refused a report batch; splitting it to find the refused report");
@@ -372,12 +373,12 @@ impl Ingest {
                 // Without reports only the connection state was written:
                 // nothing to isolate, so it is retried like a transient failure.
                 Err(WriteFailure::Refused(e) | WriteFailure::Transient(e)) => {
-                    tracing::error!(error = %e, "storing reports failed; retrying in {backoff:?}");
+                    let delay = backoff.next_delay();
+                    tracing::error!(error = %e, "storing reports failed; retrying in {delay:?}");
                     tokio::select! {
                         () = token.cancelled() => return None,
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(delay) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                     pending.push(slice);
                 }
             }
