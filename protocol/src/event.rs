@@ -171,7 +171,10 @@ mod tests {
             .collect();
         for t in all {
             assert_eq!(EventType::parse(t.as_str()), Some(t));
-            assert_eq!(serde_json::to_value(t).unwrap(), Value::from(t.as_str()));
+            assert_eq!(t.to_string(), t.as_str());
+            let json = serde_json::to_value(t).unwrap();
+            assert_eq!(json, Value::from(t.as_str()));
+            assert_eq!(serde_json::from_value::<EventType>(json).unwrap(), t);
         }
         assert_eq!(
             EventType::Device(OutcomeKind::AlreadyConverged).as_str(),
