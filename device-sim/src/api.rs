@@ -6,12 +6,12 @@
 
 use std::time::Duration;
 
+use idem_protocol::{OutcomeCounts, OutcomeKind};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::config::SecretString;
-use crate::plan::format_count;
 
 /// How long one HTTP request may take before it fails.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -93,47 +93,6 @@ pub struct RunStarted {
     pub targets: u64,
 }
 
-/// Per-outcome counts of a run, as the server stores them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
-pub struct RunCounts {
-    #[serde(default)]
-    pub already_converged: u64,
-    #[serde(default)]
-    pub provisioned: u64,
-    #[serde(default)]
-    pub failed: u64,
-    #[serde(default)]
-    pub skipped: u64,
-    #[serde(default)]
-    pub superseded: u64,
-}
-
-impl RunCounts {
-    /// Devices with an outcome so far.
-    pub fn total(&self) -> u64 {
-        self.already_converged + self.provisioned + self.failed + self.skipped + self.superseded
-    }
-
-    /// The summary line in the server's format (for display when the server
-    /// gave none): `N already converged, N provisioned, N failed`, then
-    /// skipped and superseded only when non-zero.
-    pub fn summary(&self) -> String {
-        let mut line = format!(
-            "{} already converged, {} provisioned, {} failed",
-            format_count(self.already_converged),
-            format_count(self.provisioned),
-            format_count(self.failed)
-        );
-        if self.skipped > 0 {
-            line.push_str(&format!(", {} skipped", format_count(self.skipped)));
-        }
-        if self.superseded > 0 {
-            line.push_str(&format!(", {} superseded", format_count(self.superseded)));
-        }
-        line
-    }
-}
-
 /// `GET /v1/runs/{id}` answer (the fields the simulator uses).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 pub struct RunView {
@@ -146,7 +105,7 @@ pub struct RunView {
     #[serde(default)]
     pub target_count: u64,
     #[serde(default)]
-    pub counts: RunCounts,
+    pub counts: OutcomeCounts,
     /// The summary line exactly as the server renders it.
     #[serde(default)]
     pub summary: String,
@@ -165,10 +124,9 @@ impl RunView {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 pub struct OutcomeRow {
     pub device_id: String,
-    /// `already_converged`, `provisioned`, `failed`, `skipped`, `superseded`;
     /// `None` while the device is undecided.
     #[serde(default)]
-    pub outcome: Option<String>,
+    pub outcome: Option<OutcomeKind>,
     #[serde(default)]
     pub reason: Option<String>,
 }
@@ -542,28 +500,6 @@ mod tests {
         for bad in ["127.0.0.1:8080", "mqtt://x", "http://", "http://x/v1"] {
             assert!(ServerClient::new(bad).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn run_counts_render_like_the_server_summary() {
-        let counts = RunCounts {
-            already_converged: 9_996,
-            provisioned: 4,
-            ..RunCounts::default()
-        };
-        assert_eq!(
-            counts.summary(),
-            "9,996 already converged, 4 provisioned, 0 failed"
-        );
-        let counts = RunCounts {
-            skipped: 1_200,
-            ..RunCounts::default()
-        };
-        assert_eq!(
-            counts.summary(),
-            "0 already converged, 0 provisioned, 0 failed, 1,200 skipped"
-        );
-        assert_eq!(counts.total(), 1_200);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use idem_protocol::DeviceId;
+use idem_protocol::{DeviceId, OutcomeKind};
 use serde::Serialize;
 
 use crate::api::OutcomeRow;
@@ -110,10 +110,9 @@ pub fn check_outcomes(plan: &Plan, rows: &[OutcomeRow]) -> GroundTruthCheck {
             });
             continue;
         };
-        let actual = row.outcome.as_deref();
-        let problem = match actual {
+        let problem = match row.outcome {
             None => Some(format!("expected {want}, but it is still undecided")),
-            Some(got) if got != want.as_str() => {
+            Some(got) if ground_truth_of(got) != Some(*want) => {
                 Some(format!("expected {want}, server says {got}"))
             }
             Some(_) => reject_messages.get(id).and_then(|message| {
@@ -127,7 +126,11 @@ pub fn check_outcomes(plan: &Plan, rows: &[OutcomeRow]) -> GroundTruthCheck {
             mismatches.push(Mismatch {
                 device: id.to_string(),
                 expected: Some(*want),
-                actual: Some(actual.unwrap_or("undecided").to_owned()),
+                actual: Some(
+                    row.outcome
+                        .map_or("undecided", OutcomeKind::as_str)
+                        .to_owned(),
+                ),
                 reason: row.reason.clone(),
                 problem,
             });
@@ -137,7 +140,7 @@ pub fn check_outcomes(plan: &Plan, rows: &[OutcomeRow]) -> GroundTruthCheck {
         mismatches.push(Mismatch {
             device: device.to_owned(),
             expected: None,
-            actual: row.outcome.clone(),
+            actual: row.outcome.map(|kind| kind.as_str().to_owned()),
             reason: row.reason.clone(),
             problem: "not part of the simulated fleet, yet the run has an outcome for it"
                 .to_owned(),
@@ -147,6 +150,18 @@ pub fn check_outcomes(plan: &Plan, rows: &[OutcomeRow]) -> GroundTruthCheck {
     GroundTruthCheck {
         checked: plan.expected.len(),
         mismatches,
+    }
+}
+
+/// The ground truth a server's outcome stands for; `None` for outcomes no
+/// planned device may end its first run with (it is online, has a desired
+/// spec and nothing supersedes the run).
+fn ground_truth_of(kind: OutcomeKind) -> Option<ExpectedOutcome> {
+    match kind {
+        OutcomeKind::AlreadyConverged => Some(ExpectedOutcome::AlreadyConverged),
+        OutcomeKind::Provisioned => Some(ExpectedOutcome::Provisioned),
+        OutcomeKind::Failed => Some(ExpectedOutcome::Failed),
+        OutcomeKind::Skipped | OutcomeKind::Superseded => None,
     }
 }
 
@@ -170,7 +185,7 @@ mod tests {
             .iter()
             .map(|(id, outcome)| OutcomeRow {
                 device_id: id.to_string(),
-                outcome: Some(outcome.as_str().to_owned()),
+                outcome: Some(outcome.kind()),
                 reason: (*outcome == ExpectedOutcome::Failed)
                     .then(|| format!("rejected by device: {DEFAULT_REJECT_MESSAGE}")),
             })
@@ -195,11 +210,11 @@ mod tests {
         for row in &mut rows {
             // The classic lie: "provisioned" for a device that needed nothing…
             if row.device_id == converged[0].as_str() {
-                row.outcome = Some("provisioned".into());
+                row.outcome = Some(OutcomeKind::Provisioned);
             }
             // …"already converged" for one that was off-spec…
             if row.device_id == drifted[0].as_str() {
-                row.outcome = Some("already_converged".into());
+                row.outcome = Some(OutcomeKind::AlreadyConverged);
             }
             // …a failure blamed on something the device never said…
             if row.device_id == rejecting[0].as_str() {
@@ -214,7 +229,7 @@ mod tests {
         rows.retain(|r| r.device_id != converged[2].as_str());
         rows.push(OutcomeRow {
             device_id: "stranger-1".into(),
-            outcome: Some("provisioned".into()),
+            outcome: Some(OutcomeKind::Provisioned),
             reason: None,
         });
 

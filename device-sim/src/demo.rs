@@ -11,11 +11,11 @@
 
 use std::time::{Duration, Instant};
 
-use idem_protocol::TopicRoot;
+use idem_protocol::{OutcomeCounts, OutcomeKind, TopicRoot};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::api::{ApiError, ClientAuth, RunCounts, ServerClient};
+use crate::api::{ApiError, ClientAuth, ServerClient};
 use crate::check::{check_outcomes, GroundTruthCheck};
 use crate::config::{BrokerAddr, FleetConfig};
 use crate::error::SimError;
@@ -254,7 +254,7 @@ pub struct DemoReport {
     pub targeting: &'static str,
     /// The run summary exactly as the server rendered it.
     pub summary: String,
-    pub counts: RunCounts,
+    pub counts: OutcomeCounts,
     pub timings: DemoTimings,
     /// Devices the server reported failed, with reasons, by id.
     pub failed: Vec<FailedDevice>,
@@ -436,7 +436,16 @@ pub async fn run_demo(
     let check = check_outcomes(&plan, &outcomes);
     let failed = outcomes
         .iter()
-        .filter(|o| o.outcome.as_deref() == Some(ExpectedOutcome::Failed.as_str()))
+        .filter(|o| match o.outcome {
+            Some(OutcomeKind::Failed) => true,
+            Some(
+                OutcomeKind::AlreadyConverged
+                | OutcomeKind::Provisioned
+                | OutcomeKind::Skipped
+                | OutcomeKind::Superseded,
+            )
+            | None => false,
+        })
         .map(|o| FailedDevice {
             device: o.device_id.clone(),
             reason: o.reason.clone(),

@@ -42,7 +42,7 @@ pub mod fleet;
 pub mod memory;
 pub mod plan;
 
-pub use api::{ApiError, ClientAuth, OutcomeRow, RunCounts, RunView, ServerClient};
+pub use api::{ApiError, ClientAuth, OutcomeRow, RunView, ServerClient};
 pub use behaviour::{respond_to_desired, seq_base_now, DeviceBehaviour, DeviceState};
 pub use check::{check_outcomes, GroundTruthCheck, Mismatch};
 pub use config::{

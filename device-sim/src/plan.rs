@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use idem_protocol::{DeviceId, Health, SpecDigest};
+use idem_protocol::{DeviceId, Health, OutcomeCounts, OutcomeKind, SpecDigest};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -33,13 +33,18 @@ pub enum ExpectedOutcome {
 }
 
 impl ExpectedOutcome {
+    /// The server's outcome kind this ground truth names.
+    pub fn kind(self) -> OutcomeKind {
+        match self {
+            ExpectedOutcome::AlreadyConverged => OutcomeKind::AlreadyConverged,
+            ExpectedOutcome::Provisioned => OutcomeKind::Provisioned,
+            ExpectedOutcome::Failed => OutcomeKind::Failed,
+        }
+    }
+
     /// Snake-case name, as used in the server's API and event types.
     pub fn as_str(self) -> &'static str {
-        match self {
-            ExpectedOutcome::AlreadyConverged => "already_converged",
-            ExpectedOutcome::Provisioned => "provisioned",
-            ExpectedOutcome::Failed => "failed",
-        }
+        self.kind().as_str()
     }
 }
 
@@ -61,13 +66,13 @@ impl ExpectedCounts {
     /// `N already converged, N provisioned, N failed`, with thousands
     /// separators, in the order of the server's run summary.
     pub fn summary(&self) -> String {
-        idem_protocol::summary::summary_line(
-            self.already_converged as u64,
-            self.provisioned as u64,
-            self.failed as u64,
-            0,
-            0,
-        )
+        OutcomeCounts {
+            already_converged: self.already_converged as u64,
+            provisioned: self.provisioned as u64,
+            failed: self.failed as u64,
+            ..OutcomeCounts::default()
+        }
+        .summary()
     }
 }
 
@@ -78,7 +83,7 @@ impl fmt::Display for ExpectedCounts {
 }
 
 /// `9996` → `9,996` (the server's own formatting).
-pub use idem_protocol::summary::with_thousands as format_count;
+pub use idem_protocol::outcome::with_thousands as format_count;
 
 /// A small, realistic desired spec used when the caller gives none.
 pub fn default_desired_spec() -> Value {

@@ -1,18 +1,25 @@
 //! idem wire contract v1, shared by the server and every device: topic layout,
-//! payload types, device-id rules and the canonical spec digest.
+//! payload types, device-id rules and the canonical spec digest; and the
+//! vocabulary the server's API and events share with every client (outcome
+//! kinds and counts, the summary line, device status, event types and their
+//! data).
 //!
 //! This crate is pure: serde only, no IO, no async runtime. `docs/PROTOCOL.md`
 //! is the normative prose copy of what is encoded here.
 
 pub mod device_id;
+pub mod device_status;
 pub mod digest;
+pub mod event;
 pub mod limits;
+pub mod outcome;
 pub mod payload;
-pub mod summary;
 pub mod topic;
 
 pub use device_id::{DeviceId, InvalidDeviceId};
+pub use device_status::DeviceStatus;
 pub use digest::{canonical_json, InvalidDigest, SpecDigest};
 pub use limits::{SpecBudget, SpecError, DEFAULT_MAX_SPEC_BYTES, MAX_COUNTER};
+pub use outcome::{OutcomeCounts, OutcomeKind};
 pub use payload::{DecodeError, Desired, Health, Rejection, Reported, Status, GET_PAYLOAD};
 pub use topic::{Channel, ParsedTopic, TopicError, TopicRoot, DEFAULT_TOPIC_ROOT};

@@ -4,17 +4,16 @@
 //! Postgres stays the source of truth: entries change only after the write
 //! that they mirror has committed. Never hold a guard across `.await`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use dashmap::DashMap;
-use idem_protocol::{DeviceId, Health, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
 use serde_json::Value;
 
 use crate::reconcile::decide::{self, Actual, ReportedState};
 use crate::reconcile::machine::DeviceChange;
-use crate::reconcile::policy::DeviceStatus;
 use crate::store::devices::DeviceRow;
 use crate::store::to_u64;
 
@@ -126,6 +125,30 @@ fn stored_digest(stored: &str, spec: &Value) -> SpecDigest {
     SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(spec))
 }
 
+/// A committed change to mirror in the cache. [`Fleet::apply`] is the only
+/// way the cache changes, always after the transaction that wrote the change
+/// has committed: the one place a cross-instance invalidation hooks into.
+#[derive(Debug, Clone)]
+pub enum FleetChange {
+    /// A device registered (an existing entry is kept as it is).
+    Registered(DeviceId),
+    Desired(DeviceId, DesiredState),
+    /// An accepted report (its seq is the device's highest).
+    Reported {
+        id: DeviceId,
+        reported: ReportedState,
+        health: Option<Health>,
+    },
+    Online(DeviceId, bool),
+    /// An operator reset the device's reported state.
+    ReportedCleared(DeviceId),
+    /// An operator released a quarantined device: `failed`, no failures counted.
+    Released(DeviceId),
+    Removed(DeviceId),
+    /// The engine's merged change of one device.
+    Engine(DeviceId, DeviceChange),
+}
+
 /// Read-only access to the fleet cache, for those that must not write it
 /// (the engine's state machine: its changes reach the cache only through
 /// [`Fleet::apply_engine_changes`], after they are committed).
@@ -191,42 +214,22 @@ impl Fleet {
         self.devices.get(id).map(|e| e.value().clone())
     }
 
-    /// Registers devices that are not known yet.
-    pub fn register(&self, ids: impl IntoIterator<Item = DeviceId>) {
-        for id in ids {
-            self.devices.entry(id).or_default();
-        }
-    }
-
-    pub fn set_desired(&self, id: &DeviceId, desired: DesiredState) {
+    fn set_desired(&self, id: &DeviceId, desired: DesiredState) {
         if let Some(mut entry) = self.devices.get_mut(id) {
             entry.desired = Some(desired);
         }
     }
 
     /// Records an accepted report (caller ensured its seq is the highest).
-    pub fn set_reported(&self, id: &DeviceId, reported: ReportedState, health: Option<Health>) {
+    fn set_reported(&self, id: &DeviceId, reported: ReportedState, health: Option<Health>) {
         let mut entry = self.devices.entry(id.clone()).or_default();
         entry.reported = Some(reported);
         entry.reported_at = Some(Utc::now());
         entry.health = health;
     }
 
-    pub fn set_status(&self, id: &DeviceId, status: DeviceStatus) {
-        if let Some(mut entry) = self.devices.get_mut(id) {
-            entry.status = status;
-        }
-    }
-
-    /// Records the generation now retained on the broker for `id`.
-    pub fn set_retained(&self, id: &DeviceId, generation: u64) {
-        if let Some(mut entry) = self.devices.get_mut(id) {
-            entry.retained_generation = Some(generation);
-        }
-    }
-
     /// Forgets a device's reported state (an operator reset).
-    pub fn clear_reported(&self, id: &DeviceId) {
+    fn clear_reported(&self, id: &DeviceId) {
         if let Some(mut entry) = self.devices.get_mut(id) {
             entry.reported = None;
             entry.reported_at = None;
@@ -234,29 +237,43 @@ impl Fleet {
         }
     }
 
-    /// Forgets a deleted device.
-    pub fn remove(&self, id: &DeviceId) {
-        self.devices.remove(id);
-    }
-
-    /// Mirrors the engine's committed device changes.
-    pub fn apply_engine_changes(&self, changes: &BTreeMap<DeviceId, DeviceChange>) {
-        for (id, change) in changes {
-            if let Some(mut entry) = self.devices.get_mut(id) {
-                change.apply_to(&mut entry);
+    /// Mirrors committed changes, in order.
+    pub fn apply(&self, changes: impl IntoIterator<Item = FleetChange>) {
+        for change in changes {
+            match change {
+                FleetChange::Registered(id) => {
+                    self.devices.entry(id).or_default();
+                }
+                FleetChange::Desired(id, desired) => self.set_desired(&id, desired),
+                FleetChange::Reported {
+                    id,
+                    reported,
+                    health,
+                } => self.set_reported(&id, reported, health),
+                FleetChange::Online(id, online) => self.set_online(&id, online),
+                FleetChange::ReportedCleared(id) => self.clear_reported(&id),
+                FleetChange::Released(id) => {
+                    if let Some(mut entry) = self.devices.get_mut(&id) {
+                        entry.status = DeviceStatus::Failed;
+                        entry.failures = 0;
+                    }
+                }
+                FleetChange::Removed(id) => {
+                    self.devices.remove(&id);
+                }
+                FleetChange::Engine(id, change) => {
+                    if let Some(mut entry) = self.devices.get_mut(&id) {
+                        change.apply_to(&mut entry);
+                    }
+                }
             }
         }
     }
 
-    /// Adds or replaces one entry (a device registered with known state).
-    pub fn insert(&self, id: DeviceId, entry: DeviceEntry) {
+    /// Adds or replaces one entry (a test's device with known state).
+    #[cfg(test)]
+    pub(crate) fn insert(&self, id: DeviceId, entry: DeviceEntry) {
         self.devices.insert(id, entry);
-    }
-
-    pub fn set_failures(&self, id: &DeviceId, failures: u32) {
-        if let Some(mut entry) = self.devices.get_mut(id) {
-            entry.failures = failures;
-        }
     }
 
     /// Ids of every device with a desired spec, sorted.
@@ -289,10 +306,15 @@ impl Fleet {
             .collect()
     }
 
-    /// Records the connection state; returns the previous one.
-    pub fn set_online(&self, id: &DeviceId, online: bool) -> Option<bool> {
-        let mut entry = self.devices.get_mut(id)?;
-        entry.online.replace(online)
+    fn set_online(&self, id: &DeviceId, online: bool) {
+        if let Some(mut entry) = self.devices.get_mut(id) {
+            entry.online = Some(online);
+        }
+    }
+
+    /// The device's last known connection state (`None`: unknown or not registered).
+    pub fn online(&self, id: &DeviceId) -> Option<bool> {
+        self.devices.get(id).and_then(|e| e.online)
     }
 
     pub fn reported_seq(&self, id: &DeviceId) -> Option<Option<u64>> {

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use idem_protocol::limits::seq_ceiling;
 use idem_protocol::{
@@ -20,14 +20,15 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, FleetChange};
 use crate::metrics::{Metrics, ReportResult};
 use crate::mqtt::{Publisher, Received};
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::engine::EngineCommand;
+use crate::retry::Backoff;
 use crate::stall::Stall;
 use crate::store::devices::ReportRow;
-use crate::store::{self, DeviceWrites, StoreError};
+use crate::store::{self, Context, DeviceWrites, StoreError};
 
 /// Most messages stored in one database batch.
 const MAX_BATCH: usize = 4_096;
@@ -218,12 +219,18 @@ impl Ingest {
                 generation: report.generation,
                 rejection: report.error.map(|e| (e.generation, e.message)),
             };
-            self.fleet.set_reported(&device, state, report.health);
+            self.fleet.apply([FleetChange::Reported {
+                id: device.clone(),
+                reported: state,
+                health: report.health,
+            }]);
             applied.push(device);
         }
         let mut connectivity = Vec::new();
         for (device, online) in batch.online {
-            if self.fleet.set_online(&device, online) != Some(online) {
+            if self.fleet.online(&device) != Some(online) {
+                self.fleet
+                    .apply([FleetChange::Online(device.clone(), online)]);
                 connectivity.push((device, online));
             }
         }
@@ -338,7 +345,7 @@ impl Ingest {
         // first write that commits (alone, if every report was refused).
         let mut pending: Vec<&[(DeviceId, ReportRow)]> = vec![&rows];
         let mut online: &[(String, bool)] = &online;
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::store_and_broker();
         loop {
             let slice = match pending.pop() {
                 Some(slice) => slice,
@@ -354,7 +361,7 @@ impl Ingest {
                         .record(started.elapsed().as_secs_f64());
                     self.stall.progressed();
                     online = &[];
-                    backoff = Duration::from_millis(100);
+                    backoff.reset();
                 }
                 Err(WriteFailure::Refused(e)) if slice.len() > 1 => {
                     tracing::warn!(error = %e, reports = slice.len(), "the database refused a report batch; splitting it to find the refused report");
@@ -372,12 +379,12 @@ impl Ingest {
                 // Without reports only the connection state was written:
                 // nothing to isolate, so it is retried like a transient failure.
                 Err(WriteFailure::Refused(e) | WriteFailure::Transient(e)) => {
-                    tracing::error!(error = %e, "storing reports failed; retrying in {backoff:?}");
+                    let delay = backoff.next_delay();
+                    tracing::error!(error = %e, "storing reports failed; retrying in {delay:?}");
                     tokio::select! {
                         () = token.cancelled() => return None,
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(delay) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                     pending.push(slice);
                 }
             }
@@ -399,10 +406,12 @@ impl Ingest {
         };
         let reports: Vec<&ReportRow> = rows.iter().map(|(_, row)| row).collect();
         let _one_writer = self.device_writes.lock().await;
-        let mut tx =
-            self.pool.begin().await.map_err(|e| {
-                WriteFailure::Transient(StoreError::db("starting a transaction", e))
-            })?;
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .context("starting a transaction")
+            .map_err(WriteFailure::Transient)?;
         store::devices::apply_reports(&mut tx, &reports, self.auto_register)
             .await
             .map_err(classify_failure)?;
@@ -411,7 +420,8 @@ impl Ingest {
             .map_err(classify_failure)?;
         tx.commit()
             .await
-            .map_err(|e| classify_failure(StoreError::db("committing reports", e)))
+            .context("committing reports")
+            .map_err(classify_failure)
     }
 }
 

@@ -23,6 +23,7 @@ pub mod mqtt;
 pub mod reconcile;
 pub mod relay;
 pub mod retention;
+pub mod retry;
 pub mod secret;
 pub mod sse;
 pub mod stall;

@@ -1,10 +1,14 @@
 //! Prometheus metrics of one server instance: a private recorder (not the
 //! process-global one, so several servers can share a test process) and
-//! pre-registered handles, every label value initialised to 0.
+//! pre-registered handles, every label value initialised to 0. Each series'
+//! name, kind and help text is written once, in the family table below.
 //!
 //! Never a device id as a label: per-device detail lives in Postgres and the
 //! event stream.
 
+use std::marker::PhantomData;
+
+use idem_protocol::{DeviceStatus, OutcomeCounts, OutcomeKind};
 use metrics::{
     Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, SharedString, Unit,
 };
@@ -13,8 +17,6 @@ use metrics_exporter_prometheus::{
 };
 
 use crate::http::BodyRejection;
-use crate::reconcile::outcome::OutcomeKind;
-use crate::reconcile::policy::DeviceStatus;
 use crate::sse::DropReason;
 
 const METADATA: Metadata<'static> = Metadata::new("idem", Level::INFO, Some(module_path!()));
@@ -67,9 +69,9 @@ impl ReportResult {
 
 /// Handles to every series the server writes.
 pub struct Metrics {
-    recorder: PrometheusRecorder,
+    /// Renders what the handles below record (the recorder's shared state).
     handle: PrometheusHandle,
-    outcomes: [Counter; 5],
+    outcomes: [Counter; OutcomeKind::ALL.len()],
     reports: [Counter; 4],
     rejects: [Counter; REJECT_REASONS.len()],
     refused_publishes: [Counter; REFUSED_PUBLISH_KINDS.len()],
@@ -99,7 +101,7 @@ pub struct Metrics {
     pub drifts: Counter,
     pub unhealthy_converged: Gauge,
     devices_by_status: [Gauge; DeviceStatus::ALL.len()],
-    last_run: [Gauge; 5],
+    last_run: [Gauge; OutcomeKind::ALL.len()],
     pub events_committed: Counter,
     pub events_published: Counter,
     pub event_log_lag: Gauge,
@@ -123,6 +125,132 @@ const DB_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
 ];
 
+// Every series the server exposes: name, kind and help text, once each.
+
+const DEVICE_OUTCOMES: Family<Counter> = Family::new(
+    "idem_device_outcomes_total",
+    "Device outcomes decided, by outcome (one per device per run)",
+);
+const REPORTS: Family<Counter> = Family::new(
+    "idem_reports_total",
+    "Inbound device reports by result (applied, duplicate, stale, rejected)",
+);
+const REPORTS_REJECTED: Family<Counter> = Family::new(
+    "idem_reports_rejected_total",
+    "Inbound MQTT messages refused, by reason",
+);
+const PUBLISHES_REFUSED: Family<Counter> = Family::new(
+    "idem_publishes_refused_total",
+    "Messages not handed to the MQTT client because they exceed the size budget, by kind",
+);
+const REPORTS_HEALTH_UNKNOWN: Family<Counter> = Family::new(
+    "idem_reports_health_unknown_total",
+    "Applied reports whose health was not healthy, degraded or unhealthy (kept, health unknown)",
+);
+const HTTP_AUTH_REFUSALS: Family<Counter> = Family::new(
+    "idem_http_auth_refusals_total",
+    "API calls refused for a missing, unknown, expired or revoked token (401) or a too weak role (403)",
+);
+const INGEST_BATCH_SPLITS: Family<Counter> = Family::new(
+    "idem_ingest_batch_splits_total",
+    "Report batches the database refused, split to isolate the refused report",
+);
+const RETAINED_UPDATES: Family<Counter> = Family::new(
+    "idem_retained_updates_total",
+    "Retained desired messages refreshed without a push, so the retained state is always current",
+);
+const PUSHES: Family<Counter> =
+    Family::new("idem_pushes_total", "Desired-state publishes to devices");
+const REPORT_REQUESTS: Family<Counter> = Family::new(
+    "idem_report_requests_total",
+    "`get` requests sent to devices that had never reported",
+);
+const RUNS_STARTED: Family<Counter> =
+    Family::new("idem_runs_started_total", "Reconciliation runs started");
+const RUNS_COMPLETED: Family<Counter> =
+    Family::new("idem_runs_completed_total", "Reconciliation runs completed");
+const RUN_DURATION: Family<Histogram> = Family::new(
+    "idem_run_duration_seconds",
+    "Run duration from trigger to last outcome",
+);
+const CONVERGENCE_LATENCY: Family<Histogram> = Family::new(
+    "idem_convergence_latency_seconds",
+    "Desired-state write to device confirmation, for provisioned devices",
+);
+const DB_BATCH_DURATION: Family<Histogram> = Family::new(
+    "idem_db_batch_duration_seconds",
+    "Duration of one database write batch",
+);
+const MQTT_CONNECTED: Family<Gauge> = Family::new(
+    "idem_mqtt_connected",
+    "1 while the server's MQTT connection is up",
+);
+const MQTT_RECONNECTS: Family<Counter> = Family::new(
+    "idem_mqtt_reconnects_total",
+    "MQTT connections re-established after a loss",
+);
+const ATTEMPTS_IN_FLIGHT: Family<Gauge> = Family::new(
+    "idem_attempts_in_flight",
+    "Devices with a push or report request awaiting an answer",
+);
+const DEVICES: Family<Gauge> = Family::new("idem_devices", "Registered devices by status");
+const LAST_RUN_DEVICES: Family<Gauge> = Family::new(
+    "idem_last_run_devices",
+    "Outcome counts of the most recently completed run",
+);
+const EVENTS_COMMITTED: Family<Counter> = Family::new(
+    "idem_events_committed_total",
+    "Outcome events committed to the event log",
+);
+const EVENTS_PUBLISHED: Family<Counter> = Family::new(
+    "idem_events_published_total",
+    "Committed events relayed to MQTT and live SSE streams",
+);
+const EVENT_LOG_LAG: Family<Gauge> = Family::new(
+    "idem_event_log_lag_events",
+    "Committed events not yet relayed",
+);
+const PUSHES_IN_FLIGHT: Family<Gauge> = Family::new(
+    "idem_pushes_in_flight",
+    "Pushes awaiting the device's confirmation",
+);
+const PUSH_QUEUE_DEPTH: Family<Gauge> = Family::new(
+    "idem_push_queue_depth",
+    "Pushes waiting for the rate limit or the in-flight cap",
+);
+const RETRIES: Family<Counter> = Family::new(
+    "idem_retries_total",
+    "Failed attempts scheduled for another try",
+);
+const QUARANTINED: Family<Counter> = Family::new(
+    "idem_quarantined_total",
+    "Devices quarantined after their last allowed attempt failed",
+);
+const DRIFT_DETECTED: Family<Counter> = Family::new(
+    "idem_drift_detected_total",
+    "Converged devices that reported a different spec",
+);
+const DEVICES_UNHEALTHY: Family<Gauge> = Family::new(
+    "idem_devices_unhealthy",
+    "Converged devices whose report says degraded or unhealthy",
+);
+const HTTP_CONNECTIONS: Family<Gauge> =
+    Family::new("idem_http_connections", "Open HTTP connections");
+const HTTP_CONNECTIONS_REFUSED: Family<Counter> = Family::new(
+    "idem_http_connections_refused_total",
+    "HTTP connections closed at once because --http-max-connections were open",
+);
+const HTTP_REQUESTS_REJECTED: Family<Counter> = Family::new(
+    "idem_http_requests_rejected_total",
+    "HTTP requests answered with an error by a body limit, by reason",
+);
+const SSE_CLIENTS: Family<Gauge> =
+    Family::new("idem_sse_clients", "Connected SSE clients (GET /v1/events)");
+const SSE_CLIENTS_DROPPED: Family<Counter> = Family::new(
+    "idem_sse_clients_dropped_total",
+    "SSE clients disconnected because they did not keep up, by reason",
+);
+
 impl Metrics {
     pub fn new() -> Self {
         let builder = PrometheusBuilder::new();
@@ -134,270 +262,52 @@ impl Metrics {
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
         let r = &recorder;
-
-        describe_counter(
-            r,
-            "idem_device_outcomes_total",
-            "Device outcomes decided, by outcome (one per device per run)",
-        );
-        describe_counter(
-            r,
-            "idem_reports_total",
-            "Inbound device reports by result (applied, duplicate, stale, rejected)",
-        );
-        describe_counter(
-            r,
-            "idem_reports_rejected_total",
-            "Inbound MQTT messages refused, by reason",
-        );
-        describe_counter(
-            r,
-            "idem_publishes_refused_total",
-            "Messages not handed to the MQTT client because they exceed the size budget, by kind",
-        );
-        describe_counter(
-            r,
-            "idem_reports_health_unknown_total",
-            "Applied reports whose health was not healthy, degraded or unhealthy (kept, health unknown)",
-        );
-        describe_counter(
-            r,
-            "idem_http_auth_refusals_total",
-            "API calls refused for a missing, unknown, expired or revoked token (401) or a too weak role (403)",
-        );
-        describe_counter(
-            r,
-            "idem_ingest_batch_splits_total",
-            "Report batches the database refused, split to isolate the refused report",
-        );
-        describe_counter(
-            r,
-            "idem_retained_updates_total",
-            "Retained desired messages refreshed without a push, so the retained state is always current",
-        );
-        describe_counter(r, "idem_pushes_total", "Desired-state publishes to devices");
-        describe_counter(
-            r,
-            "idem_report_requests_total",
-            "`get` requests sent to devices that had never reported",
-        );
-        describe_counter(r, "idem_runs_started_total", "Reconciliation runs started");
-        describe_counter(
-            r,
-            "idem_runs_completed_total",
-            "Reconciliation runs completed",
-        );
-        describe_histogram(
-            r,
-            "idem_run_duration_seconds",
-            Unit::Seconds,
-            "Run duration from trigger to last outcome",
-        );
-        describe_histogram(
-            r,
-            "idem_convergence_latency_seconds",
-            Unit::Seconds,
-            "Desired-state write to device confirmation, for provisioned devices",
-        );
-        describe_histogram(
-            r,
-            "idem_db_batch_duration_seconds",
-            Unit::Seconds,
-            "Duration of one database write batch",
-        );
-        describe_gauge(
-            r,
-            "idem_mqtt_connected",
-            "1 while the server's MQTT connection is up",
-        );
-        describe_counter(
-            r,
-            "idem_mqtt_reconnects_total",
-            "MQTT connections re-established after a loss",
-        );
-        describe_gauge(
-            r,
-            "idem_attempts_in_flight",
-            "Devices with a push or report request awaiting an answer",
-        );
-        describe_gauge(r, "idem_devices", "Registered devices by status");
-        describe_gauge(
-            r,
-            "idem_last_run_devices",
-            "Outcome counts of the most recently completed run",
-        );
-        describe_counter(
-            r,
-            "idem_events_committed_total",
-            "Outcome events committed to the event log",
-        );
-        describe_counter(
-            r,
-            "idem_events_published_total",
-            "Committed events relayed to MQTT and live SSE streams",
-        );
-        describe_gauge(
-            r,
-            "idem_event_log_lag_events",
-            "Committed events not yet relayed",
-        );
-        describe_gauge(
-            r,
-            "idem_pushes_in_flight",
-            "Pushes awaiting the device's confirmation",
-        );
-        describe_gauge(
-            r,
-            "idem_push_queue_depth",
-            "Pushes waiting for the rate limit or the in-flight cap",
-        );
-        describe_counter(
-            r,
-            "idem_retries_total",
-            "Failed attempts scheduled for another try",
-        );
-        describe_counter(
-            r,
-            "idem_quarantined_total",
-            "Devices quarantined after their last allowed attempt failed",
-        );
-        describe_counter(
-            r,
-            "idem_drift_detected_total",
-            "Converged devices that reported a different spec",
-        );
-        describe_gauge(
-            r,
-            "idem_devices_unhealthy",
-            "Converged devices whose report says degraded or unhealthy",
-        );
-
-        describe_gauge(r, "idem_http_connections", "Open HTTP connections");
-        describe_counter(
-            r,
-            "idem_http_connections_refused_total",
-            "HTTP connections closed at once because --http-max-connections were open",
-        );
-        describe_counter(
-            r,
-            "idem_http_requests_rejected_total",
-            "HTTP requests answered with an error by a body limit, by reason",
-        );
-        describe_gauge(
-            r,
-            "idem_sse_clients",
-            "Connected SSE clients (GET /v1/events)",
-        );
-        describe_counter(
-            r,
-            "idem_sse_clients_dropped_total",
-            "SSE clients disconnected because they did not keep up, by reason",
-        );
-
-        let outcomes = OutcomeKind::ALL
-            .map(|k| counter(r, "idem_device_outcomes_total", &[("outcome", k.as_str())]));
-        let reports = ReportResult::ALL
-            .map(|res| counter(r, "idem_reports_total", &[("result", res.as_str())]));
-        let rejects = REJECT_REASONS
-            .map(|reason| counter(r, "idem_reports_rejected_total", &[("reason", reason)]));
-        let refused_publishes = REFUSED_PUBLISH_KINDS
-            .map(|kind| counter(r, "idem_publishes_refused_total", &[("kind", kind)]));
-        let metrics = Self {
-            outcomes,
-            reports,
-            rejects,
-            refused_publishes,
-            health_unknown: counter(r, "idem_reports_health_unknown_total", &[]),
-            ingest_batch_splits: counter(r, "idem_ingest_batch_splits_total", &[]),
+        Self {
+            outcomes: OutcomeKind::ALL
+                .map(|k| DEVICE_OUTCOMES.register(r, &[("outcome", k.as_str())])),
+            reports: ReportResult::ALL.map(|res| REPORTS.register(r, &[("result", res.as_str())])),
+            rejects: REJECT_REASONS
+                .map(|reason| REPORTS_REJECTED.register(r, &[("reason", reason)])),
+            refused_publishes: REFUSED_PUBLISH_KINDS
+                .map(|kind| PUBLISHES_REFUSED.register(r, &[("kind", kind)])),
+            health_unknown: REPORTS_HEALTH_UNKNOWN.register(r, &[]),
             auth_refusals: crate::auth::Refusal::REASONS
-                .map(|reason| counter(r, "idem_http_auth_refusals_total", &[("reason", reason)])),
-            retained_updates: counter(r, "idem_retained_updates_total", &[]),
-            pushes: counter(r, "idem_pushes_total", &[]),
-            report_requests: counter(r, "idem_report_requests_total", &[]),
-            runs_started: counter(r, "idem_runs_started_total", &[]),
-            runs_completed: counter(r, "idem_runs_completed_total", &[]),
-            run_duration: histogram(r, "idem_run_duration_seconds", &[]),
-            convergence_latency: histogram(r, "idem_convergence_latency_seconds", &[]),
-            db_batch_ingest: histogram(r, "idem_db_batch_duration_seconds", &[("batch", "ingest")]),
-            db_batch_outcomes: histogram(
-                r,
-                "idem_db_batch_duration_seconds",
-                &[("batch", "outcomes")],
-            ),
-            mqtt_connected: gauge(r, "idem_mqtt_connected", &[]),
-            mqtt_reconnects: counter(r, "idem_mqtt_reconnects_total", &[]),
-            attempts_in_flight: gauge(r, "idem_attempts_in_flight", &[]),
-            pushes_in_flight: gauge(r, "idem_pushes_in_flight", &[]),
-            push_queue_depth: gauge(r, "idem_push_queue_depth", &[]),
-            retries: counter(r, "idem_retries_total", &[]),
-            quarantined: counter(r, "idem_quarantined_total", &[]),
-            drifts: counter(r, "idem_drift_detected_total", &[]),
-            unhealthy_converged: gauge(r, "idem_devices_unhealthy", &[]),
+                .map(|reason| HTTP_AUTH_REFUSALS.register(r, &[("reason", reason)])),
+            ingest_batch_splits: INGEST_BATCH_SPLITS.register(r, &[]),
+            retained_updates: RETAINED_UPDATES.register(r, &[]),
+            pushes: PUSHES.register(r, &[]),
+            report_requests: REPORT_REQUESTS.register(r, &[]),
+            runs_started: RUNS_STARTED.register(r, &[]),
+            runs_completed: RUNS_COMPLETED.register(r, &[]),
+            run_duration: RUN_DURATION.register(r, &[]),
+            convergence_latency: CONVERGENCE_LATENCY.register(r, &[]),
+            db_batch_ingest: DB_BATCH_DURATION.register(r, &[("batch", "ingest")]),
+            db_batch_outcomes: DB_BATCH_DURATION.register(r, &[("batch", "outcomes")]),
+            mqtt_connected: MQTT_CONNECTED.register(r, &[]),
+            mqtt_reconnects: MQTT_RECONNECTS.register(r, &[]),
+            attempts_in_flight: ATTEMPTS_IN_FLIGHT.register(r, &[]),
             devices_by_status: DeviceStatus::ALL
-                .map(|status| gauge(r, "idem_devices", &[("status", status.as_str())])),
+                .map(|status| DEVICES.register(r, &[("status", status.as_str())])),
             last_run: OutcomeKind::ALL
-                .map(|k| gauge(r, "idem_last_run_devices", &[("outcome", k.as_str())])),
-            events_committed: counter(r, "idem_events_committed_total", &[]),
-            events_published: counter(r, "idem_events_published_total", &[]),
-            event_log_lag: gauge(r, "idem_event_log_lag_events", &[]),
-            http_connections: gauge(r, "idem_http_connections", &[]),
-            http_connections_refused: counter(r, "idem_http_connections_refused_total", &[]),
-            http_rejected: BodyRejection::ALL.map(|reason| {
-                counter(
-                    r,
-                    "idem_http_requests_rejected_total",
-                    &[("reason", reason.as_str())],
-                )
-            }),
-            sse_clients: gauge(r, "idem_sse_clients", &[]),
-            sse_dropped: DropReason::ALL.map(|reason| {
-                counter(
-                    r,
-                    "idem_sse_clients_dropped_total",
-                    &[("reason", reason.as_str())],
-                )
-            }),
-            recorder,
+                .map(|k| LAST_RUN_DEVICES.register(r, &[("outcome", k.as_str())])),
+            events_committed: EVENTS_COMMITTED.register(r, &[]),
+            events_published: EVENTS_PUBLISHED.register(r, &[]),
+            event_log_lag: EVENT_LOG_LAG.register(r, &[]),
+            pushes_in_flight: PUSHES_IN_FLIGHT.register(r, &[]),
+            push_queue_depth: PUSH_QUEUE_DEPTH.register(r, &[]),
+            retries: RETRIES.register(r, &[]),
+            quarantined: QUARANTINED.register(r, &[]),
+            drifts: DRIFT_DETECTED.register(r, &[]),
+            unhealthy_converged: DEVICES_UNHEALTHY.register(r, &[]),
+            http_connections: HTTP_CONNECTIONS.register(r, &[]),
+            http_connections_refused: HTTP_CONNECTIONS_REFUSED.register(r, &[]),
+            http_rejected: BodyRejection::ALL
+                .map(|reason| HTTP_REQUESTS_REJECTED.register(r, &[("reason", reason.as_str())])),
+            sse_clients: SSE_CLIENTS.register(r, &[]),
+            sse_dropped: DropReason::ALL
+                .map(|reason| SSE_CLIENTS_DROPPED.register(r, &[("reason", reason.as_str())])),
             handle,
-        };
-        for c in metrics
-            .outcomes
-            .iter()
-            .chain(&metrics.reports)
-            .chain(&metrics.rejects)
-            .chain(&metrics.refused_publishes)
-            .chain(&metrics.auth_refusals)
-            .chain(&metrics.http_rejected)
-            .chain(&metrics.sse_dropped)
-        {
-            c.increment(0);
         }
-        metrics.health_unknown.increment(0);
-        metrics.ingest_batch_splits.increment(0);
-        metrics.retained_updates.increment(0);
-        metrics.pushes.increment(0);
-        metrics.report_requests.increment(0);
-        metrics.runs_started.increment(0);
-        metrics.runs_completed.increment(0);
-        metrics.mqtt_reconnects.increment(0);
-        metrics.mqtt_connected.set(0.0);
-        metrics.attempts_in_flight.set(0.0);
-        metrics.events_committed.increment(0);
-        metrics.retries.increment(0);
-        metrics.quarantined.increment(0);
-        metrics.drifts.increment(0);
-        metrics.pushes_in_flight.set(0.0);
-        metrics.push_queue_depth.set(0.0);
-        metrics.unhealthy_converged.set(0.0);
-        metrics.events_published.increment(0);
-        metrics.event_log_lag.set(0.0);
-        metrics.http_connections.set(0.0);
-        metrics.http_connections_refused.increment(0);
-        metrics.sse_clients.set(0.0);
-        for g in metrics.devices_by_status.iter().chain(&metrics.last_run) {
-            g.set(0.0);
-        }
-        metrics
     }
 
     /// Sets `idem_devices{status}` from a count per status; statuses not in
@@ -424,7 +334,7 @@ impl Metrics {
     }
 
     /// Sets `idem_last_run_devices{outcome}` to a completed run's counts.
-    pub fn set_last_run(&self, counts: &crate::reconcile::OutcomeCounts) {
+    pub fn set_last_run(&self, counts: &OutcomeCounts) {
         for (kind, gauge) in OutcomeKind::ALL.iter().zip(&self.last_run) {
             gauge.set(counts.get(*kind) as f64);
         }
@@ -500,15 +410,6 @@ impl Metrics {
     pub fn run_upkeep(&self) {
         self.handle.run_upkeep();
     }
-
-    /// A series registered on demand (for labels not known up front).
-    pub fn counter_with(
-        &self,
-        name: &'static str,
-        labels: &[(&'static str, &'static str)],
-    ) -> Counter {
-        counter(&self.recorder, name, labels)
-    }
 }
 
 impl Default for Metrics {
@@ -525,40 +426,59 @@ fn key(name: &'static str, labels: &[(&'static str, &'static str)]) -> Key {
     Key::from_parts(name, labels)
 }
 
-fn counter(
-    r: &PrometheusRecorder,
+/// One metric family: its name and help text, and its kind as `M` (a
+/// [`Counter`], [`Gauge`] or [`Histogram`]). Every histogram measures
+/// seconds.
+struct Family<M> {
     name: &'static str,
-    labels: &[(&'static str, &'static str)],
-) -> Counter {
-    r.register_counter(&key(name, labels), &METADATA)
+    help: &'static str,
+    kind: PhantomData<fn() -> M>,
 }
 
-fn gauge(
-    r: &PrometheusRecorder,
-    name: &'static str,
-    labels: &[(&'static str, &'static str)],
-) -> Gauge {
-    r.register_gauge(&key(name, labels), &METADATA)
+impl<M> Family<M> {
+    const fn new(name: &'static str, help: &'static str) -> Self {
+        Self {
+            name,
+            help,
+            kind: PhantomData,
+        }
+    }
+
+    fn help(&self) -> SharedString {
+        SharedString::const_str(self.help)
+    }
 }
 
-fn histogram(
-    r: &PrometheusRecorder,
-    name: &'static str,
-    labels: &[(&'static str, &'static str)],
-) -> Histogram {
-    r.register_histogram(&key(name, labels), &METADATA)
+impl Family<Counter> {
+    /// Describes the family and registers the series with `labels`, at 0.
+    fn register(&self, r: &PrometheusRecorder, labels: &[(&'static str, &'static str)]) -> Counter {
+        r.describe_counter(self.name.into(), None, self.help());
+        let counter = r.register_counter(&key(self.name, labels), &METADATA);
+        counter.increment(0);
+        counter
+    }
 }
 
-fn describe_counter(r: &PrometheusRecorder, name: &'static str, help: &'static str) {
-    r.describe_counter(name.into(), None, SharedString::const_str(help));
+impl Family<Gauge> {
+    /// Describes the family and registers the series with `labels`, at 0.
+    fn register(&self, r: &PrometheusRecorder, labels: &[(&'static str, &'static str)]) -> Gauge {
+        r.describe_gauge(self.name.into(), None, self.help());
+        let gauge = r.register_gauge(&key(self.name, labels), &METADATA);
+        gauge.set(0.0);
+        gauge
+    }
 }
 
-fn describe_gauge(r: &PrometheusRecorder, name: &'static str, help: &'static str) {
-    r.describe_gauge(name.into(), None, SharedString::const_str(help));
-}
-
-fn describe_histogram(r: &PrometheusRecorder, name: &'static str, unit: Unit, help: &'static str) {
-    r.describe_histogram(name.into(), Some(unit), SharedString::const_str(help));
+impl Family<Histogram> {
+    /// Describes the family and registers the series with `labels`.
+    fn register(
+        &self,
+        r: &PrometheusRecorder,
+        labels: &[(&'static str, &'static str)],
+    ) -> Histogram {
+        r.describe_histogram(self.name.into(), Some(Unit::Seconds), self.help());
+        r.register_histogram(&key(self.name, labels), &METADATA)
+    }
 }
 
 #[cfg(test)]
@@ -577,6 +497,25 @@ mod tests {
             assert!(text.contains(&line), "missing {line} in\n{text}");
         }
         assert!(text.contains("idem_reports_total{result=\"duplicate\"} 0"));
+    }
+
+    #[test]
+    fn every_exposed_family_has_its_help_text() {
+        let text = Metrics::new().render();
+        let typed: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        assert_eq!(typed.len(), 34, "{text}");
+        for name in typed {
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with(&format!("# HELP {name} ")) && l.len() > name.len() + 8),
+                "no help text for {name} in\n{text}"
+            );
+        }
+        assert!(text.contains("# TYPE idem_run_duration_seconds histogram"));
     }
 
     #[test]

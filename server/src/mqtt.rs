@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ValidConfig;
 use crate::metrics::Metrics;
+use crate::retry::Backoff;
 
 /// Requests the client may queue before `publish` waits for the event loop.
 const REQUEST_CHANNEL_CAPACITY: usize = 10_000;
@@ -130,7 +131,7 @@ pub async fn run_event_loop(
         ));
     }
     let mut ever_connected = false;
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::store_and_broker();
     let mut failures = ConnectFailures::default();
     loop {
         let event = tokio::select! {
@@ -171,7 +172,7 @@ pub async fn run_event_loop(
                     metrics.mqtt_reconnects.increment(1);
                 }
                 ever_connected = true;
-                backoff = Duration::from_millis(100);
+                backoff.reset();
                 failures = ConnectFailures::default();
                 if let Err(e) = client.try_subscribe_many(filters.clone()) {
                     tracing::error!(error = %e, "could not queue subscriptions");
@@ -182,6 +183,7 @@ pub async fn run_event_loop(
             }
             Ok(Event::Incoming(_) | Event::Outgoing(_)) => {}
             Err(e) => {
+                let delay = backoff.next_delay();
                 if status.connected.swap(false, Ordering::AcqRel) {
                     tracing::warn!(error = %e, "MQTT connection lost; reconnecting");
                 } else if failures.should_log(&e, tokio::time::Instant::now()) {
@@ -193,15 +195,14 @@ pub async fn run_event_loop(
                         "cannot connect to the MQTT broker; retrying"
                     );
                 } else {
-                    tracing::debug!(error = %e, "MQTT connect failed; retrying in {backoff:?}");
+                    tracing::debug!(error = %e, "MQTT connect failed; retrying in {delay:?}");
                 }
                 status.subscribed.store(false, Ordering::Release);
                 metrics.mqtt_connected.set(0.0);
                 tokio::select! {
                     () = token.cancelled() => break,
-                    () = tokio::time::sleep(backoff) => {}
+                    () = tokio::time::sleep(delay) => {}
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
     }

@@ -8,7 +8,15 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use idem_protocol::OutcomeKind;
 use serde_json::Value;
+
+/// The `outcome` of an outcome row (`GET /v1/runs/{id}/outcomes`) as the
+/// enum; `None` while the device is undecided.
+pub fn outcome_of(row: &Value) -> Result<Option<OutcomeKind>> {
+    serde_json::from_value(row["outcome"].clone())
+        .with_context(|| format!("the outcome of row {row}"))
+}
 
 /// Requests to one server's API, with an operator token when it has one.
 #[derive(Debug, Clone)]

@@ -23,7 +23,7 @@ pub mod sse_client;
 mod support;
 pub mod witness;
 
-pub use api_client::ApiClient;
+pub use api_client::{outcome_of, ApiClient};
 pub use broker::{raise_fd_limit, MosquittoBuilder, PrivateMosquitto};
 pub use certs::{CertFiles, TestCa};
 pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};

@@ -7,6 +7,7 @@
 use std::process::Command;
 use std::time::Duration;
 
+use idem_protocol::event::RunStartedData;
 use idem_server::auth::{Access, Role, ROUTES};
 use idem_tests::{ApiClient, Scenario, ServerSettings};
 use serde_json::{json, Value};
@@ -362,7 +363,8 @@ async fn a_desired_change_is_audited_with_its_token_and_the_run_names_who_starte
     .fetch_one(scenario.db.pool())
     .await
     .unwrap();
-    assert_eq!(started["data"]["started_by"], "ci", "{started}");
+    let data: RunStartedData = serde_json::from_value(started["data"].clone()).unwrap();
+    assert_eq!(data.started_by.as_deref(), Some("ci"), "{started}");
 
     let (status, audit) = server.get("/v1/audit?actor=ci").await.unwrap();
     assert_eq!(status, 200, "{audit}");

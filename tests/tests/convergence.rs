@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use idem_device_sim::{drifted_spec, DeviceBehaviour, Fleet, FleetPlan, OfflineMode, SimDevice};
-use idem_protocol::{DeviceId, Health};
+use idem_protocol::event::DeviceOutcomeData;
+use idem_protocol::{DeviceId, Health, OutcomeKind};
 use idem_tests::{DesiredWatcher, Scenario, ServerSettings};
 use serde_json::{json, Value};
 
@@ -101,7 +102,7 @@ async fn a_device_that_rejects_twice_is_provisioned_on_the_third_attempt() {
         .get(&format!("/v1/devices/{id}"))
         .await
         .unwrap();
-    let history: Vec<(i64, String)> = view["history"]
+    let history: Vec<(i64, OutcomeKind)> = view["history"]
         .as_array()
         .unwrap()
         .iter()
@@ -109,16 +110,16 @@ async fn a_device_that_rejects_twice_is_provisioned_on_the_third_attempt() {
         .map(|h| {
             (
                 h["attempt"].as_i64().unwrap(),
-                h["result"].as_str().unwrap().to_owned(),
+                serde_json::from_value(h["result"].clone()).unwrap(),
             )
         })
         .collect();
     assert_eq!(
         history,
         vec![
-            (1, "failed".into()),
-            (2, "failed".into()),
-            (3, "provisioned".into())
+            (1, OutcomeKind::Failed),
+            (2, OutcomeKind::Failed),
+            (3, OutcomeKind::Provisioned)
         ],
         "{view}"
     );
@@ -538,7 +539,8 @@ async fn reported_health_is_recorded_with_outcomes_and_unhealthy_devices_are_lis
         .fetch_one(scenario.db.pool())
         .await
         .unwrap();
-    assert_eq!(event["data"]["health"], "unhealthy");
+    let data: DeviceOutcomeData = serde_json::from_value(event["data"].clone()).unwrap();
+    assert_eq!(data.health, Some(Health::Unhealthy));
     let (_, fleet_view) = scenario.server.get("/v1/fleet").await.unwrap();
     assert_eq!(fleet_view["unhealthy_converged"], 1, "{fleet_view}");
     let (_, listed) = scenario

@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant, SystemTime};
 
 use idem_device_sim::FleetPlan;
+use idem_protocol::{OutcomeCounts, OutcomeKind};
 use idem_tests::grafana::{self, DashboardFile, GrafanaVariables, DATASOURCE_TYPE, DATASOURCE_UID};
 use idem_tests::prometheus::{self, QueryResult};
 use idem_tests::{PrivatePrometheus, Scenario, ServerSettings};
@@ -316,15 +317,10 @@ fn problem_with(result: &QueryResult, expr: &str, run: &Value) -> Option<String>
         return Some("no finite value (only NaN or ±Inf)".to_owned());
     }
     // The latest-run stats must show exactly the run's counts.
-    for outcome in [
-        "already_converged",
-        "provisioned",
-        "failed",
-        "skipped",
-        "superseded",
-    ] {
+    let counts: OutcomeCounts = serde_json::from_value(run["counts"].clone()).unwrap_or_default();
+    for outcome in OutcomeKind::ALL {
         if expr.contains(&format!("idem_last_run_devices{{outcome=\"{outcome}\"}}")) {
-            let want = run["counts"][outcome].as_f64().unwrap_or(0.0);
+            let want = counts.get(outcome) as f64;
             if values != [want] {
                 return Some(format!(
                     "the last run had {want} {outcome}, the panel shows {values:?}"

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use cloudevents::AttributesReader;
 use idem_device_sim::FleetPlan;
+use idem_protocol::event::EventType;
+use idem_protocol::OutcomeKind;
 use idem_tests::{Scenario, ServerSettings, SseMessage};
 use rumqttc::{AsyncClient, Event, Packet, QoS};
 use serde_json::{json, Value};
@@ -330,9 +332,18 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
     .fetch_all(pool)
     .await
     .unwrap();
+    let reported: Vec<(Option<EventType>, Option<OutcomeKind>)> = reported
+        .iter()
+        .map(|(ty, outcome)| {
+            (
+                EventType::parse(ty),
+                outcome.as_deref().and_then(OutcomeKind::parse),
+            )
+        })
+        .collect();
     let expected = (
-        "io.idem.device.already_converged".to_owned(),
-        Some("already_converged".to_owned()),
+        Some(EventType::Device(OutcomeKind::AlreadyConverged)),
+        Some(OutcomeKind::AlreadyConverged),
     );
     assert_eq!(reported, vec![expected; 5]);
     fleet.shutdown().await;

@@ -8,7 +8,9 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use idem_device_sim::{ExpectedOutcome, FleetPlan};
-use idem_tests::{DesiredWatcher, Scenario, ServerSettings};
+use idem_protocol::event::DeviceOutcomeData;
+use idem_protocol::OutcomeKind;
+use idem_tests::{outcome_of, DesiredWatcher, Scenario, ServerSettings};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -43,12 +45,8 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
     let outcomes = scenario.server.run_outcomes(&run_id).await.unwrap();
     assert_eq!(outcomes.len(), 50);
     for (id, expected) in &plan.expected {
-        let want = match expected {
-            ExpectedOutcome::AlreadyConverged => "already_converged",
-            ExpectedOutcome::Provisioned => "provisioned",
-            ExpectedOutcome::Failed => "failed",
-        };
-        assert_eq!(outcomes[id.as_str()]["outcome"], want, "device {id}");
+        let got = outcome_of(&outcomes[id.as_str()]).unwrap();
+        assert_eq!(got, Some(expected.kind()), "device {id}");
     }
 
     // The broker carried desired-state publishes for exactly the drifted four.
@@ -120,7 +118,16 @@ async fn rejecting_and_unresponsive_devices_fail_with_reasons_and_the_run_comple
     let outcomes = scenario.server.run_outcomes(&run_id).await.unwrap();
     let reasons: BTreeSet<String> = outcomes
         .values()
-        .filter(|o| o["outcome"] == "failed")
+        .filter(|o| match outcome_of(o).unwrap() {
+            Some(OutcomeKind::Failed) => true,
+            Some(
+                OutcomeKind::AlreadyConverged
+                | OutcomeKind::Provisioned
+                | OutcomeKind::Skipped
+                | OutcomeKind::Superseded,
+            )
+            | None => false,
+        })
         .map(|o| o["reason"].as_str().unwrap_or_default().to_owned())
         .collect();
     let expected: BTreeSet<String> = [
@@ -148,7 +155,11 @@ async fn rejecting_and_unresponsive_devices_fail_with_reasons_and_the_run_comple
     .fetch_one(scenario.db.pool())
     .await
     .unwrap();
-    assert_eq!(event["data"]["reason"], "rejected by device: flash full");
+    let data: DeviceOutcomeData = serde_json::from_value(event["data"].clone()).unwrap();
+    assert_eq!(
+        data.reason.as_deref(),
+        Some("rejected by device: flash full")
+    );
     assert_eq!(event["runid"], run_id);
 
     let (_, device) = scenario

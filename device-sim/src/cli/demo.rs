@@ -361,7 +361,8 @@ impl DemoObserver for Bars {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idem_device_sim::{FleetPlan, FleetStats, GroundTruthCheck, Mismatch, RunCounts};
+    use idem_device_sim::{FleetPlan, FleetStats, GroundTruthCheck, Mismatch};
+    use idem_protocol::OutcomeCounts;
 
     fn report() -> DemoReport {
         let plan = FleetPlan::new("d-", 10).drifted(1).build().unwrap();
@@ -376,10 +377,10 @@ mod tests {
             run_id: "r1".into(),
             targeting: "all",
             summary: "9 already converged, 1 provisioned, 0 failed".into(),
-            counts: RunCounts {
+            counts: OutcomeCounts {
                 already_converged: 9,
                 provisioned: 1,
-                ..RunCounts::default()
+                ..OutcomeCounts::default()
             },
             timings: idem_device_sim::demo::DemoTimings {
                 register_s: 0.1,

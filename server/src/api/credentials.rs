@@ -12,11 +12,11 @@ use idem_protocol::DeviceId;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::{audited, db_error, registered, ApiError};
+use super::{audited, registered, ApiError};
 use crate::app::AppState;
 use crate::auth::AuditNote;
 use crate::broker_accounts;
-use crate::store;
+use crate::store::{self, Context};
 
 /// Shortest and longest password an operator may supply.
 const MIN_PASSWORD_BYTES: usize = 12;
@@ -161,19 +161,13 @@ pub(super) async fn rotate(
         check_password(password)?;
     }
     let issued = issue(vec![(id.clone(), supplied)]).await?;
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let hashes: Vec<(String, String)> = issued
         .iter()
         .map(|i| (i.id.to_string(), i.hash.clone()))
         .collect();
     store::devices::set_broker_password_hashes(&mut tx, &hashes).await?;
-    tx.commit()
-        .await
-        .map_err(db_error("committing broker credentials"))?;
+    tx.commit().await.context("committing broker credentials")?;
     apply_on_broker(&state, &issued).await?;
     let note = AuditNote {
         targets: Some(1),

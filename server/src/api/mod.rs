@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::Extension;
 use axum::{Json, Router};
-use idem_protocol::{DeviceId, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, OutcomeCounts, OutcomeKind, SpecDigest};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -22,15 +22,13 @@ use uuid::Uuid;
 use crate::app::AppState;
 use crate::auth::{Actor, AuditNote};
 use crate::events;
-use crate::fleet::DesiredState;
+use crate::fleet::{DesiredState, FleetChange};
 use crate::input::{self, InputError};
 use crate::reconcile::engine::EngineCommand;
-use crate::reconcile::policy::DeviceStatus;
 use crate::reconcile::runs::{commit_run, CommitRunError, NewRun, Trigger};
-use crate::reconcile::OutcomeKind;
 use crate::store::devices::{DeviceFilter, DeviceRow, Registration};
 use crate::store::runs::RunRow;
-use crate::store::{self, StoreError};
+use crate::store::{self, Context, StoreError};
 
 /// Most items one list page returns.
 const MAX_PAGE: i64 = 1_000;
@@ -168,10 +166,6 @@ impl From<InputError> for ApiError {
     }
 }
 
-fn db_error(context: &'static str) -> impl FnOnce(sqlx::Error) -> ApiError {
-    move |source| ApiError::from(StoreError::Db { context, source })
-}
-
 /// `Json<T>` whose rejections are our JSON errors.
 pub struct ApiJson<T>(pub T);
 
@@ -287,11 +281,7 @@ async fn register_devices(
         ids.push(id);
     }
     let _one_writer = state.device_writes.lock().await;
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let (counts, created) = store::devices::register_returning_new(&mut tx, &registrations).await?;
     // Every new device gets its broker password, when the server issues them.
     let issued = if state.config.config.broker_accounts.issues_passwords() {
@@ -320,23 +310,22 @@ async fn register_devices(
         let spec = Arc::new(spec.clone());
         desired_changes.extend(written.into_iter().map(|w| (w, *digest, spec.clone())));
     }
-    tx.commit()
-        .await
-        .map_err(db_error("committing registrations"))?;
-    state.fleet.register(ids);
+    tx.commit().await.context("committing registrations")?;
+    state
+        .fleet
+        .apply(ids.into_iter().map(FleetChange::Registered));
     let desired_changed = desired_changes.len();
     let mut changed_ids = Vec::with_capacity(desired_changed);
     for (write, digest, spec) in desired_changes {
         if let Ok(id) = DeviceId::parse(&write.id) {
-            let generation = store::to_u64(write.desired_generation);
-            state.fleet.set_desired(
-                &id,
-                DesiredState {
-                    generation,
-                    digest,
-                    spec,
-                },
-            );
+            let desired = DesiredState {
+                generation: store::to_u64(write.desired_generation),
+                digest,
+                spec,
+            };
+            state
+                .fleet
+                .apply([FleetChange::Desired(id.clone(), desired)]);
             changed_ids.push(id);
         }
     }
@@ -385,16 +374,10 @@ async fn upsert_device(
         id: id.to_string(),
         labels: parse_labels(body.labels)?,
     };
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let counts = store::devices::register(&mut tx, &[registration]).await?;
-    tx.commit()
-        .await
-        .map_err(db_error("committing a registration"))?;
-    state.fleet.register([id.clone()]);
+    tx.commit().await.context("committing a registration")?;
+    state.fleet.apply([FleetChange::Registered(id.clone())]);
     let status = if counts.created > 0 {
         StatusCode::CREATED
     } else {
@@ -439,17 +422,11 @@ async fn delete_device(
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let _one_writer = state.device_writes.lock().await;
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let existed = store::devices::delete(&mut tx, id.as_str()).await?;
-    tx.commit()
-        .await
-        .map_err(db_error("committing a device deletion"))?;
+    tx.commit().await.context("committing a device deletion")?;
     drop(_one_writer);
-    state.fleet.remove(&id);
+    state.fleet.apply([FleetChange::Removed(id.clone())]);
     state.publisher.clear_retained(&id);
     let broker_account_removed = credentials::remove_from_broker(&state, &id).await;
     let _ = state
@@ -477,16 +454,14 @@ async fn reset_reported(
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let _one_writer = state.device_writes.lock().await;
-    let mut tx = state
-        .pool
-        .begin()
-        .await
-        .map_err(db_error("starting a transaction"))?;
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     store::devices::reset_reported(&mut tx, id.as_str()).await?;
     tx.commit()
         .await
-        .map_err(db_error("committing a reported-state reset"))?;
-    state.fleet.clear_reported(&id);
+        .context("committing a reported-state reset")?;
+    state
+        .fleet
+        .apply([FleetChange::ReportedCleared(id.clone())]);
     drop(_one_writer);
     let row = store::devices::get(&state.pool, id.as_str()).await?;
     let note = AuditNote {
@@ -1012,10 +987,9 @@ async fn release(state: &AppState, ids: Vec<String>) -> Result<Vec<DeviceId>, Ap
         .iter()
         .filter_map(|id| DeviceId::parse(id).ok())
         .collect();
-    for id in &released {
-        state.fleet.set_status(id, DeviceStatus::Failed);
-        state.fleet.set_failures(id, 0);
-    }
+    state
+        .fleet
+        .apply(released.iter().cloned().map(FleetChange::Released));
     Ok(released)
 }
 
@@ -1062,7 +1036,7 @@ struct RunView {
     state: String,
     force: bool,
     target_count: i32,
-    counts: crate::reconcile::OutcomeCounts,
+    counts: OutcomeCounts,
     summary: String,
     started_at: chrono::DateTime<chrono::Utc>,
     finished_at: Option<chrono::DateTime<chrono::Utc>>,

@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use idem_protocol::DeviceId;
 use sqlx::PgPool;
@@ -21,9 +21,10 @@ use super::outcome::OutcomeCounts;
 use super::run::Trigger;
 use super::runs::{commit_run, NewRun};
 use crate::events::{self, EventDraft};
-use crate::fleet::{Fleet, FleetView};
+use crate::fleet::{Fleet, FleetChange, FleetView};
 use crate::metrics::Metrics;
 use crate::mqtt::Publisher;
+use crate::retry::Backoff;
 use crate::store::devices::DeviceChangeRow;
 use crate::store::{self, Context, DeviceWrites, StoreError};
 
@@ -32,9 +33,6 @@ pub use super::run::COMPLETED_EVENT_OUTCOME_CAP;
 
 /// Most commands handled before the machine's effects are carried out.
 const MAX_COMMANDS_PER_BATCH: usize = 256;
-/// A failed write is retried after this, doubling up to [`WRITE_RETRY_CAP`].
-const WRITE_RETRY_START: Duration = Duration::from_millis(100);
-const WRITE_RETRY_CAP: Duration = Duration::from_secs(5);
 
 /// Live numbers the API and metrics show.
 #[derive(Debug, Default)]
@@ -227,9 +225,9 @@ impl Engine {
 
     /// Writes `record` in one transaction, retrying until it commits or the
     /// engine is cancelled; then mirrors it in the cache and the metrics.
-    async fn write(&mut self, record: Record) {
+    async fn write(&mut self, mut record: Record) {
         let token = self.shutdown.clone();
-        let mut backoff = WRITE_RETRY_START;
+        let mut backoff = Backoff::store_and_broker();
         loop {
             let started = Instant::now();
             self.ctx.stall.writing();
@@ -240,13 +238,19 @@ impl Engine {
                         .metrics
                         .db_batch_outcomes
                         .record(started.elapsed().as_secs_f64());
-                    self.ctx.fleet.apply_engine_changes(&record.devices);
+                    let devices = std::mem::take(&mut record.devices);
+                    self.ctx.fleet.apply(
+                        devices
+                            .into_iter()
+                            .map(|(id, change)| FleetChange::Engine(id, change)),
+                    );
                     self.after_commit(&record, committed);
                     self.machine.record_written(Instant::now());
                     return;
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "writing outcomes failed; retrying in {backoff:?}");
+                    let delay = backoff.next_delay();
+                    tracing::error!(error = %e, "writing outcomes failed; retrying in {delay:?}");
                     tokio::select! {
                         () = token.cancelled() => {
                             tracing::error!(
@@ -255,9 +259,8 @@ impl Engine {
                             );
                             return;
                         }
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(delay) => {}
                     }
-                    backoff = (backoff * 2).min(WRITE_RETRY_CAP);
                 }
             }
         }

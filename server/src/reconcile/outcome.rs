@@ -1,10 +1,13 @@
-//! The `Outcome` of one device in one run, its reasons, and the per-run counts
-//! and summary line built from outcomes.
+//! The `Outcome` of one device in one run and its reasons. The names shared
+//! with clients (`OutcomeKind`, `OutcomeCounts` and the summary line) live in
+//! `idem_protocol::outcome` and are re-exported here.
 //!
 //! Every consumer matches `Outcome` exhaustively, with no `_ =>` arm, so that a
 //! new variant makes the compiler list each place that must learn about it.
 
 use std::fmt;
+
+pub use idem_protocol::outcome::{OutcomeCounts, OutcomeKind};
 
 /// What happened to one device in one run. Exactly one per device per run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,48 +44,6 @@ pub enum SkipReason {
     NoDesiredSpec,
     /// The device was deleted while the run waited for it.
     Deleted,
-}
-
-/// The outcome without its reason: the label value used in storage,
-/// metrics and event types.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum OutcomeKind {
-    AlreadyConverged,
-    Provisioned,
-    Failed,
-    Skipped,
-    Superseded,
-}
-
-impl OutcomeKind {
-    /// All kinds, in summary order.
-    pub const ALL: [OutcomeKind; 5] = [
-        OutcomeKind::AlreadyConverged,
-        OutcomeKind::Provisioned,
-        OutcomeKind::Failed,
-        OutcomeKind::Skipped,
-        OutcomeKind::Superseded,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OutcomeKind::AlreadyConverged => "already_converged",
-            OutcomeKind::Provisioned => "provisioned",
-            OutcomeKind::Failed => "failed",
-            OutcomeKind::Skipped => "skipped",
-            OutcomeKind::Superseded => "superseded",
-        }
-    }
-
-    pub fn parse(raw: &str) -> Option<Self> {
-        OutcomeKind::ALL.into_iter().find(|k| k.as_str() == raw)
-    }
-}
-
-impl fmt::Display for OutcomeKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 impl Outcome {
@@ -140,96 +101,9 @@ impl fmt::Display for SkipReason {
     }
 }
 
-/// Number of devices per outcome in one run.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct OutcomeCounts {
-    pub already_converged: u64,
-    pub provisioned: u64,
-    pub failed: u64,
-    pub skipped: u64,
-    pub superseded: u64,
-}
-
-impl OutcomeCounts {
-    pub fn add(&mut self, kind: OutcomeKind) {
-        *self.slot(kind) += 1;
-    }
-
-    pub fn get(&self, kind: OutcomeKind) -> u64 {
-        match kind {
-            OutcomeKind::AlreadyConverged => self.already_converged,
-            OutcomeKind::Provisioned => self.provisioned,
-            OutcomeKind::Failed => self.failed,
-            OutcomeKind::Skipped => self.skipped,
-            OutcomeKind::Superseded => self.superseded,
-        }
-    }
-
-    fn slot(&mut self, kind: OutcomeKind) -> &mut u64 {
-        match kind {
-            OutcomeKind::AlreadyConverged => &mut self.already_converged,
-            OutcomeKind::Provisioned => &mut self.provisioned,
-            OutcomeKind::Failed => &mut self.failed,
-            OutcomeKind::Skipped => &mut self.skipped,
-            OutcomeKind::Superseded => &mut self.superseded,
-        }
-    }
-
-    pub fn total(&self) -> u64 {
-        OutcomeKind::ALL.iter().map(|k| self.get(*k)).sum()
-    }
-
-    /// The summary line (see `idem_protocol::summary::summary_line`).
-    pub fn summary(&self) -> String {
-        idem_protocol::summary::summary_line(
-            self.already_converged,
-            self.provisioned,
-            self.failed,
-            self.skipped,
-            self.superseded,
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn summary_names_the_three_main_outcomes_even_when_zero() {
-        let counts = OutcomeCounts {
-            already_converged: 9_996,
-            provisioned: 4,
-            ..OutcomeCounts::default()
-        };
-        assert_eq!(
-            counts.summary(),
-            "9,996 already converged, 4 provisioned, 0 failed"
-        );
-    }
-
-    #[test]
-    fn summary_adds_skipped_and_superseded_only_when_non_zero() {
-        let counts = OutcomeCounts {
-            already_converged: 1,
-            provisioned: 2,
-            failed: 3,
-            skipped: 4,
-            superseded: 0,
-        };
-        assert_eq!(
-            counts.summary(),
-            "1 already converged, 2 provisioned, 3 failed, 4 skipped"
-        );
-        let counts = OutcomeCounts {
-            superseded: 1_000_000,
-            ..OutcomeCounts::default()
-        };
-        assert_eq!(
-            counts.summary(),
-            "0 already converged, 0 provisioned, 0 failed, 1,000,000 superseded"
-        );
-    }
 
     #[test]
     fn already_converged_counts_as_success() {
@@ -238,31 +112,6 @@ mod tests {
         assert!(!Outcome::Failed(FailureReason::Timeout).is_success());
         assert!(!Outcome::Skipped(SkipReason::Offline).is_success());
         assert!(!Outcome::Superseded.is_success());
-    }
-
-    #[test]
-    fn counts_add_up_per_kind_and_in_total() {
-        let mut counts = OutcomeCounts::default();
-        for (kind, n) in OutcomeKind::ALL.into_iter().zip(1..) {
-            for _ in 0..n {
-                counts.add(kind);
-            }
-        }
-        assert_eq!(
-            counts,
-            OutcomeCounts {
-                already_converged: 1,
-                provisioned: 2,
-                failed: 3,
-                skipped: 4,
-                superseded: 5,
-            }
-        );
-        for (kind, n) in OutcomeKind::ALL.into_iter().zip(1..) {
-            assert_eq!(counts.get(kind), n, "{kind}");
-        }
-        assert_eq!(counts.total(), 15);
-        assert_eq!(OutcomeCounts::default().total(), 0);
     }
 
     #[test]
@@ -306,14 +155,5 @@ mod tests {
         for (outcome, reason) in cases {
             assert_eq!(outcome.reason().as_deref(), reason, "{outcome:?}");
         }
-    }
-
-    #[test]
-    fn outcome_kinds_round_trip_through_their_names() {
-        for kind in OutcomeKind::ALL {
-            assert_eq!(OutcomeKind::parse(kind.as_str()), Some(kind));
-            assert_eq!(kind.to_string(), kind.as_str());
-        }
-        assert_eq!(OutcomeKind::parse("converged"), None);
     }
 }

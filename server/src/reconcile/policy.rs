@@ -4,48 +4,9 @@
 
 use std::time::Duration;
 
+pub use idem_protocol::DeviceStatus;
+
 use super::outcome::{Outcome, SkipReason};
-
-/// Device status, as stored and shown (`devices.status`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum DeviceStatus {
-    #[default]
-    Unknown,
-    Converged,
-    Drifted,
-    Provisioning,
-    Failed,
-    Offline,
-    Quarantined,
-}
-
-impl DeviceStatus {
-    pub const ALL: [DeviceStatus; 7] = [
-        DeviceStatus::Unknown,
-        DeviceStatus::Converged,
-        DeviceStatus::Drifted,
-        DeviceStatus::Provisioning,
-        DeviceStatus::Failed,
-        DeviceStatus::Offline,
-        DeviceStatus::Quarantined,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceStatus::Unknown => "unknown",
-            DeviceStatus::Converged => "converged",
-            DeviceStatus::Drifted => "drifted",
-            DeviceStatus::Provisioning => "provisioning",
-            DeviceStatus::Failed => "failed",
-            DeviceStatus::Offline => "offline",
-            DeviceStatus::Quarantined => "quarantined",
-        }
-    }
-
-    pub fn parse(raw: &str) -> Option<Self> {
-        DeviceStatus::ALL.into_iter().find(|s| s.as_str() == raw)
-    }
-}
 
 /// Why a run does not attempt a device at all, if it does not.
 pub fn gate(status: DeviceStatus, online: Option<bool>, has_desired: bool) -> Option<SkipReason> {
@@ -188,12 +149,5 @@ mod tests {
             Some(DeviceStatus::Failed)
         );
         assert_eq!(status_after(&Outcome::Superseded), None);
-    }
-
-    #[test]
-    fn statuses_round_trip_through_their_names() {
-        for s in DeviceStatus::ALL {
-            assert_eq!(DeviceStatus::parse(s.as_str()), Some(s));
-        }
     }
 }

@@ -6,11 +6,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use idem_protocol::DeviceId;
-use serde_json::json;
 use uuid::Uuid;
 
 use super::outcome::{OutcomeCounts, OutcomeKind};
-use crate::events::{EventDraft, EventType};
+use crate::events::{EventDraft, RunCompletedData};
 
 /// Most device outcomes listed in a `run.completed` event; the full list
 /// stays queryable through the API.
@@ -103,7 +102,7 @@ pub struct RunProgress {
     remaining: usize,
     started: Instant,
     /// Device → outcome, capped at [`COMPLETED_EVENT_OUTCOME_CAP`].
-    sample: BTreeMap<String, &'static str>,
+    sample: BTreeMap<String, OutcomeKind>,
     sample_truncated: bool,
 }
 
@@ -129,7 +128,7 @@ impl RunProgress {
     pub fn record(&mut self, device: &DeviceId, kind: OutcomeKind) {
         self.remaining = self.remaining.saturating_sub(1);
         if self.sample.len() < COMPLETED_EVENT_OUTCOME_CAP {
-            self.sample.insert(device.to_string(), kind.as_str());
+            self.sample.insert(device.to_string(), kind);
         } else {
             self.sample_truncated = true;
         }
@@ -147,21 +146,18 @@ impl RunProgress {
         counts: &OutcomeCounts,
         now: Instant,
     ) -> EventDraft {
-        EventDraft {
-            event_type: EventType::RunCompleted,
-            subject: self.id.to_string(),
-            run_id: Some(self.id),
-            generation: None,
-            data: json!({
-                "trigger": self.trigger.as_str(),
-                "target_count": target_count,
-                "counts": counts,
-                "summary": counts.summary(),
-                "duration_ms": self.elapsed(now).as_millis() as u64,
-                "outcomes": &self.sample,
-                "outcomes_truncated": self.sample_truncated,
-            }),
-        }
+        EventDraft::run_completed(
+            self.id,
+            RunCompletedData {
+                trigger: self.trigger.as_str().to_owned(),
+                target_count: u64::try_from(target_count).unwrap_or(0),
+                counts: *counts,
+                summary: counts.summary(),
+                duration_ms: Some(self.elapsed(now).as_millis() as u64),
+                outcomes: Some(self.sample.clone()),
+                outcomes_truncated: self.sample_truncated,
+            },
+        )
     }
 }
 

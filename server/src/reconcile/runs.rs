@@ -5,15 +5,15 @@
 use std::sync::Arc;
 
 use idem_protocol::{DeviceId, SpecDigest};
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::run::RunSpec;
 pub use super::run::Trigger;
-use crate::events::{self, EventDraft, EventError, EventType};
-use crate::fleet::{DesiredState, Fleet};
-use crate::store::{self, DeviceWrites, StoreError};
+use crate::events::{self, EventDraft, EventError, RunStartedData};
+use crate::fleet::{DesiredState, Fleet, FleetChange};
+use crate::store::{self, Context, DeviceWrites, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommitRunError {
@@ -50,10 +50,7 @@ pub async fn commit_run(
         Some(_) => Some(device_writes.lock().await),
         None => None,
     };
-    let mut tx = pool.begin().await.map_err(|e| StoreError::Db {
-        context: "starting a transaction",
-        source: e,
-    })?;
+    let mut tx = pool.begin().await.context("starting a transaction")?;
     let digest_and_spec = run.spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
     let mut desired_changes = Vec::new();
     if let Some((digest, spec)) = &digest_and_spec {
@@ -71,39 +68,29 @@ pub async fn commit_run(
         &target_ids,
     )
     .await?;
-    let draft = EventDraft {
-        event_type: EventType::RunStarted,
-        subject: run_id.to_string(),
-        run_id: Some(run_id),
-        generation: None,
-        data: json!({
-            "trigger": run.trigger.as_str(),
-            "target_count": target_ids.len(),
-            "force": run.force,
-            "started_by": run.started_by,
-        }),
-    };
+    let draft = EventDraft::run_started(
+        run_id,
+        RunStartedData {
+            trigger: run.trigger.as_str().to_owned(),
+            target_count: target_ids.len() as u64,
+            force: run.force,
+            started_by: run.started_by,
+        },
+    );
     let first = store::events::reserve_sequences(&mut tx, 1).await?;
     let rows = events::finalize(vec![draft], first, event_source, chrono::Utc::now())?;
     store::events::insert(&mut tx, &rows).await?;
-    tx.commit().await.map_err(|e| StoreError::Db {
-        context: "committing a run",
-        source: e,
-    })?;
+    tx.commit().await.context("committing a run")?;
     if let Some((digest, spec)) = digest_and_spec {
-        for write in desired_changes {
-            if let Ok(id) = DeviceId::parse(&write.id) {
-                let generation = store::to_u64(write.desired_generation);
-                fleet.set_desired(
-                    &id,
-                    DesiredState {
-                        generation,
-                        digest,
-                        spec: spec.clone(),
-                    },
-                );
-            }
-        }
+        fleet.apply(desired_changes.into_iter().filter_map(|write| {
+            let id = DeviceId::parse(&write.id).ok()?;
+            let desired = DesiredState {
+                generation: store::to_u64(write.desired_generation),
+                digest,
+                spec: spec.clone(),
+            };
+            Some(FleetChange::Desired(id, desired))
+        }));
     }
     Ok(RunSpec {
         id: run_id,

@@ -107,15 +107,6 @@ pub async fn ids_matching_labels(pool: &PgPool, labels: &Value) -> Result<Vec<St
         .context("selecting devices by labels")
 }
 
-/// Of `ids`, those that are registered.
-pub async fn existing_ids(pool: &PgPool, ids: &[String]) -> Result<Vec<String>, StoreError> {
-    sqlx::query_scalar("SELECT id FROM devices WHERE id = ANY($1)")
-        .bind(ids)
-        .fetch_all(pool)
-        .await
-        .context("checking device ids")
-}
-
 /// A device registration; `labels: None` keeps existing labels.
 #[derive(Debug, Clone)]
 pub struct Registration {

@@ -120,17 +120,6 @@ pub async fn read(
     .context("reading the event log")
 }
 
-/// Events per type for one run.
-pub async fn count_by_type(pool: &PgPool, run_id: Uuid) -> Result<Vec<(String, i64)>, StoreError> {
-    sqlx::query_as(
-        "SELECT type, count(*) FROM events WHERE run_id = $1 GROUP BY type ORDER BY type",
-    )
-    .bind(run_id)
-    .fetch_all(pool)
-    .await
-    .context("counting events of a run")
-}
-
 /// The highest committed sequence (0 when nothing was ever written).
 pub async fn last_sequence(pool: &PgPool) -> Result<i64, StoreError> {
     sqlx::query_scalar("SELECT last FROM event_sequence")

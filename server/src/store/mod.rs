@@ -36,10 +36,6 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    pub(crate) fn db(context: &'static str, source: sqlx::Error) -> Self {
-        StoreError::Db { context, source }
-    }
-
     /// PostgreSQL refused the data itself (SQLSTATE classes 22 data
     /// exception, 23 integrity violation, 54 program limit exceeded):
     /// retrying the same rows can never succeed.

@@ -1,11 +1,11 @@
 //! Runs and their per-device targets/outcomes.
 
 use chrono::{DateTime, Utc};
+use idem_protocol::{OutcomeCounts, OutcomeKind};
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::{to_i64, Context, StoreError};
-use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct RunRow {

@@ -4,11 +4,10 @@
 
 use idem_protocol::DeviceId;
 use rand::Rng;
-use serde_json::json;
 use uuid::Uuid;
 
 use super::{Effect, LastOutcome, Machine, Now, Phase};
-use crate::events::{EventDraft, EventType};
+use crate::events::{DeviceOutcomeData, DeviceQuarantinedData, EventDraft};
 use crate::fleet::DeviceEntry;
 use crate::reconcile::outcome::Outcome;
 use crate::reconcile::policy::{status_after, AfterFailure, DeviceStatus};
@@ -60,13 +59,15 @@ impl Machine {
                     AfterFailure::Quarantine => {
                         change.failures = Some((attempt, None));
                         self.record.tally.quarantines += 1;
-                        self.record.drafts.push(EventDraft {
-                            event_type: EventType::DeviceQuarantined,
-                            subject: id.to_string(),
-                            run_id: Some(run_id),
+                        self.record.drafts.push(EventDraft::device_quarantined(
+                            id,
+                            run_id,
                             generation,
-                            data: json!({"attempts": attempt, "last_error": reason.to_string()}),
-                        });
+                            DeviceQuarantinedData {
+                                attempts: attempt,
+                                last_error: reason.to_string(),
+                            },
+                        ));
                         let status = Some(DeviceStatus::Quarantined);
                         self.finish(id, outcome, entry, status, now, out);
                     }
@@ -113,7 +114,7 @@ impl Machine {
         let status = status.or_else(|| status_after(&outcome));
         let reason = outcome.reason();
         let generation = flight.generation;
-        let health = entry.health.map(|h| h.as_str().to_owned());
+        let health = entry.health;
         match &outcome {
             Outcome::Provisioned => {
                 let latency = now.at.saturating_duration_since(flight.since);
@@ -142,20 +143,19 @@ impl Machine {
                 kind,
                 reason: reason.clone(),
                 generation,
-                health: health.clone(),
+                health: health.map(|h| h.as_str().to_owned()),
             });
-            self.record.drafts.push(EventDraft {
-                event_type: EventType::Device(kind),
-                subject: id.to_string(),
-                run_id: Some(run_id),
+            self.record.drafts.push(EventDraft::device_outcome(
+                id,
+                run_id,
                 generation,
-                data: json!({
-                    "outcome": kind.as_str(),
-                    "reason": reason,
-                    "health": health,
-                    "success": outcome.is_success(),
-                }),
-            });
+                DeviceOutcomeData {
+                    outcome: kind,
+                    reason: reason.clone(),
+                    health,
+                    success: outcome.is_success(),
+                },
+            ));
             self.record.per_run.entry(run_id).or_default().add(kind);
             if let Some(run) = self.runs.get_mut(&run_id) {
                 run.record(id, kind);

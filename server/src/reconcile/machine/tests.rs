@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::events::EventType;
-use crate::fleet::{DesiredState, Fleet};
+use crate::fleet::{DesiredState, Fleet, FleetChange};
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::policy::RetryPolicy;
@@ -154,7 +154,12 @@ impl World {
     }
 
     fn commit(&mut self, record: Record) {
-        self.fleet.apply_engine_changes(&record.devices);
+        self.fleet.apply(
+            record
+                .devices
+                .into_iter()
+                .map(|(id, change)| FleetChange::Engine(id, change)),
+        );
         for row in record.outcomes {
             self.outcomes.entry(row.run_id).or_default().push((
                 id(&row.device_id),
@@ -218,7 +223,11 @@ impl World {
             generation,
             rejection: None,
         };
-        self.fleet.set_reported(device, reported, None);
+        self.fleet.apply([FleetChange::Reported {
+            id: device.clone(),
+            reported,
+            health: None,
+        }]);
         let effects = self.machine.on_reports(vec![device.clone()], self.now());
         self.carry(effects);
     }
@@ -232,7 +241,11 @@ impl World {
             generation: Some(version),
             rejection: Some((generation, "no space left".into())),
         };
-        self.fleet.set_reported(device, reported, None);
+        self.fleet.apply([FleetChange::Reported {
+            id: device.clone(),
+            reported,
+            health: None,
+        }]);
         let effects = self.machine.on_reports(vec![device.clone()], self.now());
         self.carry(effects);
     }
@@ -327,14 +340,14 @@ fn a_desired_change_during_a_push_supersedes_it_and_a_late_ack_does_not_count() 
     let mut world = World::new(settings());
     let device = world.device("pump", Some(2), Some(1));
     let old = world.run(std::slice::from_ref(&device));
-    world.fleet.set_desired(
-        &device,
+    world.fleet.apply([FleetChange::Desired(
+        device.clone(),
         DesiredState {
             generation: 3,
             digest: SpecDigest::of(&spec(3)),
             spec: Arc::new(spec(3)),
         },
-    );
+    )]);
     let new = world.run(std::slice::from_ref(&device));
     assert_eq!(
         world.kinds(old),
@@ -391,8 +404,7 @@ fn a_rejecting_device_is_retried_with_backoff_then_quarantined_until_an_operator
     );
 
     // What the operator retry commits before it starts its run.
-    world.fleet.set_status(&device, DeviceStatus::Failed);
-    world.fleet.set_failures(&device, 0);
+    world.fleet.apply([FleetChange::Released(device.clone())]);
     let retry = world.start(Trigger::Retry, vec![device.clone()], false);
     assert_eq!(world.pushed().len(), 4);
     world.reports(&device, 2, Some(2));
@@ -443,7 +455,9 @@ fn an_offline_device_is_skipped_and_its_reconnect_starts_one_reconnect_run() {
     world.command(EngineCommand::Connectivity(vec![(device.clone(), false)]));
     world.settle();
     assert_eq!(world.status(&device), DeviceStatus::Offline);
-    world.fleet.set_online(&device, false);
+    world
+        .fleet
+        .apply([FleetChange::Online(device.clone(), false)]);
     let run = world.run(std::slice::from_ref(&device));
     assert_eq!(
         world.kinds(run),
@@ -451,7 +465,9 @@ fn an_offline_device_is_skipped_and_its_reconnect_starts_one_reconnect_run() {
     );
     assert!(world.pushed().is_empty());
 
-    world.fleet.set_online(&device, true);
+    world
+        .fleet
+        .apply([FleetChange::Online(device.clone(), true)]);
     world.command(EngineCommand::Connectivity(vec![(device.clone(), true)]));
     world.wait(Duration::from_millis(400));
     assert_eq!(
@@ -526,7 +542,7 @@ fn a_device_deleted_while_its_push_waits_ends_skipped() {
     let mut world = World::new(settings());
     let device = world.device("gone", Some(2), Some(1));
     let run = world.run(std::slice::from_ref(&device));
-    world.fleet.remove(&device);
+    world.fleet.apply([FleetChange::Removed(device.clone())]);
     world.command(EngineCommand::DevicesRemoved(vec![device.clone()]));
     world.settle();
     assert_eq!(world.kinds(run), vec![(device, OutcomeKind::Skipped)]);
@@ -537,7 +553,13 @@ fn a_device_deleted_while_its_push_waits_ends_skipped() {
 fn a_converged_device_with_an_old_retained_message_gets_it_refreshed_without_an_attempt() {
     let mut world = World::new(settings());
     let device = world.device("pump", Some(3), Some(3));
-    world.fleet.set_retained(&device, 2);
+    let retained = DeviceChange {
+        retained: Some(2),
+        ..DeviceChange::default()
+    };
+    world
+        .fleet
+        .apply([FleetChange::Engine(device.clone(), retained)]);
     let run = world.run(std::slice::from_ref(&device));
     assert_eq!(
         world.kinds(run),
@@ -645,25 +667,27 @@ impl World {
             Step::NewDesired(i) => {
                 if let Some(generation) = desired(self, *i) {
                     let next = generation + 1;
-                    self.fleet.set_desired(
-                        &fleet[*i],
+                    self.fleet.apply([FleetChange::Desired(
+                        fleet[*i].clone(),
                         DesiredState {
                             generation: next,
                             digest: SpecDigest::of(&spec(next)),
                             spec: Arc::new(spec(next)),
                         },
-                    );
+                    )]);
                     self.command(EngineCommand::DesiredChanged(vec![fleet[*i].clone()]));
                 }
             }
             Step::Online(i, online) => {
-                if self.fleet.set_online(&fleet[*i], *online).is_some() {
+                if self.fleet.online(&fleet[*i]).is_some() {
+                    self.fleet
+                        .apply([FleetChange::Online(fleet[*i].clone(), *online)]);
                     let change = vec![(fleet[*i].clone(), *online)];
                     self.command(EngineCommand::Connectivity(change));
                 }
             }
             Step::Remove(i) => {
-                self.fleet.remove(&fleet[*i]);
+                self.fleet.apply([FleetChange::Removed(fleet[*i].clone())]);
                 self.command(EngineCommand::DevicesRemoved(vec![fleet[*i].clone()]));
             }
             Step::Wait(ms) => self.wait(Duration::from_millis(*ms)),

@@ -5,10 +5,9 @@ use std::collections::BTreeSet;
 use std::time::Instant;
 
 use idem_protocol::DeviceId;
-use serde_json::json;
 
 use super::{Debounced, Effect, Machine, Now};
-use crate::events::{EventDraft, EventType};
+use crate::events::{DeviceDriftedData, EventDraft};
 use crate::reconcile::policy::DeviceStatus;
 use crate::reconcile::run::Trigger;
 
@@ -27,17 +26,15 @@ impl Machine {
         }
         self.record.tally.drifts += 1;
         self.record.device(id).status = Some(DeviceStatus::Drifted);
-        self.record.drafts.push(EventDraft {
-            event_type: EventType::DeviceDrifted,
-            subject: id.to_string(),
-            run_id: None,
-            generation: Some(desired.generation),
-            data: json!({
-                "desired_digest": desired.digest.to_string(),
-                "reported_digest": reported.digest.to_string(),
-                "reported_seq": reported.seq,
-            }),
-        });
+        self.record.drafts.push(EventDraft::device_drifted(
+            id,
+            desired.generation,
+            DeviceDriftedData {
+                desired_digest: desired.digest,
+                reported_digest: reported.digest,
+                reported_seq: reported.seq,
+            },
+        ));
         self.debounce(Trigger::Drift, id.clone(), now);
     }
 
