@@ -10,8 +10,8 @@
 //! outbox. No lock is held across `.await`.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use idem_protocol::{Channel, Desired, DeviceId, SpecBudget, Status, TopicRoot};
@@ -20,13 +20,48 @@ use rumqttc::{
     AsyncClient, Event, EventLoop, MqttOptions, NetworkOptions, Outgoing, Packet, Publish, QoS,
     SubscribeFilter,
 };
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{sleep, sleep_until, Instant};
 use tokio_util::sync::CancellationToken;
 
-use crate::behaviour::{respond_to_desired, DeviceBehaviour};
+use crate::behaviour::{respond_to_desired, DeviceBehaviour, DeviceState};
 use crate::config::{Backoff, OfflineMode};
-use crate::fleet::{DeviceShared, FleetCounters};
+
+/// State shared between one device task and the fleet handle (`crate::fleet::Fleet`).
+pub(crate) struct DeviceShared {
+    pub(crate) id: DeviceId,
+    pub(crate) state: Mutex<DeviceState>,
+    /// True between CONNACK and the next connection loss or disconnect.
+    pub(crate) connected: AtomicBool,
+}
+
+impl DeviceShared {
+    /// Locks the state; a poisoned lock still holds consistent plain data.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, DeviceState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Fleet-wide counters, updated by device tasks without locks.
+#[derive(Default)]
+pub(crate) struct FleetCounters {
+    pub(crate) connected: AtomicUsize,
+    pub(crate) connections: AtomicU64,
+    pub(crate) connection_errors: AtomicU64,
+    pub(crate) reports_sent: AtomicU64,
+    pub(crate) desired_received: AtomicU64,
+    pub(crate) get_received: AtomicU64,
+    pub(crate) rejections: AtomicU64,
+    pub(crate) invalid_messages: AtomicU64,
+    /// Woken on every connect/disconnect, for `Fleet::wait_connected`.
+    pub(crate) connected_changed: Notify,
+}
+
+impl FleetCounters {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 /// How long a clean disconnect may take before the connection is dropped.
 const DISCONNECT_GRACE: Duration = Duration::from_secs(2);

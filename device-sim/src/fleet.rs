@@ -4,58 +4,22 @@
 //! write; never holds a lock across `.await`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_protocol::{Channel, DeviceId, Health, Rejection, TopicRoot};
 use rumqttc::{LastWill, MqttOptions, NetworkOptions, QoS, TlsConfiguration, Transport};
 use serde_json::Value;
-use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::behaviour::{seq_base_now, DeviceState};
 use crate::config::{FleetConfig, OfflineMode};
-use crate::device_task::{Command, DeviceTask, Topics};
+use crate::device_task::{Command, DeviceShared, DeviceTask, FleetCounters, Topics};
 use crate::error::SimError;
-
-/// State shared between one device task and the [`Fleet`] handle.
-pub(crate) struct DeviceShared {
-    pub(crate) id: DeviceId,
-    pub(crate) state: Mutex<DeviceState>,
-    /// True between CONNACK and the next connection loss or disconnect.
-    pub(crate) connected: AtomicBool,
-}
-
-impl DeviceShared {
-    /// Locks the state; a poisoned lock still holds consistent plain data.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, DeviceState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// Fleet-wide counters, updated by device tasks without locks.
-#[derive(Default)]
-pub(crate) struct FleetCounters {
-    pub(crate) connected: AtomicUsize,
-    pub(crate) connections: AtomicU64,
-    pub(crate) connection_errors: AtomicU64,
-    pub(crate) reports_sent: AtomicU64,
-    pub(crate) desired_received: AtomicU64,
-    pub(crate) get_received: AtomicU64,
-    pub(crate) rejections: AtomicU64,
-    pub(crate) invalid_messages: AtomicU64,
-    /// Woken on every connect/disconnect, for [`Fleet::wait_connected`].
-    pub(crate) connected_changed: Notify,
-}
-
-impl FleetCounters {
-    pub(crate) fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-}
 
 /// A point-in-time copy of the fleet-wide counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]

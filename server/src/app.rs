@@ -281,7 +281,10 @@ impl Workers {
             inbound_tx,
             state.mqtt.clone(),
             state.metrics.clone(),
-            state.dynsec.clone(),
+            state
+                .dynsec
+                .clone()
+                .map(|d| d as Arc<dyn mqtt::ControlResponses>),
             mqtt_token.clone(),
         ));
         let engine = Engine::new(EngineContext {

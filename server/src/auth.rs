@@ -203,8 +203,8 @@ impl Refusal {
         }
     }
 
-    pub const REASONS: [&'static str; 5] =
-        ["missing", "unknown", "expired", "revoked", "forbidden"];
+    /// Every value of [`Refusal::reason`].
+    pub const REASONS: [&'static str; 5] = crate::metrics::AUTH_REFUSAL_REASONS;
 
     fn into_response(self) -> Response {
         let (status, code, message) = match &self {

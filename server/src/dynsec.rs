@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
 use crate::broker_accounts::{parse_responses, CommandResult};
-use crate::mqtt::Publisher;
+use crate::mqtt::{ControlResponses, Publisher};
 
 /// How long the plugin has to answer one batch.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(15);
@@ -57,7 +57,7 @@ impl Dynsec {
     }
 
     /// A message on the response topic (from the event loop; never blocks).
-    pub fn on_response(&self, payload: &[u8]) {
+    fn handle_response(&self, payload: &[u8]) {
         let results = match parse_responses(payload) {
             Ok(results) => results,
             Err(e) => {
@@ -140,5 +140,15 @@ impl Dynsec {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(batch);
+    }
+}
+
+impl ControlResponses for Dynsec {
+    fn topic(&self) -> &str {
+        crate::broker_accounts::RESPONSE_TOPIC
+    }
+
+    fn on_response(&self, payload: &[u8]) {
+        self.handle_response(payload);
     }
 }

@@ -12,8 +12,8 @@ use dashmap::DashMap;
 use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
 use serde_json::Value;
 
+use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::{self, Actual, ReportedState};
-use crate::reconcile::machine::DeviceChange;
 use crate::store::devices::DeviceRow;
 use crate::store::to_u64;
 
@@ -43,6 +43,19 @@ pub struct DeviceEntry {
 }
 
 impl DeviceEntry {
+    /// Mirrors an engine change in the fields the cache holds.
+    pub fn apply(&mut self, change: &DeviceChange) {
+        if let Some(status) = change.status {
+            self.status = status;
+        }
+        if let Some((failures, _)) = change.failures {
+            self.failures = failures;
+        }
+        if let Some(generation) = change.retained {
+            self.retained_generation = Some(generation);
+        }
+    }
+
     pub fn actual(&self) -> Actual {
         match &self.reported {
             Some(r) => Actual::Reported(r.clone()),
@@ -263,7 +276,7 @@ impl Fleet {
                 }
                 FleetChange::Engine(id, change) => {
                     if let Some(mut entry) = self.devices.get_mut(&id) {
-                        change.apply_to(&mut entry);
+                        entry.apply(&change);
                     }
                 }
             }

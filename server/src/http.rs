@@ -122,24 +122,9 @@ impl ConnectionCloser {
     }
 }
 
-/// Why a request was answered before (or instead of) its handler's answer;
-/// label values of `idem_http_requests_rejected_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyRejection {
-    TooLarge,
-    Timeout,
-}
+pub use crate::metrics::BodyRejection;
 
 impl BodyRejection {
-    pub const ALL: [BodyRejection; 2] = [BodyRejection::TooLarge, BodyRejection::Timeout];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BodyRejection::TooLarge => "body_too_large",
-            BodyRejection::Timeout => "body_timeout",
-        }
-    }
-
     fn code(self) -> u8 {
         match self {
             BodyRejection::TooLarge => 1,

@@ -16,9 +16,6 @@ use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
-use crate::http::BodyRejection;
-use crate::sse::DropReason;
-
 const METADATA: Metadata<'static> = Metadata::new("idem", Level::INFO, Some(module_path!()));
 
 /// Why an inbound MQTT message was refused; label values of
@@ -67,6 +64,51 @@ impl ReportResult {
     }
 }
 
+/// Why an API call was refused by authentication or authorisation: label
+/// values of `idem_http_auth_refusals_total` (`auth::Refusal::reason`).
+pub const AUTH_REFUSAL_REASONS: [&str; 5] =
+    ["missing", "unknown", "expired", "revoked", "forbidden"];
+
+/// Why a request was answered before (or instead of) its handler's answer;
+/// label values of `idem_http_requests_rejected_total` (answered by `http`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyRejection {
+    TooLarge,
+    Timeout,
+}
+
+impl BodyRejection {
+    pub const ALL: [BodyRejection; 2] = [BodyRejection::TooLarge, BodyRejection::Timeout];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BodyRejection::TooLarge => "body_too_large",
+            BodyRejection::Timeout => "body_timeout",
+        }
+    }
+}
+
+/// Why an SSE client was dropped; label values of
+/// `idem_sse_clients_dropped_total` (dropped by `sse`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Its queue stayed full for `--sse-send-timeout`.
+    SendTimeout,
+    /// It fell further behind the live feed than its buffer holds.
+    Lagged,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 2] = [DropReason::SendTimeout, DropReason::Lagged];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::SendTimeout => "send_timeout",
+            DropReason::Lagged => "lagged",
+        }
+    }
+}
+
 /// Handles to every series the server writes.
 pub struct Metrics {
     /// Renders what the handles below record (the recorder's shared state).
@@ -79,7 +121,7 @@ pub struct Metrics {
     pub health_unknown: Counter,
     /// Report batches the database refused, split to isolate the refused report.
     pub ingest_batch_splits: Counter,
-    auth_refusals: [Counter; crate::auth::Refusal::REASONS.len()],
+    auth_refusals: [Counter; AUTH_REFUSAL_REASONS.len()],
     /// Retained desired messages refreshed without a push (the device
     /// already ran the new desired spec, or was not attempted).
     pub retained_updates: Counter,
@@ -271,7 +313,7 @@ impl Metrics {
             refused_publishes: REFUSED_PUBLISH_KINDS
                 .map(|kind| PUBLISHES_REFUSED.register(r, &[("kind", kind)])),
             health_unknown: REPORTS_HEALTH_UNKNOWN.register(r, &[]),
-            auth_refusals: crate::auth::Refusal::REASONS
+            auth_refusals: AUTH_REFUSAL_REASONS
                 .map(|reason| HTTP_AUTH_REFUSALS.register(r, &[("reason", reason)])),
             ingest_batch_splits: INGEST_BATCH_SPLITS.register(r, &[]),
             retained_updates: RETAINED_UPDATES.register(r, &[]),
@@ -384,12 +426,9 @@ impl Metrics {
     }
 
     /// Counts an API call refused by authentication or authorisation (one
-    /// of `auth::Refusal::REASONS`).
+    /// of [`AUTH_REFUSAL_REASONS`]).
     pub fn auth_refused(&self, reason: &str) {
-        if let Some(i) = crate::auth::Refusal::REASONS
-            .iter()
-            .position(|r| *r == reason)
-        {
+        if let Some(i) = AUTH_REFUSAL_REASONS.iter().position(|r| *r == reason) {
             self.auth_refusals[i].increment(1);
         }
     }

@@ -107,6 +107,15 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
 }
 
 /// Polls the event loop until cancelled, forwarding every inbound publish.
+/// Takes the broker's answers on a control topic the server subscribes to
+/// (Mosquitto's dynamic-security responses), from the event loop.
+pub trait ControlResponses: Send + Sync {
+    /// The topic the answers arrive on.
+    fn topic(&self) -> &str;
+    /// One answer; must not block.
+    fn on_response(&self, payload: &[u8]);
+}
+
 #[allow(clippy::too_many_arguments)]
 pub async fn run_event_loop(
     mut eventloop: EventLoop,
@@ -116,7 +125,7 @@ pub async fn run_event_loop(
     inbound: mpsc::Sender<Received>,
     status: Arc<MqttStatus>,
     metrics: Arc<Metrics>,
-    dynsec: Option<Arc<crate::dynsec::Dynsec>>,
+    control: Option<Arc<dyn ControlResponses>>,
     token: CancellationToken,
 ) {
     let (broker_host, broker_port) = eventloop.mqtt_options.broker_address();
@@ -124,11 +133,9 @@ pub async fn run_event_loop(
         SubscribeFilter::new(root.filter(Channel::Reported), QoS::AtLeastOnce),
         SubscribeFilter::new(root.filter(Channel::Status), QoS::AtLeastOnce),
     ];
-    if dynsec.is_some() {
-        filters.push(SubscribeFilter::new(
-            crate::broker_accounts::RESPONSE_TOPIC.to_owned(),
-            QoS::AtLeastOnce,
-        ));
+    let control_topic = control.as_ref().map(|c| c.topic().to_owned());
+    if let Some(topic) = &control_topic {
+        filters.push(SubscribeFilter::new(topic.clone(), QoS::AtLeastOnce));
     }
     let mut ever_connected = false;
     let mut backoff = Backoff::store_and_broker();
@@ -140,10 +147,10 @@ pub async fn run_event_loop(
         };
         match event {
             Ok(Event::Incoming(Packet::Publish(publish)))
-                if publish.topic == crate::broker_accounts::RESPONSE_TOPIC =>
+                if control_topic.as_deref() == Some(publish.topic.as_str()) =>
             {
-                if let Some(dynsec) = &dynsec {
-                    dynsec.on_response(&publish.payload);
+                if let Some(control) = &control {
+                    control.on_response(&publish.payload);
                 }
                 if let Err(e) = client.try_ack(&publish) {
                     tracing::debug!(error = %e, "could not acknowledge a dynamic-security answer");

@@ -97,25 +97,7 @@ impl SseClients {
     }
 }
 
-/// Why a client was dropped; label values of `idem_sse_clients_dropped_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DropReason {
-    /// Its queue stayed full for `--sse-send-timeout`.
-    SendTimeout,
-    /// It fell further behind the live feed than its buffer holds.
-    Lagged,
-}
-
-impl DropReason {
-    pub const ALL: [DropReason; 2] = [DropReason::SendTimeout, DropReason::Lagged];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DropReason::SendTimeout => "send_timeout",
-            DropReason::Lagged => "lagged",
-        }
-    }
-}
+pub use crate::metrics::DropReason;
 
 #[derive(Debug, Deserialize)]
 pub struct EventQuery {

@@ -2,6 +2,7 @@
 //! the engine's state machine (`machine`, with `pacer` and `run`), the loop
 //! that carries its effects out (`engine`), and starting runs (`runs`).
 
+pub mod change;
 pub mod decide;
 pub mod engine;
 pub mod machine;

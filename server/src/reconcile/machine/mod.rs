@@ -29,9 +29,10 @@ use super::pacer::PushPacer;
 use super::policy::{gate, DeviceStatus};
 use super::run::{RunProgress, RunSpec, Trigger};
 use crate::fleet::{DeviceEntry, FleetView};
+pub use crate::reconcile::change::{DeviceChange, LastOutcome};
 pub use effect::{Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason};
 use flight::{InFlight, Phase};
-pub use record::{DeviceChange, LastOutcome, Record, Tally};
+pub use record::{Record, Tally};
 
 /// Results are written at least this often while there are any.
 pub const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
@@ -227,7 +228,7 @@ impl Machine {
     fn entry(&self, id: &DeviceId) -> Option<DeviceEntry> {
         let mut entry = self.fleet.get(id)?;
         if let Some(change) = self.record.devices.get(id) {
-            change.apply_to(&mut entry);
+            entry.apply(change);
         }
         Some(entry)
     }

@@ -5,39 +5,15 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use idem_protocol::DeviceId;
 use uuid::Uuid;
 
 use crate::events::EventDraft;
-use crate::fleet::DeviceEntry;
-use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
-use crate::reconcile::policy::DeviceStatus;
+use crate::reconcile::change::DeviceChange;
+use crate::reconcile::outcome::OutcomeCounts;
 use crate::reconcile::run::RunProgress;
 use crate::store::devices::AttemptRow;
 use crate::store::runs::OutcomeRow;
-
-/// The last outcome a device row remembers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LastOutcome {
-    pub run_id: Uuid,
-    pub kind: OutcomeKind,
-    pub reason: Option<String>,
-}
-
-/// Every change the engine makes to one device's row in one write, merged:
-/// the single path by which the engine's device status reaches PostgreSQL
-/// and the fleet cache. `None` leaves a field as it is.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DeviceChange {
-    pub status: Option<DeviceStatus>,
-    /// Consecutive failed attempts, and when the next attempt is due.
-    pub failures: Option<(u32, Option<DateTime<Utc>>)>,
-    pub last_error: Option<String>,
-    pub last_outcome: Option<LastOutcome>,
-    /// Generation of the desired message now retained on the broker.
-    pub retained: Option<u64>,
-}
 
 /// Counts for metrics, taken once the write has committed.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -77,20 +53,5 @@ impl Record {
     /// The change to `id`'s row, created empty on first use.
     pub fn device(&mut self, id: &DeviceId) -> &mut DeviceChange {
         self.devices.entry(id.clone()).or_default()
-    }
-}
-
-impl DeviceChange {
-    /// Mirrors the change in a cache entry (the fields the cache holds).
-    pub fn apply_to(&self, entry: &mut DeviceEntry) {
-        if let Some(status) = self.status {
-            entry.status = status;
-        }
-        if let Some((failures, _)) = self.failures {
-            entry.failures = failures;
-        }
-        if let Some(generation) = self.retained {
-            entry.retained_generation = Some(generation);
-        }
     }
 }

@@ -1,0 +1,28 @@
+//! One device row's merged change from the engine: what PostgreSQL writes in
+//! one statement and the fleet cache mirrors after the commit.
+
+use chrono::{DateTime, Utc};
+use idem_protocol::{DeviceStatus, OutcomeKind};
+use uuid::Uuid;
+
+/// The last outcome a device row remembers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LastOutcome {
+    pub run_id: Uuid,
+    pub kind: OutcomeKind,
+    pub reason: Option<String>,
+}
+
+/// Every change the engine makes to one device's row in one write, merged:
+/// the single path by which the engine's device status reaches PostgreSQL
+/// and the fleet cache. `None` leaves a field as it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceChange {
+    pub status: Option<DeviceStatus>,
+    /// Consecutive failed attempts, and when the next attempt is due.
+    pub failures: Option<(u32, Option<DateTime<Utc>>)>,
+    pub last_error: Option<String>,
+    pub last_outcome: Option<LastOutcome>,
+    /// Generation of the desired message now retained on the broker.
+    pub retained: Option<u64>,
+}
