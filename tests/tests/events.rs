@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use cloudevents::AttributesReader;
-use idem_device_sim::FleetPlan;
+use idem_device_sim::{FleetPlan, OfflineMode};
 use idem_protocol::event::EventType;
 use idem_protocol::OutcomeKind;
 use idem_tests::{Scenario, ServerSettings, SseMessage};
@@ -265,10 +265,34 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
     let plan = FleetPlan::new("commit-", 5).build().unwrap();
     let fleet = scenario.register_and_start(&plan, 5).await.unwrap();
     let pool = scenario.db.pool();
+    // Offline: their outcome (skipped) is the engine's to decide; a
+    // converged device would be decided in the transaction that creates
+    // the run.
+    for device in &plan.devices {
+        fleet.take_offline(&device.id, OfflineMode::Clean).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        // Seen by the ingest (online) and by the engine (status).
+        let offline: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM devices WHERE online = false AND status = 'offline'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if offline == 5 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{offline} of 5 devices seen offline"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
-    // Another client holds every device row: the engine's outcome write
-    // (which updates them) waits, while the run itself (manual, no spec,
-    // targets referencing the rows) still commits.
+    // Another client holds every device row: the engine's write (which
+    // updates them) waits, while the run itself (manual, no spec, targets
+    // referencing the rows, nothing decided at creation) still commits.
     let mut blocker = pool.begin().await.unwrap();
     sqlx::query("SELECT id FROM devices FOR NO KEY UPDATE")
         .execute(&mut *blocker)
@@ -320,7 +344,7 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
         .unwrap();
     assert_eq!(
         run["summary"],
-        "5 already converged, 0 provisioned, 0 failed"
+        "0 already converged, 0 provisioned, 0 failed, 5 skipped"
     );
     // Each device event now stands next to the committed outcome it reports.
     let reported: Vec<(String, Option<String>)> = sqlx::query_as(
@@ -342,8 +366,8 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
         })
         .collect();
     let expected = (
-        Some(EventType::Device(OutcomeKind::AlreadyConverged)),
-        Some(OutcomeKind::AlreadyConverged),
+        Some(EventType::Device(OutcomeKind::Skipped)),
+        Some(OutcomeKind::Skipped),
     );
     assert_eq!(reported, vec![expected; 5]);
     fleet.shutdown().await;

@@ -72,11 +72,24 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
     assert_eq!(events.get("io.idem.run.completed"), Some(&1));
     assert_eq!(events.values().sum::<i64>(), 52, "{events:?}");
 
-    // The same run again: everything already converged, nothing published.
+    // The same run again: everything already converged, nothing published,
+    // and no device row rewritten (a row's `xmin` changes with every write).
+    let row_versions = || async {
+        sqlx::query_as::<_, (String, String)>("SELECT id, xmin::text FROM devices ORDER BY id")
+            .fetch_all(scenario.db.pool())
+            .await
+            .unwrap()
+    };
+    let before = row_versions().await;
     let (again_id, again) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
     assert_eq!(
         again["summary"],
         "50 already converged, 0 provisioned, 0 failed"
+    );
+    assert_eq!(
+        row_versions().await,
+        before,
+        "a converged pass rewrote device rows"
     );
     watcher
         .wait_for_run_completed(&again_id, Duration::from_secs(10))

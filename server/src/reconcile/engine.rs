@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::machine::{Effect, Machine, Now, PublishReason, Record};
-use super::outcome::OutcomeCounts;
+use super::outcome::{OutcomeCounts, OutcomeKind};
 use super::run::Trigger;
 use super::runs::{commit_run, NewRun};
 use crate::events::{self, EventDraft};
@@ -122,9 +122,7 @@ impl Engine {
     }
 
     async fn handle(&mut self, command: EngineCommand) {
-        if let EngineCommand::StartRun(_) = &command {
-            self.ctx.metrics.runs_started.increment(1);
-        }
+        self.count_started(&command);
         let effects = self.machine.on_command(command, now());
         self.carry(effects).await;
     }
@@ -162,11 +160,23 @@ impl Engine {
             }
             for (trigger, targets) in runs {
                 let command = self.start_own_run(trigger, targets).await;
-                if let EngineCommand::StartRun(_) = &command {
-                    self.ctx.metrics.runs_started.increment(1);
-                }
+                self.count_started(&command);
                 batches.push_back(self.machine.on_command(command, now()));
             }
+        }
+    }
+
+    /// Counts a started run, and the outcomes and events its creation
+    /// already committed for converged targets.
+    fn count_started(&self, command: &EngineCommand) {
+        if let EngineCommand::StartRun(run) = command {
+            let metrics = &self.ctx.metrics;
+            metrics.runs_started.increment(1);
+            let converged = run.converged.len() as u64;
+            metrics
+                .outcome(OutcomeKind::AlreadyConverged)
+                .increment(converged);
+            metrics.events_committed.increment(converged);
         }
     }
 

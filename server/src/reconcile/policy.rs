@@ -6,6 +6,7 @@ use std::time::Duration;
 
 pub use idem_protocol::DeviceStatus;
 
+use super::decide::{decide, Actual, Attempt, Decision, Desired};
 use super::outcome::{Outcome, SkipReason};
 
 /// Why a run does not attempt a device at all, if it does not.
@@ -18,6 +19,35 @@ pub fn gate(status: DeviceStatus, online: Option<bool>, has_desired: bool) -> Op
         Some(SkipReason::NoDesiredSpec)
     } else {
         None
+    }
+}
+
+/// Whether a target's outcome is known the moment its run is created:
+/// `AlreadyConverged`, exactly as the engine would decide it on a fresh,
+/// unforced attempt (the gate lets it through and the reported digest is the
+/// desired one). Such targets are decided in the transaction that creates
+/// the run; the engine carries only the rest.
+pub fn converged_at_creation(
+    status: DeviceStatus,
+    online: Option<bool>,
+    desired: Option<&Desired>,
+    actual: &Actual,
+    force: bool,
+) -> bool {
+    let Some(desired) = desired else {
+        return false;
+    };
+    if force || gate(status, online, true).is_some() {
+        return false;
+    }
+    match decide(desired, actual, &Attempt::Fresh { force }) {
+        Decision::Finish(Outcome::AlreadyConverged) => true,
+        Decision::Finish(
+            Outcome::Provisioned | Outcome::Failed(_) | Outcome::Skipped(_) | Outcome::Superseded,
+        )
+        | Decision::Push
+        | Decision::AskForReport
+        | Decision::Wait => false,
     }
 }
 
@@ -66,7 +96,84 @@ pub fn status_after(outcome: &Outcome) -> Option<DeviceStatus> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconcile::decide::ReportedState;
     use crate::reconcile::outcome::FailureReason;
+    use idem_protocol::SpecDigest;
+
+    fn reporting(version: u64) -> Actual {
+        Actual::Reported(ReportedState {
+            seq: 1,
+            digest: SpecDigest::of(&serde_json::json!({ "v": version })),
+            generation: Some(version),
+            rejection: None,
+        })
+    }
+
+    fn wanting(version: u64) -> Desired {
+        Desired {
+            generation: version,
+            digest: SpecDigest::of(&serde_json::json!({ "v": version })),
+        }
+    }
+
+    #[test]
+    fn only_a_device_that_reports_its_desired_spec_and_may_be_attempted_is_converged_at_creation() {
+        let online = Some(true);
+        let converged = DeviceStatus::Converged;
+        assert!(converged_at_creation(
+            converged,
+            online,
+            Some(&wanting(2)),
+            &reporting(2),
+            false
+        ));
+        assert!(converged_at_creation(
+            DeviceStatus::Unknown,
+            None,
+            Some(&wanting(2)),
+            &reporting(2),
+            false
+        ));
+        assert!(!converged_at_creation(
+            converged,
+            online,
+            Some(&wanting(2)),
+            &reporting(1),
+            false
+        ));
+        assert!(!converged_at_creation(
+            converged,
+            online,
+            Some(&wanting(2)),
+            &Actual::NeverReported,
+            false
+        ));
+        assert!(
+            !converged_at_creation(converged, online, Some(&wanting(2)), &reporting(2), true),
+            "forced"
+        );
+        assert!(
+            !converged_at_creation(
+                converged,
+                Some(false),
+                Some(&wanting(2)),
+                &reporting(2),
+                false
+            ),
+            "offline"
+        );
+        assert!(!converged_at_creation(
+            DeviceStatus::Quarantined,
+            online,
+            Some(&wanting(2)),
+            &reporting(2),
+            false
+        ));
+        assert!(
+            !converged_at_creation(converged, online, None, &reporting(2), false),
+            "no desired spec"
+        );
+    }
 
     fn policy() -> RetryPolicy {
         RetryPolicy {

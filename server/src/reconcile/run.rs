@@ -69,8 +69,12 @@ pub struct RunSpec {
     /// The targets still to decide (all of them for a new run).
     pub targets: Vec<DeviceId>,
     pub force: bool,
-    /// Targets that already have outcomes (a run resumed after a restart).
+    /// Targets that already have outcomes: decided when the run was
+    /// created, or before a restart (a resumed run).
     pub decided: usize,
+    /// The targets decided `already_converged` when the run was created
+    /// (part of `decided`).
+    pub converged: Vec<DeviceId>,
 }
 
 impl RunSpec {
@@ -89,6 +93,7 @@ impl RunSpec {
             decided: target_count.saturating_sub(undecided.len()),
             targets: undecided,
             force,
+            converged: Vec::new(),
         }
     }
 }
@@ -108,14 +113,20 @@ pub struct RunProgress {
 
 impl RunProgress {
     pub fn new(spec: &RunSpec, now: Instant) -> Self {
+        let sample: BTreeMap<String, OutcomeKind> = spec
+            .converged
+            .iter()
+            .take(COMPLETED_EVENT_OUTCOME_CAP)
+            .map(|id| (id.to_string(), OutcomeKind::AlreadyConverged))
+            .collect();
         Self {
             id: spec.id,
             trigger: spec.trigger,
             remaining: spec.targets.len(),
             started: now,
-            sample: BTreeMap::new(),
             // A resumed run's earlier outcomes are not in the sample.
-            sample_truncated: spec.decided > 0,
+            sample_truncated: spec.decided > sample.len(),
+            sample,
         }
     }
 
@@ -174,6 +185,7 @@ mod tests {
                 .collect(),
             force: false,
             decided,
+            converged: Vec::new(),
         }
     }
 

@@ -2,17 +2,23 @@
 //! and the `run.started` event in one transaction, then mirrors the desired
 //! change in the fleet cache. Shared by the API and the engine's own triggers.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use idem_protocol::{DeviceId, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
 use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use super::change::DeviceChange;
+use super::decide::Desired;
+use super::policy::converged_at_creation;
 use super::run::RunSpec;
 pub use super::run::Trigger;
-use crate::events::{self, EventDraft, EventError, RunStartedData};
+use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedData};
 use crate::fleet::{DesiredState, Fleet, FleetChange};
+use crate::store::devices::DeviceChangeRow;
+use crate::store::runs::ConvergedTarget;
 use crate::store::{self, Context, DeviceWrites, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +41,10 @@ pub struct NewRun {
     pub started_by: Option<String>,
 }
 
-/// Commits `run`; the caller hands the result to the engine.
+/// Commits `run`; the caller hands the result to the engine. Targets
+/// already converged (`policy::converged_at_creation`) get their outcome,
+/// event and any device change in this same transaction; the engine only
+/// carries the rest.
 pub async fn commit_run(
     pool: &PgPool,
     device_writes: &DeviceWrites,
@@ -57,18 +66,34 @@ pub async fn commit_run(
         desired_changes =
             store::devices::set_desired(&mut tx, &target_ids, spec, &digest.to_string()).await?;
     }
-    store::runs::create(
-        &mut tx,
-        store::runs::NewRunRow {
-            id: run_id,
-            trigger: run.trigger.as_str(),
-            force: run.force,
-            started_by: run.started_by.as_deref(),
-        },
-        &target_ids,
-    )
-    .await?;
-    let draft = EventDraft::run_started(
+    let new_generations: HashMap<&str, u64> = desired_changes
+        .iter()
+        .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
+        .collect();
+    let new_digest = digest_and_spec.as_ref().map(|(digest, _)| *digest);
+    let converged = converged_targets(fleet, &run.targets, run.force, new_digest, &new_generations);
+    let (undecided, undecided_ids) = split_undecided(&run.targets, &converged);
+    let rows: Vec<ConvergedTarget<'_>> = converged
+        .iter()
+        .map(|c| ConvergedTarget {
+            device_id: c.id.as_str(),
+            generation: c.generation,
+            health: c.health.map(Health::as_str),
+        })
+        .collect();
+    let row = store::runs::NewRunRow {
+        id: run_id,
+        trigger: run.trigger.as_str(),
+        force: run.force,
+        started_by: run.started_by.as_deref(),
+    };
+    store::runs::create(&mut tx, row, &undecided_ids, &rows).await?;
+    let changes: Vec<DeviceChangeRow<'_>> = converged
+        .iter()
+        .filter_map(|c| c.change.as_ref().map(|change| change_row(&c.id, change)))
+        .collect();
+    store::devices::apply_changes(&mut tx, &changes).await?;
+    let mut drafts = vec![EventDraft::run_started(
         run_id,
         RunStartedData {
             trigger: run.trigger.as_str().to_owned(),
@@ -76,9 +101,18 @@ pub async fn commit_run(
             force: run.force,
             started_by: run.started_by,
         },
-    );
-    let first = store::events::reserve_sequences(&mut tx, 1).await?;
-    let rows = events::finalize(vec![draft], first, event_source, chrono::Utc::now())?;
+    )];
+    drafts.extend(converged.iter().map(|c| {
+        let data = DeviceOutcomeData {
+            outcome: OutcomeKind::AlreadyConverged,
+            reason: None,
+            health: c.health,
+            success: true,
+        };
+        EventDraft::device_outcome(&c.id, run_id, Some(c.generation), data)
+    }));
+    let first = store::events::reserve_sequences(&mut tx, drafts.len()).await?;
+    let rows = events::finalize(drafts, first, event_source, chrono::Utc::now())?;
     store::events::insert(&mut tx, &rows).await?;
     tx.commit().await.context("committing a run")?;
     if let Some((digest, spec)) = digest_and_spec {
@@ -92,11 +126,107 @@ pub async fn commit_run(
             Some(FleetChange::Desired(id, desired))
         }));
     }
+    let mut converged_ids = Vec::with_capacity(converged.len());
+    for c in converged {
+        if let Some(change) = c.change {
+            fleet.apply([FleetChange::Engine(c.id.clone(), change)]);
+        }
+        converged_ids.push(c.id);
+    }
     Ok(RunSpec {
         id: run_id,
         trigger: run.trigger,
-        targets: run.targets,
+        targets: undecided,
         force: run.force,
-        decided: 0,
+        decided: converged_ids.len(),
+        converged: converged_ids,
     })
+}
+
+/// A target decided `already_converged` at creation.
+struct Converged {
+    id: DeviceId,
+    generation: u64,
+    health: Option<Health>,
+    /// What its row must change (`None`: nothing; a converged device's
+    /// row is not rewritten).
+    change: Option<DeviceChange>,
+}
+
+fn converged_targets(
+    fleet: &Fleet,
+    targets: &[DeviceId],
+    force: bool,
+    new_digest: Option<SpecDigest>,
+    new_generations: &HashMap<&str, u64>,
+) -> Vec<Converged> {
+    let mut seen = HashSet::new();
+    let mut converged = Vec::new();
+    for id in targets {
+        // A target listed twice is left to the engine, like any other.
+        if !seen.insert(id) {
+            converged.retain(|c: &Converged| &c.id != id);
+            continue;
+        }
+        let Some(entry) = fleet.get(id) else {
+            continue;
+        };
+        let desired = match (new_digest, entry.desired_for_decision()) {
+            (Some(digest), current) => Some(Desired {
+                generation: new_generations
+                    .get(id.as_str())
+                    .copied()
+                    .or(current.map(|d| d.generation))
+                    .unwrap_or(0),
+                digest,
+            }),
+            (None, current) => current,
+        };
+        let Some(desired) = desired.filter(|d| d.generation > 0) else {
+            continue;
+        };
+        if !converged_at_creation(
+            entry.status,
+            entry.online,
+            Some(&desired),
+            &entry.actual(),
+            force,
+        ) {
+            continue;
+        }
+        let change =
+            (entry.status != DeviceStatus::Converged || entry.failures > 0).then(|| DeviceChange {
+                status: Some(DeviceStatus::Converged),
+                failures: (entry.failures > 0).then_some((0, None)),
+                ..DeviceChange::default()
+            });
+        converged.push(Converged {
+            id: id.clone(),
+            generation: desired.generation,
+            health: entry.health,
+            change,
+        });
+    }
+    converged
+}
+
+/// The targets left for the engine, as ids and as stored text.
+fn split_undecided(targets: &[DeviceId], converged: &[Converged]) -> (Vec<DeviceId>, Vec<String>) {
+    let decided: HashSet<&DeviceId> = converged.iter().map(|c| &c.id).collect();
+    let undecided: Vec<DeviceId> = targets
+        .iter()
+        .filter(|id| !decided.contains(id))
+        .cloned()
+        .collect();
+    let ids = undecided.iter().map(DeviceId::to_string).collect();
+    (undecided, ids)
+}
+
+fn change_row<'a>(id: &'a DeviceId, change: &DeviceChange) -> DeviceChangeRow<'a> {
+    DeviceChangeRow {
+        id: id.as_str(),
+        status: change.status.map(DeviceStatus::as_str),
+        failures: change.failures,
+        ..DeviceChangeRow::default()
+    }
 }

@@ -50,30 +50,62 @@ pub struct NewRunRow<'a> {
     pub started_by: Option<&'a str>,
 }
 
+/// A target whose outcome (`already_converged`) is known when its run is
+/// created.
+#[derive(Debug, Clone)]
+pub struct ConvergedTarget<'a> {
+    pub device_id: &'a str,
+    pub generation: u64,
+    pub health: Option<&'static str>,
+}
+
+/// Inserts the run and its targets: `undecided` without an outcome,
+/// `converged` already decided (and counted in the run's row).
 pub async fn create(
     tx: &mut Transaction<'_, Postgres>,
     run: NewRunRow<'_>,
-    targets: &[String],
+    undecided: &[String],
+    converged: &[ConvergedTarget<'_>],
 ) -> Result<(), StoreError> {
     let id = run.id;
-    let target_count = i32::try_from(targets.len()).unwrap_or(i32::MAX);
+    let count = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
     sqlx::query(
-        "INSERT INTO runs (id, trigger, force, target_count, started_by) VALUES ($1, $2, $3, $4, $5)",
+        "INSERT INTO runs (id, trigger, force, target_count, started_by, already_converged) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
     )
     .bind(id)
     .bind(run.trigger)
     .bind(run.force)
-    .bind(target_count)
+    .bind(count(undecided.len() + converged.len()))
     .bind(run.started_by)
+    .bind(count(converged.len()))
     .execute(&mut **tx)
     .await
     .context("creating a run")?;
     sqlx::query("INSERT INTO run_targets (run_id, device_id) SELECT $1, UNNEST($2::text[])")
         .bind(id)
-        .bind(targets)
+        .bind(undecided)
         .execute(&mut **tx)
         .await
         .context("recording run targets")?;
+    if converged.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<&str> = converged.iter().map(|t| t.device_id).collect();
+    let generations: Vec<i64> = converged.iter().map(|t| to_i64(t.generation)).collect();
+    let health: Vec<Option<&str>> = converged.iter().map(|t| t.health).collect();
+    sqlx::query(
+        "INSERT INTO run_targets (run_id, device_id, outcome, generation, health, decided_at) \
+         SELECT $1, t.id, 'already_converged', t.generation, t.health, now() \
+         FROM UNNEST($2::text[], $3::int8[], $4::text[]) AS t(id, generation, health)",
+    )
+    .bind(id)
+    .bind(&ids)
+    .bind(&generations)
+    .bind(&health)
+    .execute(&mut **tx)
+    .await
+    .context("recording the run's converged targets")?;
     Ok(())
 }
 

@@ -235,6 +235,9 @@ impl Machine {
 
     fn start_run(&mut self, spec: RunSpec, now: Now, out: &mut Vec<Effect>) {
         let progress = RunProgress::new(&spec, now.at);
+        for id in &spec.converged {
+            self.converged_at_creation(id, now, out);
+        }
         if progress.is_complete() {
             self.record.completed.push(progress);
             return;
@@ -271,6 +274,22 @@ impl Machine {
                 self.advance(&id, false, now, out);
             }
         }
+    }
+
+    /// A target the run's creation found converged: an attempt in flight for
+    /// an older generation ends `Superseded` (as when a run joins it), and a
+    /// retained message that fell behind is refreshed, as after any
+    /// `AlreadyConverged`.
+    fn converged_at_creation(&mut self, id: &DeviceId, now: Now, out: &mut Vec<Effect>) {
+        let entry = self.entry(id).unwrap_or_default();
+        let current = entry.desired.as_ref().map(|d| d.generation);
+        if let Some(flight) = self.in_flight.get(id) {
+            if flight.generation == current {
+                return;
+            }
+            self.conclude(id, Outcome::Superseded, &entry, now, out);
+        }
+        self.refresh_retained(id, out);
     }
 
     /// Lets `run_id` share the attempt already in flight for `id` when it

@@ -186,6 +186,7 @@ impl World {
             targets,
             force,
             decided: 0,
+            converged: Vec::new(),
         };
         self.runs.push(spec.clone());
         self.command(EngineCommand::StartRun(spec.clone()));
@@ -597,6 +598,44 @@ fn a_resumed_run_with_every_target_decided_completes_at_once() {
     world.command(EngineCommand::StartRun(run.clone()));
     world.settle();
     assert!(world.is_completed(run.id));
+}
+
+#[test]
+fn a_target_found_converged_at_creation_ends_an_older_attempt_and_refreshes_the_retained_message() {
+    let mut world = World::new(settings());
+    let device = world.device("pump", Some(2), Some(1));
+    let old = world.run(std::slice::from_ref(&device));
+    // The operator reverts to what the device runs, as generation 3; the
+    // run's creation finds the device converged.
+    world.fleet.apply([FleetChange::Desired(
+        device.clone(),
+        DesiredState {
+            generation: 3,
+            digest: SpecDigest::of(&spec(1)),
+            spec: Arc::new(spec(1)),
+        },
+    )]);
+    let run = RunSpec {
+        id: Uuid::now_v7(),
+        trigger: Trigger::Desired,
+        targets: Vec::new(),
+        force: false,
+        decided: 1,
+        converged: vec![device.clone()],
+    };
+    world.command(EngineCommand::StartRun(run.clone()));
+    world.settle();
+    assert_eq!(
+        world.kinds(old),
+        vec![(device.clone(), OutcomeKind::Superseded)]
+    );
+    assert!(world.is_completed(run.id));
+    assert_eq!(
+        world.published.last(),
+        Some(&(device, 3, PublishReason::RefreshRetained)),
+        "the withdrawn generation 2 no longer retained"
+    );
+    assert_eq!(world.machine.stats(), MachineStats::default());
 }
 
 /// One thing that can happen to the engine.
