@@ -22,6 +22,7 @@ pub mod server;
 pub mod sse_client;
 mod support;
 pub mod witness;
+pub mod write_floor;
 
 pub use api_client::{outcome_of, ApiClient};
 pub use broker::{raise_fd_limit, MosquittoBuilder, PrivateMosquitto};

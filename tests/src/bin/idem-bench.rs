@@ -837,6 +837,16 @@ async fn run_steps(
     tokio::time::sleep(Duration::from_secs(1)).await;
     let server_connected_rss = bench.probe.server_memory(MemoryField::Rss);
 
+    // PostgreSQL's write floor for one run over this fleet, in this run:
+    // one outcome row and one event row per device by COPY.
+    let write_floor = idem_tests::write_floor::measure(bench.db.pool(), n, 3).await?;
+    println!(
+        "  write floor   {:.3} s   ({} outcome rows + {} event rows by COPY, best of 3)",
+        write_floor.as_secs_f64(),
+        format_count(n as u64),
+        format_count(n as u64)
+    );
+
     // Converged pass: a normal run over the fleet with `drifted` devices off.
     let client = bench.client.clone();
     let pushes_before = bench.metric(PUSHES).await?;
@@ -1046,6 +1056,22 @@ async fn run_steps(
             met: Some(converged_wall.as_secs_f64() <= 0.5),
         },
         Target {
+            measure: "converged pass, server duration / write floor",
+            result: {
+                let server_ms = converged.duration_ms.unwrap_or(0) as f64;
+                let floor_ms = write_floor.as_secs_f64() * 1_000.0;
+                format!(
+                    "{:.1}x (server {server_ms:.0} ms vs floor {floor_ms:.0} ms)",
+                    server_ms / floor_ms.max(1.0)
+                )
+            },
+            target: "<= 1.5x",
+            met: Some(
+                converged.duration_ms.unwrap_or(0) as f64
+                    <= 1.5 * write_floor.as_secs_f64() * 1_000.0,
+            ),
+        },
+        Target {
             measure: "full push (all drifted -> all provisioned)",
             result: format!(
                 "{:.2} s, {full_rate:.0} pushes/s ({} publishes)",
@@ -1163,6 +1189,7 @@ async fn run_steps(
         },
         "fleet": stats,
         "fleet_shutdown_s": shutdown_s,
+        "write_floor_s": write_floor.as_secs_f64(),
     });
     if let Some(out) = &bench.args.out {
         if let Some(dir) = out.parent() {
