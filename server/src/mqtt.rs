@@ -107,6 +107,38 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
 }
 
 /// Polls the event loop until cancelled, forwarding every inbound publish.
+fn mark_connected(status: &MqttStatus, metrics: &Metrics, reconnect: bool) {
+    status.connected.store(true, Ordering::Release);
+    metrics.mqtt_connected.set(1.0);
+    if reconnect {
+        metrics.mqtt_reconnects.increment(1);
+    }
+}
+
+/// Logs a lost connection once, and a failing connect once per kind of
+/// failure (with the fix), the retries at debug level.
+fn log_connection_error(
+    e: &ConnectionError,
+    status: &MqttStatus,
+    failures: &mut ConnectFailures,
+    broker: &str,
+    delay: Duration,
+) {
+    if status.connected.swap(false, Ordering::AcqRel) {
+        tracing::warn!(error = %e, "MQTT connection lost; reconnecting");
+    } else if failures.should_log(e, tokio::time::Instant::now()) {
+        // Not ready until this is fixed; say why, with the fix.
+        tracing::error!(
+            error = %e,
+            broker,
+            hint = connect_hint(e),
+            "cannot connect to the MQTT broker; retrying"
+        );
+    } else {
+        tracing::debug!(error = %e, "MQTT connect failed; retrying in {delay:?}");
+    }
+}
+
 /// Takes the broker's answers on a control topic the server subscribes to
 /// (Mosquitto's dynamic-security responses), from the event loop.
 pub trait ControlResponses: Send + Sync {
@@ -173,11 +205,7 @@ pub async fn run_event_loop(
                     session_present = ack.session_present,
                     "connected to MQTT broker"
                 );
-                status.connected.store(true, Ordering::Release);
-                metrics.mqtt_connected.set(1.0);
-                if ever_connected {
-                    metrics.mqtt_reconnects.increment(1);
-                }
+                mark_connected(&status, &metrics, ever_connected);
                 ever_connected = true;
                 backoff.reset();
                 failures = ConnectFailures::default();
@@ -191,19 +219,8 @@ pub async fn run_event_loop(
             Ok(Event::Incoming(_) | Event::Outgoing(_)) => {}
             Err(e) => {
                 let delay = backoff.next_delay();
-                if status.connected.swap(false, Ordering::AcqRel) {
-                    tracing::warn!(error = %e, "MQTT connection lost; reconnecting");
-                } else if failures.should_log(&e, tokio::time::Instant::now()) {
-                    // Not ready until this is fixed; say why, with the fix.
-                    tracing::error!(
-                        error = %e,
-                        broker = %format_args!("{}:{}", broker_host, broker_port),
-                        hint = connect_hint(&e),
-                        "cannot connect to the MQTT broker; retrying"
-                    );
-                } else {
-                    tracing::debug!(error = %e, "MQTT connect failed; retrying in {delay:?}");
-                }
+                let broker = format!("{broker_host}:{broker_port}");
+                log_connection_error(&e, &status, &mut failures, &broker, delay);
                 status.subscribed.store(false, Ordering::Release);
                 metrics.mqtt_connected.set(0.0);
                 tokio::select! {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
 use serde_json::Value;
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::change::DeviceChange;
@@ -73,47 +73,27 @@ pub async fn commit_run(
     let new_digest = digest_and_spec.as_ref().map(|(digest, _)| *digest);
     let converged = converged_targets(fleet, &run.targets, run.force, new_digest, &new_generations);
     let (undecided, undecided_ids) = split_undecided(&run.targets, &converged);
-    let rows: Vec<ConvergedTarget<'_>> = converged
-        .iter()
-        .map(|c| ConvergedTarget {
-            device_id: c.id.as_str(),
-            generation: c.generation,
-            health: c.health.map(Health::as_str),
-        })
-        .collect();
+    let started = RunStartedData {
+        trigger: run.trigger.as_str().to_owned(),
+        target_count: target_ids.len() as u64,
+        force: run.force,
+        started_by: run.started_by.clone(),
+    };
     let row = store::runs::NewRunRow {
         id: run_id,
         trigger: run.trigger.as_str(),
         force: run.force,
         started_by: run.started_by.as_deref(),
     };
-    store::runs::create(&mut tx, row, &undecided_ids, &rows).await?;
-    let changes: Vec<DeviceChangeRow<'_>> = converged
-        .iter()
-        .filter_map(|c| c.change.as_ref().map(|change| change_row(&c.id, change)))
-        .collect();
-    store::devices::apply_changes(&mut tx, &changes).await?;
-    let mut drafts = vec![EventDraft::run_started(
-        run_id,
-        RunStartedData {
-            trigger: run.trigger.as_str().to_owned(),
-            target_count: target_ids.len() as u64,
-            force: run.force,
-            started_by: run.started_by,
-        },
-    )];
-    drafts.extend(converged.iter().map(|c| {
-        let data = DeviceOutcomeData {
-            outcome: OutcomeKind::AlreadyConverged,
-            reason: None,
-            health: c.health,
-            success: true,
-        };
-        EventDraft::device_outcome(&c.id, run_id, Some(c.generation), data)
-    }));
-    let first = store::events::reserve_sequences(&mut tx, drafts.len()).await?;
-    let rows = events::finalize(drafts, first, event_source, chrono::Utc::now())?;
-    store::events::insert(&mut tx, &rows).await?;
+    write_run(
+        &mut tx,
+        row,
+        &undecided_ids,
+        &converged,
+        started,
+        event_source,
+    )
+    .await?;
     tx.commit().await.context("committing a run")?;
     if let Some((digest, spec)) = digest_and_spec {
         fleet.apply(desired_changes.into_iter().filter_map(|write| {
@@ -141,6 +121,47 @@ pub async fn commit_run(
         decided: converged_ids.len(),
         converged: converged_ids,
     })
+}
+
+/// The run row, its targets (converged ones decided), their device changes
+/// and the run's events, in the caller's transaction.
+async fn write_run(
+    tx: &mut Transaction<'_, Postgres>,
+    row: store::runs::NewRunRow<'_>,
+    undecided_ids: &[String],
+    converged: &[Converged],
+    started: RunStartedData,
+    event_source: &str,
+) -> Result<(), CommitRunError> {
+    let targets: Vec<ConvergedTarget<'_>> = converged
+        .iter()
+        .map(|c| ConvergedTarget {
+            device_id: c.id.as_str(),
+            generation: c.generation,
+            health: c.health.map(Health::as_str),
+        })
+        .collect();
+    store::runs::create(tx, row, undecided_ids, &targets).await?;
+    let changes: Vec<DeviceChangeRow<'_>> = converged
+        .iter()
+        .filter_map(|c| c.change.as_ref().map(|change| change_row(&c.id, change)))
+        .collect();
+    store::devices::apply_changes(tx, &changes).await?;
+    let run_id = row.id;
+    let mut drafts = vec![EventDraft::run_started(run_id, started)];
+    drafts.extend(converged.iter().map(|c| {
+        let data = DeviceOutcomeData {
+            outcome: OutcomeKind::AlreadyConverged,
+            reason: None,
+            health: c.health,
+            success: true,
+        };
+        EventDraft::device_outcome(&c.id, run_id, Some(c.generation), data)
+    }));
+    let first = store::events::reserve_sequences(tx, drafts.len()).await?;
+    let rows = events::finalize(drafts, first, event_source, chrono::Utc::now())?;
+    store::events::insert(tx, &rows).await?;
+    Ok(())
 }
 
 /// A target decided `already_converged` at creation.
