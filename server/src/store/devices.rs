@@ -502,17 +502,30 @@ pub async fn delete(tx: &mut Transaction<'_, Postgres>, id: &str) -> Result<bool
     Ok(done > 0)
 }
 
-/// Releases quarantined devices among `ids`: status `failed`, attempts 0.
-/// Returns the ids that were quarantined.
+/// Releases quarantined devices among `ids`: status `failed`, attempts 0
+/// (written as a device change, the one path of device status). Returns
+/// the ids that were quarantined.
 pub async fn release_quarantine(pool: &PgPool, ids: &[String]) -> Result<Vec<String>, StoreError> {
-    sqlx::query_scalar(
-        "UPDATE devices SET status = 'failed', attempts = 0, next_attempt_at = NULL, updated_at = now() \
-         WHERE id = ANY($1) AND status = 'quarantined' RETURNING id",
-    )
-    .bind(ids)
-    .fetch_all(pool)
-    .await
-    .context("releasing quarantined devices")
+    let mut tx = pool.begin().await.context("starting a transaction")?;
+    let quarantined: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM devices WHERE id = ANY($1) AND status = $2 FOR UPDATE")
+            .bind(ids)
+            .bind(idem_protocol::DeviceStatus::Quarantined.as_str())
+            .fetch_all(&mut *tx)
+            .await
+            .context("finding quarantined devices")?;
+    let changes: Vec<DeviceChangeRow<'_>> = quarantined
+        .iter()
+        .map(|id| DeviceChangeRow {
+            id,
+            status: Some(idem_protocol::DeviceStatus::Failed.as_str()),
+            failures: Some((0, None)),
+            ..DeviceChangeRow::default()
+        })
+        .collect();
+    apply_changes(&mut tx, &changes).await?;
+    tx.commit().await.context("releasing quarantined devices")?;
+    Ok(quarantined)
 }
 
 /// Quarantined devices among the targets of a run.
