@@ -47,17 +47,18 @@ impl EventType {
         }
     }
 
+    /// Every event type: one per outcome, then the others.
+    pub fn all() -> impl Iterator<Item = EventType> {
+        OutcomeKind::ALL.into_iter().map(EventType::Device).chain([
+            EventType::DeviceDrifted,
+            EventType::DeviceQuarantined,
+            EventType::RunStarted,
+            EventType::RunCompleted,
+        ])
+    }
+
     pub fn parse(raw: &str) -> Option<Self> {
-        OutcomeKind::ALL
-            .into_iter()
-            .map(EventType::Device)
-            .chain([
-                EventType::DeviceDrifted,
-                EventType::DeviceQuarantined,
-                EventType::RunStarted,
-                EventType::RunCompleted,
-            ])
-            .find(|t| t.as_str() == raw)
+        EventType::all().find(|t| t.as_str() == raw)
     }
 }
 
@@ -159,16 +160,9 @@ mod tests {
 
     #[test]
     fn event_types_round_trip_through_their_names() {
-        let all: Vec<EventType> = OutcomeKind::ALL
-            .into_iter()
-            .map(EventType::Device)
-            .chain([
-                EventType::DeviceDrifted,
-                EventType::DeviceQuarantined,
-                EventType::RunStarted,
-                EventType::RunCompleted,
-            ])
-            .collect();
+        let all: Vec<EventType> = EventType::all().collect();
+        let names: std::collections::BTreeSet<&str> = all.iter().map(|t| t.as_str()).collect();
+        assert_eq!(names.len(), OutcomeKind::ALL.len() + 4, "one name per type");
         for t in all {
             assert_eq!(EventType::parse(t.as_str()), Some(t));
             assert_eq!(t.to_string(), t.as_str());

@@ -251,6 +251,18 @@ impl World {
         self.carry(effects);
     }
 
+    /// The operator sets desired `generation`, whose spec is version `version`.
+    fn wants(&self, device: &DeviceId, generation: u64, version: u64) {
+        self.fleet.apply([FleetChange::Desired(
+            device.clone(),
+            DesiredState {
+                generation,
+                digest: SpecDigest::of(&spec(version)),
+                spec: Arc::new(spec(version)),
+            },
+        )]);
+    }
+
     /// Every device that received a push (reason `Attempt`), in order.
     fn pushed(&self) -> Vec<DeviceId> {
         self.published
@@ -341,14 +353,7 @@ fn a_desired_change_during_a_push_supersedes_it_and_a_late_ack_does_not_count() 
     let mut world = World::new(settings());
     let device = world.device("pump", Some(2), Some(1));
     let old = world.run(std::slice::from_ref(&device));
-    world.fleet.apply([FleetChange::Desired(
-        device.clone(),
-        DesiredState {
-            generation: 3,
-            digest: SpecDigest::of(&spec(3)),
-            spec: Arc::new(spec(3)),
-        },
-    )]);
+    world.wants(&device, 3, 3);
     let new = world.run(std::slice::from_ref(&device));
     assert_eq!(
         world.kinds(old),
@@ -607,14 +612,7 @@ fn a_target_found_converged_at_creation_ends_an_older_attempt_and_refreshes_the_
     let old = world.run(std::slice::from_ref(&device));
     // The operator reverts to what the device runs, as generation 3; the
     // run's creation finds the device converged.
-    world.fleet.apply([FleetChange::Desired(
-        device.clone(),
-        DesiredState {
-            generation: 3,
-            digest: SpecDigest::of(&spec(1)),
-            spec: Arc::new(spec(1)),
-        },
-    )]);
+    world.wants(&device, 3, 1);
     let run = RunSpec {
         id: Uuid::now_v7(),
         trigger: Trigger::Desired,
@@ -706,14 +704,7 @@ impl World {
             Step::NewDesired(i) => {
                 if let Some(generation) = desired(self, *i) {
                     let next = generation + 1;
-                    self.fleet.apply([FleetChange::Desired(
-                        fleet[*i].clone(),
-                        DesiredState {
-                            generation: next,
-                            digest: SpecDigest::of(&spec(next)),
-                            spec: Arc::new(spec(next)),
-                        },
-                    )]);
+                    self.wants(&fleet[*i], next, next);
                     self.command(EngineCommand::DesiredChanged(vec![fleet[*i].clone()]));
                 }
             }
