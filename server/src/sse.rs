@@ -35,8 +35,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::api::ApiError;
-use crate::app::AppState;
+use crate::api_error::ApiError;
 use crate::http::ConnectionCloser;
 use crate::metrics::Metrics;
 use crate::store::events::{self, EventFilter, StoredEvent};
@@ -80,6 +79,7 @@ impl SseSettings {
 }
 
 /// The SSE clients of one server: the cap and what every stream shares.
+#[derive(Clone)]
 pub struct SseClients {
     slots: Arc<Semaphore>,
     settings: SseSettings,
@@ -130,8 +130,52 @@ pub struct EventQuery {
     after: Option<i64>,
 }
 
+/// What `GET /v1/events` needs: the event log, the live feed, the client
+/// cap and the client gauge; narrower than the handlers' state.
+#[derive(Clone)]
+pub struct SseState {
+    pub pool: PgPool,
+    pub clients: SseClients,
+    pub live_events: broadcast::Sender<Arc<StoredEvent>>,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Where a stream starts: the live tail without a cursor, else after the
+/// requested sequence; a cursor older than the log's first event starts at
+/// that event, with a reset event queued in `first`.
+async fn start_cursor(
+    pool: &PgPool,
+    requested: Option<i64>,
+    first: &mut VecDeque<Event>,
+) -> Result<i64, ApiError> {
+    let Some(after) = requested else {
+        return Ok(events::last_sequence(pool).await?);
+    };
+    let oldest = events::oldest_sequence(pool).await?;
+    let last = events::last_sequence(pool).await?;
+    let first_retained = oldest.unwrap_or(last + 1);
+    if after + 1 < first_retained {
+        first.push_back(reset_event(after, first_retained));
+        Ok(first_retained - 1)
+    } else {
+        Ok(after)
+    }
+}
+
+/// `GET /v1/events`: committed events as server-sent events, live or
+/// resumed from a sequence.
+#[utoipa::path(get, path = "/v1/events", tag = "events",
+    params(
+        ("type" = Option<String>, Query, description = "only events of this type"),
+        ("device" = Option<String>, Query, description = "only events about this device"),
+        ("run" = Option<uuid::Uuid>, Query, description = "only events of this run"),
+        ("after" = Option<i64>, Query, description = "start after this sequence (as Last-Event-ID does)"),
+    ),
+    responses((status = 200, content_type = "text/event-stream", body = String, description = "CloudEvents, one per SSE event"),
+        (status = "4XX", body = idem_protocol::api::ErrorBody),
+        (status = 503, body = idem_protocol::api::ErrorBody)))]
 pub async fn events(
-    State(state): State<Arc<AppState>>,
+    State(state): State<SseState>,
     closer: Option<Extension<ConnectionCloser>>,
     headers: HeaderMap,
     Query(query): Query<EventQuery>,
@@ -155,7 +199,7 @@ pub async fn events(
             crate::input::check_query_text(name, text)?;
         }
     }
-    let sse = &state.sse;
+    let sse = &state.clients;
     let Ok(permit) = sse.slots.clone().try_acquire_owned() else {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -176,20 +220,7 @@ pub async fn events(
     let live = state.live_events.subscribe();
     let requested = last_event_id.or(query.after);
     let mut first = VecDeque::new();
-    let cursor = match requested {
-        None => events::last_sequence(&state.pool).await?,
-        Some(after) => {
-            let oldest = events::oldest_sequence(&state.pool).await?;
-            let last = events::last_sequence(&state.pool).await?;
-            let first_retained = oldest.unwrap_or(last + 1);
-            if after + 1 < first_retained {
-                first.push_back(reset_event(after, first_retained));
-                first_retained - 1
-            } else {
-                after
-            }
-        }
-    };
+    let cursor = start_cursor(&state.pool, requested, &mut first).await?;
     let (queue, receiver) = mpsc::channel(sse.settings.client_buffer);
     let (drop_notice, dropped) = oneshot::channel();
     let feeder = Feeder {

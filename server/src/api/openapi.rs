@@ -1,0 +1,74 @@
+//! The OpenAPI 3.1 document of the HTTP API, generated from the handlers'
+//! route attributes and the `idem_protocol::api` types, served at
+//! `GET /v1/openapi.json`. Every route of `crate::auth::ROUTES` is in it
+//! (checked by the end-to-end test `openapi`).
+
+use axum::Json;
+use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+use utoipa::openapi::OpenApi as Document;
+use utoipa::{Modify, OpenApi};
+
+use super::{audit, credentials, desired, devices, fleet, ops, runs, tokens};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "idem",
+        description = "Desired state for a fleet of devices: register devices, set what they should run, follow the runs that push it. Every route but /healthz and /readyz needs `Authorization: Bearer <token>`; the role each route needs is in docs/OPERATIONS.md."
+    ),
+    paths(
+        ops::healthz,
+        ops::readyz,
+        ops::metrics,
+        crate::sse::events,
+        fleet::fleet_summary,
+        devices::list_devices,
+        devices::register_devices,
+        devices::get_device,
+        devices::upsert_device,
+        devices::delete_device,
+        devices::reset_reported,
+        desired::set_device_desired,
+        runs::retry_device,
+        credentials::rotate,
+        desired::set_desired_bulk,
+        runs::list_runs,
+        runs::start_manual_run,
+        runs::get_run,
+        runs::run_outcomes,
+        runs::retry_run,
+        tokens::list_tokens,
+        tokens::create_token,
+        tokens::revoke_token,
+        audit::list_audit,
+        openapi_json,
+    ),
+    modifiers(&BearerToken),
+    security(("bearer" = []))
+)]
+struct ApiDoc;
+
+/// Declares the operator token scheme the routes refer to.
+struct BearerToken;
+
+impl Modify for BearerToken {
+    fn modify(&self, openapi: &mut Document) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
+        );
+    }
+}
+
+/// The document, as served.
+pub fn document() -> Document {
+    ApiDoc::openapi()
+}
+
+/// `GET /v1/openapi.json`: this API's OpenAPI 3.1 document.
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "operations",
+    responses((status = 200, content_type = "application/json", description = "OpenAPI 3.1 document")))]
+pub(super) async fn openapi_json() -> Json<Document> {
+    Json(document())
+}
