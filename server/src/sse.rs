@@ -164,16 +164,6 @@ async fn start_cursor(
 
 /// `GET /v1/events`: committed events as server-sent events, live or
 /// resumed from a sequence.
-#[utoipa::path(get, path = "/v1/events", tag = "events",
-    params(
-        ("type" = Option<String>, Query, description = "only events of this type"),
-        ("device" = Option<String>, Query, description = "only events about this device"),
-        ("run" = Option<uuid::Uuid>, Query, description = "only events of this run"),
-        ("after" = Option<i64>, Query, description = "start after this sequence (as Last-Event-ID does)"),
-    ),
-    responses((status = 200, content_type = "text/event-stream", body = String, description = "CloudEvents, one per SSE event"),
-        (status = "4XX", body = idem_protocol::api::ErrorBody),
-        (status = 503, body = idem_protocol::api::ErrorBody)))]
 pub async fn events(
     State(state): State<SseState>,
     closer: Option<Extension<ConnectionCloser>>,

@@ -4,6 +4,7 @@
 //! (checked by the end-to-end test `openapi`).
 
 use axum::Json;
+use idem_protocol::api::ErrorBody;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::OpenApi as Document;
 use utoipa::{Modify, OpenApi};
@@ -20,7 +21,7 @@ use super::{audit, credentials, desired, devices, fleet, ops, runs, tokens};
         ops::healthz,
         ops::readyz,
         ops::metrics,
-        crate::sse::events,
+        events,
         fleet::fleet_summary,
         devices::list_devices,
         devices::register_devices,
@@ -60,6 +61,20 @@ impl Modify for BearerToken {
         );
     }
 }
+
+/// `GET /v1/events` is served by `crate::sse::events` (a stream, not JSON);
+/// this describes it.
+#[utoipa::path(get, path = "/v1/events", tag = "events",
+    params(
+        ("type" = Option<String>, Query, description = "only events of this type"),
+        ("device" = Option<String>, Query, description = "only events about this device"),
+        ("run" = Option<uuid::Uuid>, Query, description = "only events of this run"),
+        ("after" = Option<i64>, Query, description = "start after this sequence (as Last-Event-ID does)"),
+    ),
+    responses((status = 200, content_type = "text/event-stream", body = String, description = "CloudEvents, one per SSE event"),
+        (status = "4XX", body = ErrorBody), (status = 503, body = ErrorBody)))]
+#[allow(dead_code)]
+fn events() {}
 
 /// The document, as served.
 pub fn document() -> Document {
