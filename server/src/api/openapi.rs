@@ -87,3 +87,43 @@ pub fn document() -> Document {
 pub(super) async fn openapi_json() -> Json<Document> {
     Json(document())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::ROUTES;
+
+    #[test]
+    fn the_document_is_openapi_3_1_and_holds_every_route_of_the_table() {
+        let document = document();
+        let json = serde_json::to_value(&document).unwrap();
+        assert!(
+            json["openapi"]
+                .as_str()
+                .is_some_and(|v| v.starts_with("3.1.")),
+            "{}",
+            json["openapi"]
+        );
+        let missing: Vec<String> = ROUTES
+            .iter()
+            .filter(|(method, route, _)| {
+                let Some(item) = document.paths.paths.get(*route) else {
+                    return true;
+                };
+                let operation = match *method {
+                    "GET" => &item.get,
+                    "POST" => &item.post,
+                    "PUT" => &item.put,
+                    "DELETE" => &item.delete,
+                    _ => return true,
+                };
+                operation.is_none()
+            })
+            .map(|(method, route, _)| format!("{method} {route}"))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "routes missing from the document: {missing:?}"
+        );
+    }
+}
