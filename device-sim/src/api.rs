@@ -1,15 +1,19 @@
 //! A small client for the idem server's HTTP API: the calls the demo and the
 //! benchmark make (register devices, start and follow runs, page through
-//! outcomes and devices, read `/metrics`). It decodes answers into plain
-//! types and turns every failure into a typed [`ApiError`]; it holds no demo
-//! logic and never retries on its own.
+//! outcomes and devices, read `/metrics`). It sends and decodes the API's
+//! own types (`idem_protocol::api`) and turns every failure into a typed
+//! [`ApiError`]; it holds no demo logic and never retries on its own.
 
 use std::time::Duration;
 
-use idem_protocol::{OutcomeCounts, OutcomeKind};
+use idem_protocol::api::{DevicePage, DeviceRegistration, OutcomePage};
+pub use idem_protocol::api::{
+    DeviceView as DeviceRow, IssuedCredential, OutcomeRow, Registered as RegisterCounts,
+    RunStarted, RunView,
+};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::config::SecretString;
 
@@ -53,114 +57,6 @@ pub enum ApiError {
     },
     #[error("/metrics series {series} has a value that is not a number: {value:?}")]
     MetricValue { series: String, value: String },
-}
-
-/// `POST /v1/devices` answer.
-/// One device's broker credentials from a registration answer.
-#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
-pub struct IssuedCredential {
-    pub id: String,
-    pub username: String,
-    pub password: String,
-}
-
-impl std::fmt::Debug for IssuedCredential {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "IssuedCredential({}, ***)", self.id)
-    }
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
-pub struct RegisterCounts {
-    /// Broker credentials the server issued to the new devices (with
-    /// `--broker-accounts dynsec|password-file`), shown only in this answer.
-    #[serde(default, skip_serializing)]
-    pub credentials: Vec<IssuedCredential>,
-    #[serde(default)]
-    pub created: u64,
-    #[serde(default)]
-    pub updated: u64,
-    #[serde(default)]
-    pub unchanged: u64,
-    #[serde(default)]
-    pub desired_changed: u64,
-}
-
-/// `POST /v1/runs` / `POST /v1/desired` answer.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-pub struct RunStarted {
-    pub run_id: String,
-    pub targets: u64,
-}
-
-/// `GET /v1/runs/{id}` answer (the fields the simulator uses).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-pub struct RunView {
-    pub id: String,
-    pub state: String,
-    #[serde(default)]
-    pub trigger: String,
-    #[serde(default)]
-    pub force: bool,
-    #[serde(default)]
-    pub target_count: u64,
-    #[serde(default)]
-    pub counts: OutcomeCounts,
-    /// The summary line exactly as the server renders it.
-    #[serde(default)]
-    pub summary: String,
-    /// Server-side duration, once completed.
-    #[serde(default)]
-    pub duration_ms: Option<u64>,
-}
-
-impl RunView {
-    pub fn is_completed(&self) -> bool {
-        self.state == "completed"
-    }
-}
-
-/// One row of `GET /v1/runs/{id}/outcomes`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
-pub struct OutcomeRow {
-    pub device_id: String,
-    /// `None` while the device is undecided.
-    #[serde(default)]
-    pub outcome: Option<OutcomeKind>,
-    #[serde(default)]
-    pub reason: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-struct OutcomePage {
-    outcomes: Vec<OutcomeRow>,
-    #[serde(default)]
-    next_after: Option<String>,
-}
-
-/// The parts of a `GET /v1/devices` row the simulator looks at.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct DeviceRow {
-    pub id: String,
-    #[serde(default)]
-    pub status: String,
-    /// `None` until the server has stored a report.
-    #[serde(default)]
-    pub reported: Option<ReportedView>,
-}
-
-/// A stored report, as `GET /v1/devices` shows it.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct ReportedView {
-    #[serde(default)]
-    pub seq: Option<u64>,
-}
-
-#[derive(Debug, Deserialize)]
-struct DevicePage {
-    devices: Vec<DeviceRow>,
-    #[serde(default)]
-    next_after: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -280,31 +176,40 @@ impl ServerClient {
         labels: &Value,
         spec: &Value,
     ) -> Result<RegisterCounts, ApiError> {
-        let body: Vec<Value> = ids
+        let body: Vec<DeviceRegistration> = ids
             .into_iter()
-            .map(|id| json!({"id": id, "labels": labels, "spec": spec}))
+            .map(|id| DeviceRegistration {
+                id: id.to_owned(),
+                labels: Some(labels.clone()),
+                spec: Some(spec.clone()),
+                broker_password: None,
+            })
             .collect();
-        self.post("/v1/devices", &Value::Array(body)).await
+        self.post("/v1/devices", &body).await
     }
 
-    /// `POST /v1/runs`: re-check the targets in `body` (`{"all": true}`,
+    /// `POST /v1/runs`: re-check the targets in `body` (a
+    /// `idem_protocol::api::TargetedRequest`, or its JSON: `{"all": true}`,
     /// `{"selector": …}` or `{"devices": […]}`, optional `"force"`).
-    pub async fn start_run(&self, body: &Value) -> Result<RunStarted, ApiError> {
+    pub async fn start_run(&self, body: &impl Serialize) -> Result<RunStarted, ApiError> {
         self.post("/v1/runs", body).await
     }
 
     /// `POST /v1/desired`: change the desired spec of the targets in `body`.
-    pub async fn set_desired(&self, body: &Value) -> Result<RunStarted, ApiError> {
+    pub async fn set_desired(&self, body: &impl Serialize) -> Result<RunStarted, ApiError> {
         self.post("/v1/desired", body).await
     }
 
     /// `GET /v1/runs/{id}`.
-    pub async fn run(&self, run_id: &str) -> Result<RunView, ApiError> {
+    pub async fn run(&self, run_id: impl std::fmt::Display) -> Result<RunView, ApiError> {
         self.get(&format!("/v1/runs/{run_id}")).await
     }
 
     /// Every outcome row of a run, all pages, in device-id order.
-    pub async fn outcomes(&self, run_id: &str) -> Result<Vec<OutcomeRow>, ApiError> {
+    pub async fn outcomes(
+        &self,
+        run_id: impl std::fmt::Display,
+    ) -> Result<Vec<OutcomeRow>, ApiError> {
         self.all_pages(
             &format!("/v1/runs/{run_id}/outcomes?limit={MAX_PAGE}"),
             |p: OutcomePage| (p.outcomes, p.next_after),
@@ -394,7 +299,11 @@ impl ServerClient {
         self.send("GET", url, request).await
     }
 
-    async fn post<T: DeserializeOwned>(&self, path: &str, body: &Value) -> Result<T, ApiError> {
+    async fn post<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl Serialize,
+    ) -> Result<T, ApiError> {
         let url = self.url(path);
         let request = self.http.post(&url).json(body);
         self.send("POST", url, request).await

@@ -188,6 +188,9 @@ mod tests {
                 outcome: Some(outcome.kind()),
                 reason: (*outcome == ExpectedOutcome::Failed)
                     .then(|| format!("rejected by device: {DEFAULT_REJECT_MESSAGE}")),
+                generation: None,
+                health: None,
+                decided_at: None,
             })
             .collect()
     }
@@ -231,6 +234,9 @@ mod tests {
             device_id: "stranger-1".into(),
             outcome: Some(OutcomeKind::Provisioned),
             reason: None,
+            generation: None,
+            health: None,
+            decided_at: None,
         });
 
         let check = check_outcomes(&plan, &rows);

@@ -405,7 +405,7 @@ pub async fn run_demo(
     let run_started = client.start_run(&run_body).await?;
     if run_started.targets != devices as u64 {
         return Err(DemoError::TargetMismatch {
-            run_id: run_started.run_id,
+            run_id: run_started.run_id.to_string(),
             targets: run_started.targets,
             devices,
         });
@@ -419,7 +419,7 @@ pub async fn run_demo(
         }
         if Instant::now() >= run_deadline {
             return Err(DemoError::RunTimeout {
-                run_id: run.id,
+                run_id: run.id.to_string(),
                 timeout,
                 done: run.counts.total(),
                 targets: run_started.targets,
@@ -465,7 +465,7 @@ pub async fn run_demo(
         devices,
         expected,
         expected_summary: expected.summary(),
-        run_id: run.id,
+        run_id: run.id.to_string(),
         targeting,
         summary,
         counts: run.counts,
@@ -475,7 +475,7 @@ pub async fn run_demo(
             reports_counted_s: counted_time.as_secs_f64(),
             reports_stored_s: reports_time.as_secs_f64(),
             run_s: run_time.as_secs_f64(),
-            server_run_ms: run.duration_ms,
+            server_run_ms: run.duration_ms.and_then(|ms| u64::try_from(ms).ok()),
             convergence,
             apply,
         },

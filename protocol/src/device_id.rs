@@ -17,6 +17,7 @@ pub const RESERVED_DEVICE_IDS: [&str; 1] = ["events"];
 
 /// A device id that is known to satisfy the protocol's id rule.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(value_type = String))]
 pub struct DeviceId(String);
 
 /// Why a string is not a valid device id.

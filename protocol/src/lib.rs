@@ -2,11 +2,13 @@
 //! payload types, device-id rules and the canonical spec digest; and the
 //! vocabulary the server's API and events share with every client (outcome
 //! kinds and counts, the summary line, device status, event types and their
-//! data).
+//! data); and the HTTP API's request and answer bodies (`api`).
 //!
-//! This crate is pure: serde only, no IO, no async runtime. `docs/PROTOCOL.md`
+//! This crate is pure: serde only, no IO, no async runtime. With the
+//! `openapi` feature the API types also derive `utoipa::ToSchema`. `docs/PROTOCOL.md`
 //! is the normative prose copy of what is encoded here.
 
+pub mod api;
 pub mod device_id;
 pub mod device_status;
 pub mod digest;

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 /// `outcome` in the API and in events, the label value of metrics and the
 /// last part of a device event's type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum OutcomeKind {
     AlreadyConverged,
@@ -59,6 +60,7 @@ impl fmt::Display for OutcomeKind {
 /// Number of devices per outcome in one run (`counts` in the API and in
 /// `run.completed`). A field missing from a decoded answer counts 0.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(default)]
 pub struct OutcomeCounts {
     pub already_converged: u64,

@@ -24,7 +24,7 @@ use crate::reconcile::run::RunSpec;
 use crate::reconcile::runs::Trigger;
 use crate::relay::{EventRelay, Retention};
 use crate::sse::{SseClients, SseSettings};
-use crate::stall::Stall;
+use crate::state::{AppState, Stalls};
 use crate::store::events::StoredEvent;
 use crate::store::{self, DeviceWrites, StoreError};
 
@@ -33,53 +33,6 @@ const INBOUND_CAPACITY: usize = 16_384;
 const ENGINE_CAPACITY: usize = 1_024;
 /// Live events buffered per SSE subscriber before it must catch up from the log.
 const LIVE_EVENTS_CAPACITY: usize = 16_384;
-
-/// What every handler and task shares.
-pub struct AppState {
-    pub pool: PgPool,
-    pub fleet: Arc<Fleet>,
-    pub metrics: Arc<Metrics>,
-    pub engine: mpsc::Sender<EngineCommand>,
-    /// Committed events, in sequence order, from the relay (for SSE).
-    pub live_events: broadcast::Sender<Arc<StoredEvent>>,
-    /// Wakes the relay after a commit that wrote events.
-    pub events_wake: Arc<Notify>,
-    pub mqtt: Arc<MqttStatus>,
-    /// For clearing a deleted device's retained messages.
-    pub publisher: Publisher,
-    pub engine_stats: Arc<EngineStats>,
-    pub device_writes: DeviceWrites,
-    pub event_source: String,
-    /// The SSE client cap and settings (`GET /v1/events`).
-    pub sse: SseClients,
-    pub config: ValidConfig,
-    /// Failing-write marks of the ingest and the engine, for `/readyz`.
-    pub stalls: Stalls,
-    /// How the API decides access.
-    pub auth: crate::auth::AuthSettings,
-    /// Creates and removes device accounts on the broker (`--broker-accounts dynsec`).
-    pub dynsec: Option<Arc<crate::dynsec::Dynsec>>,
-    /// Manual runs by (digest of their sorted target ids, force), so an
-    /// identical re-check while one is in progress joins it.
-    pub manual_runs:
-        std::sync::Mutex<std::collections::HashMap<(idem_protocol::SpecDigest, bool), uuid::Uuid>>,
-}
-
-/// The workers whose stuck writes make the server not ready.
-#[derive(Debug, Clone)]
-pub struct Stalls {
-    pub ingest: Arc<Stall>,
-    pub engine: Arc<Stall>,
-}
-
-impl Stalls {
-    fn new(threshold: std::time::Duration) -> Self {
-        Self {
-            ingest: Arc::new(Stall::new(threshold)),
-            engine: Arc::new(Stall::new(threshold)),
-        }
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {

@@ -18,8 +18,8 @@ use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 use uuid::Uuid;
 
-use crate::api::ApiError;
-use crate::app::AppState;
+use crate::api_error::ApiError;
+use crate::metrics::Metrics;
 use crate::store::{self, access::NewAudit};
 
 /// What a token may do; each role includes the ones below it.
@@ -109,7 +109,18 @@ pub const ROUTES: &[(&str, &str, Access)] = &[
     ("POST", "/v1/tokens", Access::Needs(Role::Admin)),
     ("DELETE", "/v1/tokens/{name}", Access::Needs(Role::Admin)),
     ("GET", "/v1/audit", Access::Needs(Role::Admin)),
+    // The API's own description; readable by every token, like the API.
+    ("GET", "/v1/openapi.json", Access::Needs(Role::Viewer)),
 ];
+
+/// What the middleware needs: the tokens and the audit trail (the pool),
+/// the settings and the refusal counter; narrower than the handlers' state.
+#[derive(Clone)]
+pub struct AuthState {
+    pub pool: sqlx::PgPool,
+    pub settings: AuthSettings,
+    pub metrics: Arc<Metrics>,
+}
 
 /// How the server decides access.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -261,11 +272,11 @@ fn bearer(request: &Request) -> Option<&str> {
 /// Looks the caller up and checks the route's access; `Ok(None)` for open
 /// routes.
 async fn authenticate(
-    state: &AppState,
+    state: &AuthState,
     secret: Option<&str>,
     access: Access,
 ) -> Result<Option<Actor>, AuthFailure> {
-    if state.auth.disabled {
+    if state.settings.disabled {
         return Ok(Some(Actor {
             name: "anonymous".to_owned(),
             role: Role::Admin,
@@ -311,7 +322,7 @@ enum AuthFailure {
 /// The middleware: authenticates, authorises by [`ROUTES`], runs the
 /// handler with the [`Actor`] attached, and records mutating calls.
 pub async fn authorize(
-    State(state): State<Arc<AppState>>,
+    State(state): State<AuthState>,
     matched: Option<MatchedPath>,
     mut request: Request,
     next: Next,
@@ -323,7 +334,7 @@ pub async fn authorize(
     let method = request.method().clone();
     let mutating = !matches!(method, Method::GET | Method::HEAD | Method::OPTIONS);
     let path = request.uri().path().to_owned();
-    let access = access_for(state.auth, &method, &route);
+    let access = access_for(state.settings, &method, &route);
     // Copied out: a request body is not `Sync`, so no reference to the
     // request may live across an await.
     let secret = bearer(&request).map(str::to_owned);
@@ -381,7 +392,7 @@ impl Answered {
 
 /// Writes one audit record for a mutating call and its answer.
 async fn record(
-    state: &AppState,
+    state: &AuthState,
     actor: &Actor,
     method: &Method,
     route: &str,

@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 
-use crate::api::ApiError;
+use crate::api_error::ApiError;
 use crate::metrics::Metrics;
 
 /// Open files kept free for everything that is not an HTTP connection: the

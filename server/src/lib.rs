@@ -6,6 +6,7 @@
 //! only parses configuration and handles signals.
 
 pub mod api;
+pub mod api_error;
 pub mod app;
 pub mod auth;
 pub mod broker_accounts;
@@ -27,10 +28,12 @@ pub mod retry;
 pub mod secret;
 pub mod sse;
 pub mod stall;
+pub mod state;
 pub mod store;
 pub mod tls;
 pub mod token_cli;
 
-pub use app::{run, AppState, ServerError};
+pub use app::{run, ServerError};
 pub use config::{Config, ValidConfig};
+pub use state::AppState;
 pub use store::MIGRATOR;

@@ -1,5 +1,7 @@
 //! A small JSON client for the idem HTTP API, shared by the in-process and
-//! the out-of-process test servers.
+//! the out-of-process test servers. Bodies are the API's types
+//! (`idem_protocol::api`) or raw JSON; answers come back as JSON (so tests
+//! can check shapes) or, with [`ApiClient::get_as`], as the API's types.
 //!
 //! Owns no server; it only speaks HTTP to one.
 
@@ -7,8 +9,11 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
+use idem_protocol::api::RunStarted;
 use idem_protocol::OutcomeKind;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use serde_json::Value;
 
 /// The `outcome` of an outcome row (`GET /v1/runs/{id}/outcomes`) as the
@@ -103,7 +108,17 @@ impl ApiClient {
         decode(response).await
     }
 
-    pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
+    /// GET of a 200 answer, decoded as the API's type `T`.
+    pub async fn get_as<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+        let (status, body) = self.get(path).await?;
+        if status != 200 {
+            bail!("GET {path} answered {status}: {body}");
+        }
+        serde_json::from_value(body.clone())
+            .with_context(|| format!("GET {path}: unexpected answer {body}"))
+    }
+
+    pub async fn post(&self, path: &str, body: &impl Serialize) -> Result<(u16, Value)> {
         let response = self
             .request(reqwest::Method::POST, path)
             .json(body)
@@ -113,7 +128,7 @@ impl ApiClient {
         decode(response).await
     }
 
-    pub async fn put(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
+    pub async fn put(&self, path: &str, body: &impl Serialize) -> Result<(u16, Value)> {
         let response = self
             .request(reqwest::Method::PUT, path)
             .json(body)
@@ -171,16 +186,16 @@ impl ApiClient {
         bail!("series {series} not found in /metrics")
     }
 
-    /// `POST /v1/runs` with `body`; returns the run id.
-    pub async fn start_run(&self, body: &Value) -> Result<String> {
+    /// `POST /v1/runs` with `body` (a `TargetedRequest` or its JSON);
+    /// returns the run id.
+    pub async fn start_run(&self, body: &impl Serialize) -> Result<String> {
         let (status, answer) = self.post("/v1/runs", body).await?;
         if status != 200 {
             bail!("POST /v1/runs answered {status}: {answer}");
         }
-        answer["run_id"]
-            .as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| anyhow!("no run_id in {answer}"))
+        let started: RunStarted = serde_json::from_value(answer.clone())
+            .with_context(|| format!("no run_id in {answer}"))?;
+        Ok(started.run_id.to_string())
     }
 
     /// Polls `GET /v1/runs/{id}` until the run is completed.

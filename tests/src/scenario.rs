@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use idem_device_sim::{BrokerAddr, Fleet, FleetConfig, Plan, SimDevice, SimTls};
+use idem_protocol::api::DeviceRegistration;
 use serde_json::{json, Value};
 
 use crate::broker::{raise_fd_limit, PrivateMosquitto};
@@ -68,11 +69,16 @@ impl Scenario {
 
     /// Registers every device of `devices` with `desired` as its desired spec.
     pub async fn register(&self, devices: &[SimDevice], desired: &Value) -> Result<()> {
-        let body: Vec<Value> = devices
+        let body: Vec<DeviceRegistration> = devices
             .iter()
-            .map(|d| json!({"id": d.id, "spec": desired}))
+            .map(|d| DeviceRegistration {
+                id: d.id.to_string(),
+                labels: None,
+                spec: Some(desired.clone()),
+                broker_password: None,
+            })
             .collect();
-        let (status, answer) = self.server.post("/v1/devices", &Value::Array(body)).await?;
+        let (status, answer) = self.server.post("/v1/devices", &body).await?;
         if status != 200 {
             bail!("registering devices answered {status}: {answer}");
         }

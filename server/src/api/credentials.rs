@@ -8,15 +8,17 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
+use idem_protocol::api::{CredentialsRequest, ErrorBody, IssuedCredential};
 use idem_protocol::DeviceId;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::json;
 
-use super::{audited, registered, ApiError};
-use crate::app::AppState;
+use super::command::{audited, DeviceWrite};
+use super::params::registered;
+use crate::api_error::ApiError;
 use crate::auth::AuditNote;
 use crate::broker_accounts;
-use crate::store::{self, Context};
+use crate::state::AppState;
+use crate::store;
 
 /// Shortest and longest password an operator may supply.
 const MIN_PASSWORD_BYTES: usize = 12;
@@ -31,8 +33,13 @@ pub(super) struct Issued {
 }
 
 impl Issued {
-    pub fn to_json(&self) -> Value {
-        json!({"id": self.id, "username": self.id, "password": self.password})
+    /// As the answer shows it: the user name is the device id.
+    pub fn credential(&self) -> IssuedCredential {
+        IssuedCredential {
+            id: self.id.to_string(),
+            username: self.id.to_string(),
+            password: self.password.clone(),
+        }
     }
 }
 
@@ -123,14 +130,11 @@ pub(super) async fn remove_from_broker(state: &AppState, id: &DeviceId) -> Optio
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct CredentialsRequest {
-    /// A password of the operator's; generated when absent.
-    password: Option<String>,
-}
-
 /// `POST /v1/devices/{id}/credentials`: a new broker password for a device.
+#[utoipa::path(post, path = "/v1/devices/{id}/credentials", tag = "devices",
+    params(("id" = String, Path, description = "device id")),
+    request_body(content = Option<CredentialsRequest>, description = "optional; no body generates a password"),
+    responses((status = 200, body = IssuedCredential), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn rotate(
     State(state): State<Arc<AppState>>,
     Path(raw_id): Path<String>,
@@ -161,13 +165,13 @@ pub(super) async fn rotate(
         check_password(password)?;
     }
     let issued = issue(vec![(id.clone(), supplied)]).await?;
-    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let hashes: Vec<(String, String)> = issued
         .iter()
         .map(|i| (i.id.to_string(), i.hash.clone()))
         .collect();
-    store::devices::set_broker_password_hashes(&mut tx, &hashes).await?;
-    tx.commit().await.context("committing broker credentials")?;
+    let mut write = DeviceWrite::begin(&state).await?;
+    store::devices::set_broker_password_hashes(write.tx(), &hashes).await?;
+    write.commit("committing broker credentials").await?;
     apply_on_broker(&state, &issued).await?;
     let note = AuditNote {
         targets: Some(1),
@@ -177,6 +181,6 @@ pub(super) async fn rotate(
     Ok(audited(
         note,
         StatusCode::OK,
-        issued.first().map(Issued::to_json).unwrap_or(Value::Null),
+        issued.first().map(Issued::credential),
     ))
 }

@@ -488,7 +488,7 @@ impl Bench {
 }
 
 /// Polls `GET /v1/runs/{id}` until completed.
-async fn follow_run(client: &ServerClient, run_id: &str) -> Result<RunView> {
+async fn follow_run(client: &ServerClient, run_id: &uuid::Uuid) -> Result<RunView> {
     let deadline = Instant::now() + STEP_TIMEOUT;
     loop {
         let run = client.run(run_id).await?;

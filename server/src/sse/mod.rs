@@ -28,28 +28,22 @@ use metrics::Gauge;
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::PgPool;
-use tokio::sync::broadcast::{self, error::RecvError};
-use tokio::sync::mpsc::error::SendTimeoutError;
+use tokio::sync::broadcast;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::api::ApiError;
-use crate::app::AppState;
+use crate::api_error::ApiError;
 use crate::http::ConnectionCloser;
 use crate::metrics::Metrics;
 use crate::store::events::{self, EventFilter, StoredEvent};
 
+mod feeder;
+use feeder::{Feeder, Pacer};
+
 /// Most events one replay query reads (fewer at low replay rates, so that a
 /// page is sent within about a quarter of a second).
 const REPLAY_PAGE: i64 = 500;
-/// How long a dropped client has to read its final `dropped` event before
-/// its connection is closed.
-const DROP_GRACE: Duration = Duration::from_secs(2);
-/// Replay pacing forgives this much lateness: after a pause the client gets
-/// at most this many seconds' worth of events in a burst.
-const PACING_SLACK: Duration = Duration::from_millis(20);
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
 
 /// Limits for the SSE clients of one server.
@@ -80,6 +74,7 @@ impl SseSettings {
 }
 
 /// The SSE clients of one server: the cap and what every stream shares.
+#[derive(Clone)]
 pub struct SseClients {
     slots: Arc<Semaphore>,
     settings: SseSettings,
@@ -112,8 +107,42 @@ pub struct EventQuery {
     after: Option<i64>,
 }
 
+/// What `GET /v1/events` needs: the event log, the live feed, the client
+/// cap and the client gauge; narrower than the handlers' state.
+#[derive(Clone)]
+pub struct SseState {
+    pub pool: PgPool,
+    pub clients: SseClients,
+    pub live_events: broadcast::Sender<Arc<StoredEvent>>,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Where a stream starts: the live tail without a cursor, else after the
+/// requested sequence; a cursor older than the log's first event starts at
+/// that event, with a reset event queued in `first`.
+async fn start_cursor(
+    pool: &PgPool,
+    requested: Option<i64>,
+    first: &mut VecDeque<Event>,
+) -> Result<i64, ApiError> {
+    let Some(after) = requested else {
+        return Ok(events::last_sequence(pool).await?);
+    };
+    let oldest = events::oldest_sequence(pool).await?;
+    let last = events::last_sequence(pool).await?;
+    let first_retained = oldest.unwrap_or(last + 1);
+    if after + 1 < first_retained {
+        first.push_back(reset_event(after, first_retained));
+        Ok(first_retained - 1)
+    } else {
+        Ok(after)
+    }
+}
+
+/// `GET /v1/events`: committed events as server-sent events, live or
+/// resumed from a sequence.
 pub async fn events(
-    State(state): State<Arc<AppState>>,
+    State(state): State<SseState>,
     closer: Option<Extension<ConnectionCloser>>,
     headers: HeaderMap,
     Query(query): Query<EventQuery>,
@@ -137,7 +166,7 @@ pub async fn events(
             crate::input::check_query_text(name, text)?;
         }
     }
-    let sse = &state.sse;
+    let sse = &state.clients;
     let Ok(permit) = sse.slots.clone().try_acquire_owned() else {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -158,20 +187,7 @@ pub async fn events(
     let live = state.live_events.subscribe();
     let requested = last_event_id.or(query.after);
     let mut first = VecDeque::new();
-    let cursor = match requested {
-        None => events::last_sequence(&state.pool).await?,
-        Some(after) => {
-            let oldest = events::oldest_sequence(&state.pool).await?;
-            let last = events::last_sequence(&state.pool).await?;
-            let first_retained = oldest.unwrap_or(last + 1);
-            if after + 1 < first_retained {
-                first.push_back(reset_event(after, first_retained));
-                first_retained - 1
-            } else {
-                after
-            }
-        }
-    };
+    let cursor = start_cursor(&state.pool, requested, &mut first).await?;
     let (queue, receiver) = mpsc::channel(sse.settings.client_buffer);
     let (drop_notice, dropped) = oneshot::channel();
     let feeder = Feeder {
@@ -307,162 +323,10 @@ impl Stream for ClientStream {
     }
 }
 
-/// How a feeder stopped.
-enum End {
-    /// The client went away (or the server is stopping).
-    Gone,
-    /// Reading the log failed; the stream ends and the client resumes.
-    Failed,
-    Dropped(DropReason),
-}
-
-/// The per-client task: replays from the database at a bounded rate, then
-/// forwards the live feed, into the client's bounded queue.
-struct Feeder {
-    pool: PgPool,
-    filter: EventFilter,
-    /// Highest sequence already queued or skipped.
-    cursor: i64,
-    live: broadcast::Receiver<Arc<StoredEvent>>,
-    /// Reading from the database until caught up with the live feed.
-    replaying: bool,
-    settings: SseSettings,
-    queue: mpsc::Sender<Queued>,
-    pacer: Pacer,
-}
-
-impl Feeder {
-    async fn run(
-        mut self,
-        first: VecDeque<Event>,
-        drop_notice: oneshot::Sender<DropReason>,
-        closer: Option<ConnectionCloser>,
-        metrics: Arc<Metrics>,
-        token: CancellationToken,
-    ) {
-        let queue = self.queue.clone();
-        let end = tokio::select! {
-            () = token.cancelled() => End::Gone,
-            () = queue.closed() => End::Gone,
-            end = self.feed(first) => end,
-        };
-        match end {
-            End::Gone | End::Failed => {}
-            End::Dropped(reason) => {
-                metrics.sse_dropped(reason).increment(1);
-                tracing::info!(
-                    reason = reason.as_str(),
-                    "SSE client dropped: it did not keep up with its stream"
-                );
-                let _ = drop_notice.send(reason);
-                // A client that reads nothing never sees the final event:
-                // close its connection so its buffers are freed.
-                tokio::select! {
-                    () = queue.closed() => {}
-                    () = token.cancelled() => {}
-                    () = tokio::time::sleep(DROP_GRACE) => {
-                        if let Some(closer) = closer {
-                            closer.close();
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    async fn feed(&mut self, first: VecDeque<Event>) -> End {
-        for event in first {
-            if let Err(end) = self.send(None, event).await {
-                return end;
-            }
-        }
-        let page = self.settings.replay_page();
-        loop {
-            if self.replaying {
-                // A fresh subscription before each page: what the relay sends
-                // from now on is in it, what it sent before is in the page.
-                self.live = self.live.resubscribe();
-                let rows = match events::read(&self.pool, self.cursor, &self.filter, page).await {
-                    Ok(rows) => rows,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "SSE replay failed; ending the stream so the client resumes");
-                        return End::Failed;
-                    }
-                };
-                self.replaying = i64::try_from(rows.len()).unwrap_or(i64::MAX) == page;
-                for row in rows {
-                    self.pacer.wait().await;
-                    self.cursor = row.sequence;
-                    if let Err(end) = self.send(Some(row.sequence), to_sse(&row)).await {
-                        return end;
-                    }
-                }
-                continue;
-            }
-            match self.live.recv().await {
-                Ok(row) => {
-                    if row.sequence <= self.cursor {
-                        continue;
-                    }
-                    if self.live.len() > self.settings.client_buffer {
-                        return End::Dropped(DropReason::Lagged);
-                    }
-                    self.cursor = row.sequence;
-                    if self.filter.matches(&row) {
-                        if let Err(end) = self.send(Some(row.sequence), to_sse(&row)).await {
-                            return end;
-                        }
-                    }
-                }
-                Err(RecvError::Lagged(_)) => return End::Dropped(DropReason::Lagged),
-                Err(RecvError::Closed) => return End::Gone,
-            }
-        }
-    }
-
-    async fn send(&self, sequence: Option<i64>, event: Event) -> Result<(), End> {
-        match self
-            .queue
-            .send_timeout(Queued { sequence, event }, self.settings.send_timeout)
-            .await
-        {
-            Ok(()) => Ok(()),
-            Err(SendTimeoutError::Timeout(_)) => Err(End::Dropped(DropReason::SendTimeout)),
-            Err(SendTimeoutError::Closed(_)) => Err(End::Gone),
-        }
-    }
-}
-
-/// Spaces replayed events evenly at `rate` per second.
-struct Pacer {
-    interval: Duration,
-    next: Instant,
-}
-
-impl Pacer {
-    fn new(rate: u32) -> Self {
-        Self {
-            interval: Duration::from_secs(1) / rate.max(1),
-            next: Instant::now(),
-        }
-    }
-
-    /// Waits until the next event may be sent.
-    async fn wait(&mut self) {
-        let now = Instant::now();
-        if self.next > now {
-            tokio::time::sleep_until(self.next).await;
-        } else if now.duration_since(self.next) > PACING_SLACK {
-            // After a pause (slow client, slow query) no long burst.
-            self.next = now - PACING_SLACK;
-        }
-        self.next += self.interval;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::time::Instant;
 
     #[tokio::test(start_paused = true)]
     async fn the_pacer_sends_at_most_the_rate_per_second() {

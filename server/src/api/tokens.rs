@@ -1,33 +1,25 @@
-//! `/v1/tokens` and `/v1/audit`: operator tokens managed by an admin
-//! through the API (the same operations as `idem-server token …`), and the
-//! audit trail. Access is decided by `crate::auth`, not here.
+//! `/v1/tokens`: operator tokens managed by an admin through the API (the
+//! same operations as `idem-server token …`). Access is decided by
+//! `crate::auth`, not here.
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Json};
-use serde::Deserialize;
-use serde_json::{json, Value};
-use uuid::Uuid;
+use idem_protocol::api::{
+    ErrorBody, TokenCreated, TokenList, TokenRequest, TokenRevoked, TokenView,
+};
+use serde_json::json;
 
-use super::{audited, page_limit, ApiError, ApiJson};
-use crate::app::AppState;
+use super::command::audited;
+use crate::api_error::{ApiError, ApiJson};
 use crate::auth::{Actor, AuditNote, Role};
 use crate::config::parse_duration;
-use crate::input;
+use crate::state::AppState;
 use crate::store;
-use crate::store::access::{AuditFilter, NewToken};
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct TokenRequest {
-    name: String,
-    role: String,
-    /// e.g. `30d`; no expiry when absent.
-    expires_in: Option<String>,
-}
+use crate::store::access::{NewToken, TokenRow};
 
 /// Names are what the audit trail shows: short, printable, no spaces.
 const MAX_TOKEN_NAME_BYTES: usize = 64;
@@ -49,6 +41,8 @@ fn check_name(name: &str) -> Result<(), ApiError> {
 }
 
 /// `POST /v1/tokens`: creates a token and shows its secret, once.
+#[utoipa::path(post, path = "/v1/tokens", tag = "tokens", request_body = TokenRequest,
+    responses((status = 201, body = TokenCreated), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn create_token(
     State(state): State<Arc<AppState>>,
     Extension(actor): Extension<Actor>,
@@ -98,26 +92,44 @@ pub(super) async fn create_token(
     Ok(audited(
         note,
         StatusCode::CREATED,
-        json!({
-            "id": row.id,
-            "name": row.name,
-            "role": row.role,
-            "expires_at": row.expires_at,
-            "token": generated.secret,
-            "note": "store the token now: it is shown only once",
-        }),
+        TokenCreated {
+            id: row.id,
+            name: row.name,
+            role: row.role,
+            expires_at: row.expires_at,
+            token: generated.secret,
+            note: "store the token now: it is shown only once".to_owned(),
+        },
     ))
 }
 
 /// `GET /v1/tokens`: every token, without secrets.
+#[utoipa::path(get, path = "/v1/tokens", tag = "tokens",
+    responses((status = 200, body = TokenList), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn list_tokens(
     State(state): State<Arc<AppState>>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TokenList>, ApiError> {
     let rows = store::access::list_tokens(&state.pool).await?;
-    Ok(Json(json!({ "tokens": rows })))
+    let tokens = rows.into_iter().map(token_view).collect();
+    Ok(Json(TokenList { tokens }))
+}
+
+fn token_view(row: TokenRow) -> TokenView {
+    TokenView {
+        id: row.id,
+        name: row.name,
+        role: row.role,
+        created_at: row.created_at,
+        created_by: row.created_by,
+        expires_at: row.expires_at,
+        revoked_at: row.revoked_at,
+    }
 }
 
 /// `DELETE /v1/tokens/{name}`: revokes a token at once.
+#[utoipa::path(delete, path = "/v1/tokens/{name}", tag = "tokens",
+    params(("name" = String, Path, description = "token name")),
+    responses((status = 200, body = TokenRevoked), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn revoke_token(
     State(state): State<Arc<AppState>>,
     Extension(actor): Extension<Actor>,
@@ -138,40 +150,9 @@ pub(super) async fn revoke_token(
     Ok(audited(
         note,
         StatusCode::OK,
-        json!({"name": row.name, "revoked_at": row.revoked_at}),
-    ))
-}
-
-#[derive(Debug, Deserialize)]
-pub(super) struct AuditQuery {
-    actor: Option<String>,
-    run: Option<Uuid>,
-    /// Records older than this id (the previous page's `next_before`).
-    before: Option<i64>,
-    limit: Option<i64>,
-}
-
-/// `GET /v1/audit`: mutating calls, newest first.
-pub(super) async fn list_audit(
-    State(state): State<Arc<AppState>>,
-    Query(query): Query<AuditQuery>,
-) -> Result<Json<Value>, ApiError> {
-    if let Some(actor) = &query.actor {
-        input::check_query_text("actor", actor)?;
-    }
-    let limit = page_limit(query.limit)?;
-    let rows = store::access::list_audit(
-        &state.pool,
-        &AuditFilter {
-            actor: query.actor,
-            run_id: query.run,
-            before: query.before,
-            limit,
+        TokenRevoked {
+            name: row.name,
+            revoked_at: row.revoked_at,
         },
-    )
-    .await?;
-    let next = (rows.len() as i64 == limit)
-        .then(|| rows.last().map(|r| r.id))
-        .flatten();
-    Ok(Json(json!({ "entries": rows, "next_before": next })))
+    ))
 }

@@ -1,0 +1,73 @@
+//! The HTTP API's request and answer bodies (`/v1/…`, `/healthz`,
+//! `/readyz`), defined once: the server builds its answers from them, the
+//! simulator and the tests decode them. Pure serde types, no IO; with the
+//! `openapi` feature each derives `utoipa::ToSchema` (or `IntoParams` for a
+//! query) for the server's OpenAPI document.
+//!
+//! Answers keep `null` for absent values (`Option` without
+//! `skip_serializing_if`), as the API always has; requests leave absent
+//! fields out.
+
+mod access;
+mod devices;
+mod runs;
+mod targeting;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+pub use access::{
+    AuditEntry, AuditPage, AuditQuery, TokenCreated, TokenList, TokenRequest, TokenRevoked,
+    TokenView,
+};
+pub use devices::{
+    Attempt, CredentialsRequest, DesiredSet, DesiredView, DeviceDeleted, DeviceDesired,
+    DeviceListQuery, DevicePage, DeviceRegistration, DeviceUpsert, DeviceView, IssuedCredential,
+    LastOutcome, Registered, ReportedError, ReportedView,
+};
+pub use runs::{
+    FleetSummary, OutcomePage, OutcomeQuery, OutcomeRow, PushCounts, RunListQuery, RunPage,
+    RunStarted, RunView,
+};
+pub use targeting::{Selector, TargetedRequest, Targeting, TargetingError};
+
+/// Every error answer: `{"error": {"code", "message"}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// A stable machine-readable `code` and a message that says what to do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ErrorDetail {
+    pub code: String,
+    pub message: String,
+}
+
+/// `GET /healthz`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Liveness {
+    /// Always `ok`.
+    pub status: String,
+}
+
+/// `GET /readyz` (200 when `ready`, 503 otherwise).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Readiness {
+    pub ready: bool,
+    pub database: bool,
+    pub mqtt: bool,
+    /// Workers (`ingest`, `engine`) failing to commit, with why.
+    pub stuck: BTreeMap<String, String>,
+}
+
+/// Serde's `skip_serializing_if` for flags that are false by default.
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_false(flag: &bool) -> bool {
+    !*flag
+}

@@ -1,0 +1,120 @@
+//! Bodies of `/v1/runs…` and `/v1/fleet`: a started run, a run, its
+//! outcomes and the fleet summary.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::{OutcomeCounts, OutcomeKind};
+
+/// The answer of every call that starts a run (`POST /v1/runs`,
+/// `POST /v1/desired`, the retries).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RunStarted {
+    pub run_id: Uuid,
+    pub targets: u64,
+    /// `POST /v1/runs` only: whether the call joined an identical manual
+    /// run still in progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub joined: Option<bool>,
+}
+
+/// A run as `GET /v1/runs/{id}` and `GET /v1/runs` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RunView {
+    pub id: Uuid,
+    pub trigger: String,
+    /// `running` or `completed`.
+    pub state: String,
+    pub force: bool,
+    pub target_count: u64,
+    pub counts: OutcomeCounts,
+    /// The summary line of `counts`.
+    pub summary: String,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub duration_ms: Option<i64>,
+    /// The operator token that started the run; `None` for runs the server
+    /// started itself (see `trigger`).
+    pub started_by: Option<String>,
+}
+
+impl RunView {
+    pub fn is_completed(&self) -> bool {
+        self.state == "completed"
+    }
+}
+
+/// `GET /v1/runs`: newest first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RunPage {
+    pub runs: Vec<RunView>,
+}
+
+/// The query of `GET /v1/runs`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+pub struct RunListQuery {
+    pub limit: Option<i64>,
+    /// Runs started before this time (the last run's `started_at`).
+    pub before: Option<DateTime<Utc>>,
+}
+
+/// One device's row in a run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct OutcomeRow {
+    pub device_id: String,
+    /// `None` while the device is undecided.
+    pub outcome: Option<OutcomeKind>,
+    pub reason: Option<String>,
+    pub generation: Option<i64>,
+    pub health: Option<String>,
+    pub decided_at: Option<DateTime<Utc>>,
+}
+
+/// `GET /v1/runs/{id}/outcomes`: a page in device-id order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct OutcomePage {
+    pub outcomes: Vec<OutcomeRow>,
+    pub next_after: Option<String>,
+}
+
+/// The query of `GET /v1/runs/{id}/outcomes`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+pub struct OutcomeQuery {
+    /// Only rows with this `OutcomeKind`.
+    pub outcome: Option<String>,
+    /// The previous page's `next_after`.
+    pub after: Option<String>,
+    pub limit: Option<i64>,
+}
+
+/// `GET /v1/fleet`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FleetSummary {
+    /// Registered devices.
+    pub devices: i64,
+    /// Devices per `DeviceStatus` name (every status, 0 included).
+    pub by_status: BTreeMap<String, i64>,
+    /// Converged devices that report bad health.
+    pub unhealthy_converged: i64,
+    pub pushes: PushCounts,
+    pub attempts_in_flight: u64,
+}
+
+/// The engine's pushes right now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PushCounts {
+    pub queued: u64,
+    pub in_flight: u64,
+}

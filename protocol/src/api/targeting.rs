@@ -1,0 +1,239 @@
+//! Which devices a bulk call (`POST /v1/desired`, `POST /v1/runs`) is
+//! about: the body as sent (`devices`, `selector` or `all`, plus `spec` and
+//! `force`) and the [`Targeting`] it means, checked once.
+
+use std::collections::BTreeMap;
+use std::collections::HashSet;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::is_false;
+use crate::DeviceId;
+
+/// `{"labels": {"key": "value", …}}`: devices carrying every label.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Selector {
+    pub labels: BTreeMap<String, String>,
+}
+
+/// The body of `POST /v1/desired` (with `spec`) and `POST /v1/runs`
+/// (without): exactly one of `devices`, `selector`, `all: true`.
+///
+/// Kept as sent so that a bad combination is answered with its own error
+/// (400 `invalid_targets` …) rather than a generic decoding error; call
+/// [`TargetedRequest::targeting`] for what it means.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct TargetedRequest {
+    /// Device ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<Selector>,
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub all: bool,
+    /// The new desired spec (`POST /v1/desired` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<Value>,
+    /// Push even to devices whose digest already matches.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub force: bool,
+}
+
+/// The devices a bulk call targets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Targeting {
+    /// These devices (each once, in the order first named).
+    Devices(Vec<DeviceId>),
+    /// Devices carrying every one of these labels.
+    Selector(BTreeMap<String, String>),
+    /// Every registered device.
+    All,
+}
+
+/// Why a bulk call's targets are not usable; the texts are the API's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TargetingError {
+    #[error("give exactly one of `devices` (a list of ids), `selector` ({{\"labels\": {{...}}}}) or `all: true`")]
+    NotExactlyOne,
+    #[error("`devices` is empty")]
+    EmptyDevices,
+    /// More ids than the caller allows (the server's request limit).
+    #[error("{got} devices; the limit is {limit}")]
+    TooManyDevices { got: usize, limit: usize },
+    #[error("{raw:?}: {reason}")]
+    InvalidDeviceId { raw: String, reason: String },
+    #[error("selector.labels is empty; name at least one label, or use `all: true`")]
+    EmptySelector,
+}
+
+impl TargetingError {
+    /// The `code` of the API's error answer.
+    pub fn code(&self) -> &'static str {
+        match self {
+            TargetingError::NotExactlyOne => "invalid_targets",
+            TargetingError::EmptyDevices => "empty_targets",
+            TargetingError::TooManyDevices { .. } => "too_many_items",
+            TargetingError::InvalidDeviceId { .. } => "invalid_device_id",
+            TargetingError::EmptySelector => "empty_selector",
+        }
+    }
+}
+
+impl TargetedRequest {
+    /// A body naming `targeting` (no spec, no force).
+    pub fn new(targeting: &Targeting) -> Self {
+        let mut body = Self::default();
+        match targeting {
+            Targeting::Devices(ids) => {
+                body.devices = Some(ids.iter().map(ToString::to_string).collect());
+            }
+            Targeting::Selector(labels) => {
+                body.selector = Some(Selector {
+                    labels: labels.clone(),
+                });
+            }
+            Targeting::All => body.all = true,
+        }
+        body
+    }
+
+    /// The same body with `spec` as the new desired state.
+    pub fn with_spec(mut self, spec: Value) -> Self {
+        self.spec = Some(spec);
+        self
+    }
+
+    /// The same body with `force`.
+    pub fn forced(mut self, force: bool) -> Self {
+        self.force = force;
+        self
+    }
+
+    /// What the body targets: exactly one way, not empty, at most
+    /// `max_devices` ids, each a valid id (duplicates named once).
+    pub fn targeting(&self, max_devices: usize) -> Result<Targeting, TargetingError> {
+        let ways = usize::from(self.devices.is_some())
+            + usize::from(self.selector.is_some())
+            + usize::from(self.all);
+        if ways != 1 {
+            return Err(TargetingError::NotExactlyOne);
+        }
+        if let Some(raw) = &self.devices {
+            return device_ids(raw, max_devices).map(Targeting::Devices);
+        }
+        match &self.selector {
+            Some(selector) if selector.labels.is_empty() => Err(TargetingError::EmptySelector),
+            Some(selector) => Ok(Targeting::Selector(selector.labels.clone())),
+            None => Ok(Targeting::All),
+        }
+    }
+}
+
+fn device_ids(raw: &[String], max: usize) -> Result<Vec<DeviceId>, TargetingError> {
+    if raw.is_empty() {
+        return Err(TargetingError::EmptyDevices);
+    }
+    if raw.len() > max {
+        return Err(TargetingError::TooManyDevices {
+            got: raw.len(),
+            limit: max,
+        });
+    }
+    let mut seen = HashSet::with_capacity(raw.len());
+    let mut ids = Vec::with_capacity(raw.len());
+    for r in raw {
+        let id = DeviceId::parse(r).map_err(|e| TargetingError::InvalidDeviceId {
+            raw: r.clone(),
+            reason: e.to_string(),
+        })?;
+        if seen.insert(id.clone()) {
+            ids.push(id);
+        }
+    }
+    Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn body(value: Value) -> TargetedRequest {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn each_way_of_targeting_reads_from_the_json_it_always_had() {
+        assert_eq!(
+            body(json!({"devices": ["a", "b", "a"]})).targeting(10),
+            Ok(Targeting::Devices(vec![
+                DeviceId::parse("a").unwrap(),
+                DeviceId::parse("b").unwrap()
+            ]))
+        );
+        let labels = BTreeMap::from([("site".to_owned(), "north".to_owned())]);
+        assert_eq!(
+            body(json!({"selector": {"labels": {"site": "north"}}})).targeting(10),
+            Ok(Targeting::Selector(labels))
+        );
+        assert_eq!(
+            body(json!({"all": true, "force": true})).targeting(10),
+            Ok(Targeting::All)
+        );
+    }
+
+    #[test]
+    fn bad_combinations_are_refused_with_the_api_texts() {
+        for bad in [
+            json!({}),
+            json!({"all": false}),
+            json!({"all": true, "devices": ["a"]}),
+            json!({"selector": {"labels": {"a": "b"}}, "devices": ["a"]}),
+        ] {
+            let error = body(bad.clone()).targeting(10).unwrap_err();
+            assert_eq!(error, TargetingError::NotExactlyOne, "{bad}");
+            assert_eq!(error.code(), "invalid_targets");
+        }
+        assert_eq!(
+            TargetingError::NotExactlyOne.to_string(),
+            "give exactly one of `devices` (a list of ids), `selector` ({\"labels\": {...}}) or `all: true`"
+        );
+        assert_eq!(
+            body(json!({"devices": []})).targeting(10),
+            Err(TargetingError::EmptyDevices)
+        );
+        assert_eq!(
+            body(json!({"selector": {"labels": {}}})).targeting(10),
+            Err(TargetingError::EmptySelector)
+        );
+        assert_eq!(
+            body(json!({"devices": ["a", "b"]})).targeting(1),
+            Err(TargetingError::TooManyDevices { got: 2, limit: 1 })
+        );
+        assert!(matches!(
+            body(json!({"devices": ["a/b"]})).targeting(10),
+            Err(TargetingError::InvalidDeviceId { .. })
+        ));
+    }
+
+    #[test]
+    fn a_targeting_is_sent_as_the_json_the_api_reads() {
+        let all = TargetedRequest::new(&Targeting::All).forced(true);
+        assert_eq!(
+            serde_json::to_value(&all).unwrap(),
+            json!({"all": true, "force": true})
+        );
+        let ids = Targeting::Devices(vec![DeviceId::parse("a").unwrap()]);
+        let desired = TargetedRequest::new(&ids).with_spec(json!({"v": 1}));
+        assert_eq!(
+            serde_json::to_value(&desired).unwrap(),
+            json!({"devices": ["a"], "spec": {"v": 1}})
+        );
+        assert_eq!(desired.targeting(10), Ok(ids));
+    }
+}
