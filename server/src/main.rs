@@ -1,8 +1,8 @@
 //! `idem-server` binary: everything is in the library (`idem_server::cli`);
 //! this file picks the allocator.
 
-/// mimalloc returns freed memory to the system: after a large run the
-/// server's resident size falls back instead of staying at its peak.
+/// With `--features mimalloc`; glibc's malloc otherwise (it measured
+/// smaller here, see `scripts/bench --compare-allocator`).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
