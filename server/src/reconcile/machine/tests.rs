@@ -224,6 +224,11 @@ impl World {
             generation,
             rejection: None,
         };
+        self.deliver(device, reported);
+    }
+
+    /// The ingest stored `reported` for `device` and told the engine.
+    fn deliver(&mut self, device: &DeviceId, reported: ReportedState) {
         self.fleet.apply([FleetChange::Reported {
             id: device.clone(),
             reported,
@@ -242,13 +247,7 @@ impl World {
             generation: Some(version),
             rejection: Some((generation, "no space left".into())),
         };
-        self.fleet.apply([FleetChange::Reported {
-            id: device.clone(),
-            reported,
-            health: None,
-        }]);
-        let effects = self.machine.on_reports(vec![device.clone()], self.now());
-        self.carry(effects);
+        self.deliver(device, reported);
     }
 
     /// The operator sets desired `generation`, whose spec is version `version`.
