@@ -15,7 +15,7 @@ use idem_protocol::{OutcomeCounts, OutcomeKind, TopicRoot};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::api::{ApiError, ClientAuth, ServerClient};
+use crate::api::{ApiError, ClientAuth, OutcomeRow, RunView, ServerClient};
 use crate::check::{check_outcomes, GroundTruthCheck};
 use crate::config::{BrokerAddr, FleetConfig};
 use crate::error::SimError;
@@ -309,32 +309,7 @@ pub async fn run_demo(
     // 1. Registration, with the desired spec, in chunks.
     let started = Instant::now();
     observer.phase_started(DemoPhase::Register, devices as u64);
-    let labels = json!({ FLEET_LABEL: label });
-    let mut registered = 0u64;
-    let mut issued = std::collections::HashMap::new();
-    for chunk in plan.devices.chunks(register_chunk.max(1)) {
-        let counts = client
-            .register(
-                chunk.iter().map(|d| d.id.as_str()),
-                &labels,
-                &plan.desired_spec,
-            )
-            .await?;
-        let existing = chunk.len() as u64 - counts.created.min(chunk.len() as u64);
-        if existing > 0 {
-            return Err(DemoError::AlreadyRegistered {
-                existing,
-                example: chunk[0].id.to_string(),
-            });
-        }
-        registered += chunk.len() as u64;
-        for credential in counts.credentials {
-            if let Ok(id) = idem_protocol::DeviceId::parse(&credential.id) {
-                issued.insert(id, credential.password);
-            }
-        }
-        observer.progress(DemoPhase::Register, registered);
-    }
+    let issued = register_fleet(&client, &plan, &label, register_chunk, observer).await?;
     // The server issued broker accounts: the devices connect with them.
     if fleet_config.credentials.is_none() && !issued.is_empty() {
         fleet_config.credentials = Some(crate::config::Credentials::new(issued));
@@ -351,106 +326,34 @@ pub async fn run_demo(
     };
 
     // 2. Connect, and wait for the first reports to be stored.
-    let baseline = client.metric(APPLIED_REPORTS).await?.unwrap_or(0.0);
-    let reporting: Vec<&str> = plan
-        .devices
-        .iter()
-        .filter(|d| d.reports_on_connect() && !d.start_offline)
-        .map(|d| d.id.as_str())
-        .collect();
-    let fleet = Fleet::start(fleet_config)?;
-    let fleet_started = Instant::now();
-    let deadline = fleet_started + timeout;
-    observer.phase_started(DemoPhase::Connect, devices as u64);
-    let connect_time =
-        wait_connected(&fleet, devices, deadline, timeout, poll_interval, observer).await?;
-    observer.phase_finished(DemoPhase::Connect, connect_time);
-    observer.phase_started(DemoPhase::Report, reporting.len() as u64);
-    let (counted_time, reports_time) = wait_reports_stored(
+    let (fleet, connect_time, counted_time, reports_time) = connect_fleet(
         &client,
-        &reporting,
-        baseline,
+        &plan,
+        fleet_config,
         &label,
-        ReportWait {
-            since: fleet_started,
-            deadline,
-            timeout,
-            poll_interval,
-            topic_root: &topic_root,
-        },
+        (timeout, poll_interval),
+        &topic_root,
         observer,
     )
     .await?;
-    observer.phase_finished(DemoPhase::Report, reports_time);
 
-    // Nothing may have been pushed yet: otherwise the plan no longer
-    // describes the fleet (retained leftovers, or someone else's run).
-    let early: Vec<String> = fleet
-        .states()
-        .into_iter()
-        .filter(|s| s.desired_received > 0)
-        .map(|s| s.id.to_string())
-        .collect();
-    if !early.is_empty() {
-        return Err(DemoError::EarlyPush {
-            count: early.len(),
-            examples: examples(&early),
-            topic_root,
-        });
-    }
+    refuse_early_pushes(&fleet, &topic_root)?;
 
     // 3. One run over the fleet, followed to completion.
-    observer.phase_started(DemoPhase::Run, devices as u64);
-    let trigger = Instant::now();
-    let run_started = client.start_run(&run_body).await?;
-    if run_started.targets != devices as u64 {
-        return Err(DemoError::TargetMismatch {
-            run_id: run_started.run_id.to_string(),
-            targets: run_started.targets,
-            devices,
-        });
-    }
-    let run_deadline = trigger + timeout;
-    let run = loop {
-        let run = client.run(&run_started.run_id).await?;
-        observer.progress(DemoPhase::Run, run.counts.total());
-        if run.is_completed() {
-            break run;
-        }
-        if Instant::now() >= run_deadline {
-            return Err(DemoError::RunTimeout {
-                run_id: run.id.to_string(),
-                timeout,
-                done: run.counts.total(),
-                targets: run_started.targets,
-                summary: run.counts.summary(),
-            });
-        }
-        tokio::time::sleep(poll_interval).await;
-    };
-    let run_time = trigger.elapsed();
-    observer.phase_finished(DemoPhase::Run, run_time);
+    let (run, trigger, run_time) = follow_run(
+        &client,
+        &run_body,
+        devices,
+        timeout,
+        poll_interval,
+        observer,
+    )
+    .await?;
 
     // 4. Every device's outcome against the ground truth.
     let outcomes = client.outcomes(&run.id).await?;
     let check = check_outcomes(&plan, &outcomes);
-    let failed = outcomes
-        .iter()
-        .filter(|o| match o.outcome {
-            Some(OutcomeKind::Failed) => true,
-            Some(
-                OutcomeKind::AlreadyConverged
-                | OutcomeKind::Provisioned
-                | OutcomeKind::Skipped
-                | OutcomeKind::Superseded,
-            )
-            | None => false,
-        })
-        .map(|o| FailedDevice {
-            device: o.device_id.clone(),
-            reason: o.reason.clone(),
-        })
-        .collect();
+    let failed = failed_devices(&outcomes);
     let (convergence, apply) = latencies(&fleet, &plan, trigger);
     let expected = plan.expected_counts();
     let summary = if run.summary.is_empty() {
@@ -484,6 +387,176 @@ pub async fn run_demo(
         fleet: fleet.stats(),
     };
     Ok(DemoRun { report, fleet })
+}
+
+/// Starts the fleet and waits until every device is connected and its
+/// first report stored; returns the fleet and the connect, reports-counted
+/// and reports-stored times.
+async fn connect_fleet(
+    client: &ServerClient,
+    plan: &Plan,
+    fleet_config: FleetConfig,
+    label: &str,
+    (timeout, poll_interval): (Duration, Duration),
+    topic_root: &str,
+    observer: &dyn DemoObserver,
+) -> Result<(Fleet, Duration, Duration, Duration), DemoError> {
+    let devices = plan.devices.len();
+    let baseline = client.metric(APPLIED_REPORTS).await?.unwrap_or(0.0);
+    let reporting: Vec<&str> = plan
+        .devices
+        .iter()
+        .filter(|d| d.reports_on_connect() && !d.start_offline)
+        .map(|d| d.id.as_str())
+        .collect();
+    let fleet = Fleet::start(fleet_config)?;
+    let fleet_started = Instant::now();
+    let deadline = fleet_started + timeout;
+    observer.phase_started(DemoPhase::Connect, devices as u64);
+    let connect_time =
+        wait_connected(&fleet, devices, deadline, timeout, poll_interval, observer).await?;
+    observer.phase_finished(DemoPhase::Connect, connect_time);
+    observer.phase_started(DemoPhase::Report, reporting.len() as u64);
+    let (counted_time, reports_time) = wait_reports_stored(
+        client,
+        &reporting,
+        baseline,
+        label,
+        ReportWait {
+            since: fleet_started,
+            deadline,
+            timeout,
+            poll_interval,
+            topic_root,
+        },
+        observer,
+    )
+    .await?;
+    observer.phase_finished(DemoPhase::Report, reports_time);
+    Ok((fleet, connect_time, counted_time, reports_time))
+}
+
+/// Registers the plan's devices with the desired spec, in chunks; returns
+/// the broker passwords the server issued, if it issued any.
+async fn register_fleet(
+    client: &ServerClient,
+    plan: &Plan,
+    label: &str,
+    register_chunk: usize,
+    observer: &dyn DemoObserver,
+) -> Result<std::collections::HashMap<idem_protocol::DeviceId, String>, DemoError> {
+    let labels = json!({ FLEET_LABEL: label });
+    let mut registered = 0u64;
+    let mut issued = std::collections::HashMap::new();
+    for chunk in plan.devices.chunks(register_chunk.max(1)) {
+        let counts = client
+            .register(
+                chunk.iter().map(|d| d.id.as_str()),
+                &labels,
+                &plan.desired_spec,
+            )
+            .await?;
+        let existing = chunk.len() as u64 - counts.created.min(chunk.len() as u64);
+        if existing > 0 {
+            return Err(DemoError::AlreadyRegistered {
+                existing,
+                example: chunk[0].id.to_string(),
+            });
+        }
+        registered += chunk.len() as u64;
+        for credential in counts.credentials {
+            if let Ok(id) = idem_protocol::DeviceId::parse(&credential.id) {
+                issued.insert(id, credential.password);
+            }
+        }
+        observer.progress(DemoPhase::Register, registered);
+    }
+    Ok(issued)
+}
+
+/// Nothing may have been pushed yet: otherwise the plan no longer
+/// describes the fleet (retained leftovers, or someone else's run).
+fn refuse_early_pushes(fleet: &Fleet, topic_root: &str) -> Result<(), DemoError> {
+    let early: Vec<String> = fleet
+        .states()
+        .into_iter()
+        .filter(|s| s.desired_received > 0)
+        .map(|s| s.id.to_string())
+        .collect();
+    if !early.is_empty() {
+        return Err(DemoError::EarlyPush {
+            count: early.len(),
+            examples: examples(&early),
+            topic_root: topic_root.to_owned(),
+        });
+    }
+
+    Ok(())
+}
+
+/// Starts one run over the fleet and follows it to completion; returns it,
+/// when it was triggered and how long it took.
+async fn follow_run(
+    client: &ServerClient,
+    run_body: &Value,
+    devices: usize,
+    timeout: Duration,
+    poll_interval: Duration,
+    observer: &dyn DemoObserver,
+) -> Result<(RunView, Instant, Duration), DemoError> {
+    observer.phase_started(DemoPhase::Run, devices as u64);
+    let trigger = Instant::now();
+    let run_started = client.start_run(&run_body).await?;
+    if run_started.targets != devices as u64 {
+        return Err(DemoError::TargetMismatch {
+            run_id: run_started.run_id.to_string(),
+            targets: run_started.targets,
+            devices,
+        });
+    }
+    let run_deadline = trigger + timeout;
+    let run = loop {
+        let run = client.run(&run_started.run_id).await?;
+        observer.progress(DemoPhase::Run, run.counts.total());
+        if run.is_completed() {
+            break run;
+        }
+        if Instant::now() >= run_deadline {
+            return Err(DemoError::RunTimeout {
+                run_id: run.id.to_string(),
+                timeout,
+                done: run.counts.total(),
+                targets: run_started.targets,
+                summary: run.counts.summary(),
+            });
+        }
+        tokio::time::sleep(poll_interval).await;
+    };
+    let run_time = trigger.elapsed();
+    observer.phase_finished(DemoPhase::Run, run_time);
+
+    Ok((run, trigger, run_time))
+}
+
+/// The devices whose outcome is `failed`, with the reason.
+fn failed_devices(outcomes: &[OutcomeRow]) -> Vec<FailedDevice> {
+    outcomes
+        .iter()
+        .filter(|o| match o.outcome {
+            Some(OutcomeKind::Failed) => true,
+            Some(
+                OutcomeKind::AlreadyConverged
+                | OutcomeKind::Provisioned
+                | OutcomeKind::Skipped
+                | OutcomeKind::Superseded,
+            )
+            | None => false,
+        })
+        .map(|o| FailedDevice {
+            device: o.device_id.clone(),
+            reason: o.reason.clone(),
+        })
+        .collect()
 }
 
 async fn wait_connected(
