@@ -351,17 +351,50 @@ pub async fn run_demo(
     .await?;
 
     // 4. Every device's outcome against the ground truth.
+    let times = PhaseTimes {
+        register: register_time,
+        connect: connect_time,
+        reports_counted: counted_time,
+        reports_stored: reports_time,
+        run: run_time,
+    };
+    let setting = (broker, topic_root, targeting);
+    let report = judge(&client, &plan, &fleet, &run, trigger, times, setting).await?;
+    Ok(DemoRun { report, fleet })
+}
+
+/// How long each phase of a demo took.
+struct PhaseTimes {
+    register: Duration,
+    connect: Duration,
+    reports_counted: Duration,
+    reports_stored: Duration,
+    run: Duration,
+}
+
+/// Every device's outcome of `run` against the ground truth, as the report.
+/// `setting`: the broker, the topic root and how the run targeted the fleet.
+async fn judge(
+    client: &ServerClient,
+    plan: &Plan,
+    fleet: &Fleet,
+    run: &RunView,
+    trigger: Instant,
+    times: PhaseTimes,
+    (broker, topic_root, targeting): (String, String, &'static str),
+) -> Result<DemoReport, DemoError> {
+    let devices = plan.devices.len();
     let outcomes = client.outcomes(&run.id).await?;
-    let check = check_outcomes(&plan, &outcomes);
+    let check = check_outcomes(plan, &outcomes);
     let failed = failed_devices(&outcomes);
-    let (convergence, apply) = latencies(&fleet, &plan, trigger);
+    let (convergence, apply) = latencies(fleet, plan, trigger);
     let expected = plan.expected_counts();
     let summary = if run.summary.is_empty() {
         run.counts.summary()
     } else {
         run.summary.clone()
     };
-    let report = DemoReport {
+    Ok(DemoReport {
         server: client.base_url().to_owned(),
         broker,
         topic_root,
@@ -373,11 +406,11 @@ pub async fn run_demo(
         summary,
         counts: run.counts,
         timings: DemoTimings {
-            register_s: register_time.as_secs_f64(),
-            connect_s: connect_time.as_secs_f64(),
-            reports_counted_s: counted_time.as_secs_f64(),
-            reports_stored_s: reports_time.as_secs_f64(),
-            run_s: run_time.as_secs_f64(),
+            register_s: times.register.as_secs_f64(),
+            connect_s: times.connect.as_secs_f64(),
+            reports_counted_s: times.reports_counted.as_secs_f64(),
+            reports_stored_s: times.reports_stored.as_secs_f64(),
+            run_s: times.run.as_secs_f64(),
             server_run_ms: run.duration_ms.and_then(|ms| u64::try_from(ms).ok()),
             convergence,
             apply,
@@ -385,8 +418,7 @@ pub async fn run_demo(
         failed,
         check,
         fleet: fleet.stats(),
-    };
-    Ok(DemoRun { report, fleet })
+    })
 }
 
 /// Starts the fleet and waits until every device is connected and its

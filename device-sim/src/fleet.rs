@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::behaviour::{seq_base_now, DeviceState};
-use crate::config::{FleetConfig, OfflineMode};
+use crate::config::{FleetConfig, OfflineMode, SimDevice};
 use crate::device_task::{Command, DeviceShared, DeviceTask, FleetCounters, Topics};
 use crate::error::SimError;
 
@@ -90,11 +90,50 @@ impl std::fmt::Debug for Fleet {
     }
 }
 
+/// One device's MQTT options: client id, keepalive, buffers, its Last
+/// Will (`offline`, retained), TLS and credentials.
+fn mqtt_options(
+    config: &FleetConfig,
+    device: &SimDevice,
+    client_prefix: &str,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+) -> MqttOptions {
+    let mut options = MqttOptions::new(
+        format!("{client_prefix}{}", device.id),
+        config.broker.host.clone(),
+        config.broker.port,
+    );
+    options
+        .set_keep_alive(config.keep_alive)
+        .set_clean_session(true)
+        .set_inflight(config.inflight)
+        .set_request_channel_capacity(config.request_channel_capacity)
+        .set_max_packet_size(config.max_packet_size, config.max_packet_size)
+        .set_last_will(LastWill::new(
+            config.topic_root.topic(&device.id, Channel::Status),
+            "offline",
+            QoS::AtLeastOnce,
+            true,
+        ));
+    if let Some(tls) = tls {
+        options.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
+            tls.clone(),
+        )));
+    }
+    if let Some(credentials) = &config.credentials {
+        // validate() checked that every device has a password.
+        if let Some(password) = credentials.password(&device.id) {
+            options.set_credentials(device.id.as_str(), password.expose());
+        }
+    }
+    options
+}
+
 impl Fleet {
     /// Validates `config` and spawns one task per device on the current tokio
     /// runtime. Returns at once; devices connect in the background, paced by
     /// `config.connect_rate`.
-    pub fn start(config: FleetConfig) -> Result<Fleet, SimError> {
+    pub fn start(mut config: FleetConfig) -> Result<Fleet, SimError> {
         config.validate()?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| SimError::NoRuntime)?;
         let client_prefix = config.effective_client_id_prefix();
@@ -110,38 +149,12 @@ impl Fleet {
         let mut network = NetworkOptions::new();
         network.set_connection_timeout(config.connect_timeout.as_secs().max(1));
 
-        let mut devices = Vec::with_capacity(config.devices.len());
-        let mut index = HashMap::with_capacity(config.devices.len());
-        for (i, device) in config.devices.into_iter().enumerate() {
+        let sims = std::mem::take(&mut config.devices);
+        let mut devices = Vec::with_capacity(sims.len());
+        let mut index = HashMap::with_capacity(sims.len());
+        for (i, device) in sims.into_iter().enumerate() {
             let topics = Topics::new(&config.topic_root, &device.id);
-            let mut options = MqttOptions::new(
-                format!("{client_prefix}{}", device.id),
-                config.broker.host.clone(),
-                config.broker.port,
-            );
-            options
-                .set_keep_alive(config.keep_alive)
-                .set_clean_session(true)
-                .set_inflight(config.inflight)
-                .set_request_channel_capacity(config.request_channel_capacity)
-                .set_max_packet_size(config.max_packet_size, config.max_packet_size)
-                .set_last_will(LastWill::new(
-                    config.topic_root.topic(&device.id, Channel::Status),
-                    "offline",
-                    QoS::AtLeastOnce,
-                    true,
-                ));
-            if let Some(tls) = &tls {
-                options.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
-                    tls.clone(),
-                )));
-            }
-            if let Some(credentials) = &config.credentials {
-                // validate() checked that every device has a password.
-                if let Some(password) = credentials.password(&device.id) {
-                    options.set_credentials(device.id.as_str(), password.expose());
-                }
-            }
+            let options = mqtt_options(&config, &device, &client_prefix, tls.as_ref());
             let start_at = match config.connect_rate {
                 0 => t0,
                 rate => t0 + Duration::from_secs_f64(i as f64 / f64::from(rate)),

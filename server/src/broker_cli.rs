@@ -84,43 +84,13 @@ pub async fn run(config: &ValidConfig, command: BrokerCommand) -> anyhow::Result
             let admin_password = read_secret(&admin_password_file)?;
             let server_password = read_secret(&server_password_file)?;
             let root = &config.topic_root;
-            let mut commands =
-                accounts::ensure_role(accounts::SERVER_ROLE, &accounts::server_acls(root));
-            commands.extend(accounts::ensure_role(
-                accounts::EVENTS_READER_ROLE,
-                &accounts::events_reader_acls(root),
-            ));
-            // Bound to the server's client id (one account per instance), so
-            // no other account can take over the server's session.
-            let server_client_id = crate::mqtt::server_client_id(&config.config.instance);
-            commands.extend(accounts::ensure_client(
-                &server_username,
-                &server_password,
-                accounts::SERVER_ROLE,
-                Some(&server_client_id),
-            ));
-            if let (Some(user), Some(file)) = (&reader_username, &reader_password_file) {
-                let password = read_secret(file)?;
-                // A reader connects with its user name as client id.
-                commands.extend(accounts::ensure_client(
-                    user,
-                    &password,
-                    accounts::EVENTS_READER_ROLE,
-                    Some(user),
-                ));
-            }
+            let reader = match (&reader_username, &reader_password_file) {
+                (Some(user), Some(file)) => Some((user.clone(), read_secret(file)?)),
+                _ => None,
+            };
+            let commands = init_commands(config, &server_username, &server_password, reader);
             let results = send_as_admin(config, &admin_username, &admin_password, commands).await?;
-            let failed: Vec<&CommandResult> =
-                results.iter().filter(|r| !r.is_acceptable()).collect();
-            if let Some(first) = failed.first() {
-                bail!(
-                    "{} of {} commands failed, first: {}: {}",
-                    failed.len(),
-                    results.len(),
-                    first.command,
-                    first.error.clone().unwrap_or_default()
-                );
-            }
+            refuse_failures(&results)?;
             eprintln!(
                 "broker ready for topic root {root}: role {} with account {server_username:?}{}",
                 accounts::SERVER_ROLE,
@@ -135,32 +105,93 @@ pub async fn run(config: &ValidConfig, command: BrokerCommand) -> anyhow::Result
             server_password_file,
         } => {
             let server_password = read_secret(&server_password_file)?;
-            let pool = store::connect(config.config.database_url.expose(), 2)
-                .await
-                .context("cannot reach PostgreSQL: start it or set IDEM_DATABASE_URL")?;
-            store::migrate(&pool).await.context("applying migrations")?;
-            let devices = store::devices::broker_password_hashes(&pool).await?;
-            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-            let mut passwords = format!(
-                "{server_username}:{}\n",
-                accounts::mosquitto_hash(&server_password)
-            );
-            for (id, hash) in &devices {
-                passwords.push_str(&format!("{id}:{hash}\n"));
-            }
-            write_private(&out.join("password_file"), &passwords)?;
-            write_private(
-                &out.join("acl_file"),
-                &accounts::static_acl_file(&config.topic_root, &server_username),
-            )?;
-            eprintln!(
-                "wrote {}/password_file ({} devices and {server_username:?}) and {}/acl_file",
-                out.display(),
-                devices.len(),
-                out.display()
-            );
+            write_files(config, &out, &server_username, &server_password).await?;
         }
     }
+    Ok(())
+}
+
+/// The dynamic-security commands that create the server's and readers'
+/// roles and accounts (idempotent).
+fn init_commands(
+    config: &ValidConfig,
+    server_username: &str,
+    server_password: &str,
+    reader: Option<(String, String)>,
+) -> Vec<serde_json::Value> {
+    let root = &config.topic_root;
+    let mut commands = accounts::ensure_role(accounts::SERVER_ROLE, &accounts::server_acls(root));
+    commands.extend(accounts::ensure_role(
+        accounts::EVENTS_READER_ROLE,
+        &accounts::events_reader_acls(root),
+    ));
+    // Bound to the server's client id (one account per instance), so
+    // no other account can take over the server's session.
+    let server_client_id = crate::mqtt::server_client_id(&config.config.instance);
+    commands.extend(accounts::ensure_client(
+        server_username,
+        server_password,
+        accounts::SERVER_ROLE,
+        Some(&server_client_id),
+    ));
+    if let Some((user, password)) = &reader {
+        // A reader connects with its user name as client id.
+        commands.extend(accounts::ensure_client(
+            user,
+            password,
+            accounts::EVENTS_READER_ROLE,
+            Some(user),
+        ));
+    }
+    commands
+}
+
+/// An error naming the first refused command, if any was refused.
+fn refuse_failures(results: &[CommandResult]) -> anyhow::Result<()> {
+    let failed: Vec<&CommandResult> = results.iter().filter(|r| !r.is_acceptable()).collect();
+    if let Some(first) = failed.first() {
+        bail!(
+            "{} of {} commands failed, first: {}: {}",
+            failed.len(),
+            results.len(),
+            first.command,
+            first.error.clone().unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// Writes `password_file` and `acl_file` into `out` from the device table.
+async fn write_files(
+    config: &ValidConfig,
+    out: &Path,
+    server_username: &str,
+    server_password: &str,
+) -> anyhow::Result<()> {
+    let pool = store::connect(config.config.database_url.expose(), 2)
+        .await
+        .context("cannot reach PostgreSQL: start it or set IDEM_DATABASE_URL")?;
+    store::migrate(&pool).await.context("applying migrations")?;
+    let devices = store::devices::broker_password_hashes(&pool).await?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut passwords = format!(
+        "{server_username}:{}\n",
+        accounts::mosquitto_hash(server_password)
+    );
+    for (id, hash) in &devices {
+        passwords.push_str(&format!("{id}:{hash}\n"));
+    }
+    write_private(&out.join("password_file"), &passwords)?;
+    write_private(
+        &out.join("acl_file"),
+        &accounts::static_acl_file(&config.topic_root, server_username),
+    )?;
+    eprintln!(
+        "wrote {}/password_file ({} devices and {server_username:?}) and {}/acl_file",
+        out.display(),
+        devices.len(),
+        out.display()
+    );
     Ok(())
 }
 

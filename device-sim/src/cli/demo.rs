@@ -103,24 +103,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     };
     settings.after_register = args.after_register.clone();
     if output == Output::Text {
-        let f = &args.fleet;
-        println!(
-            "device-sim demo: {} devices ({} drifted, {} rejecting, {} silent; seed {}) against {}",
-            format_count(f.devices as u64),
-            f.drifted_count().unwrap_or(f.drifted),
-            f.reject,
-            f.silent,
-            f.seed,
-            args.server,
-        );
-        println!(
-            "  broker {} · topic root {} · open-file limit {fd_limit}",
-            settings.fleet.broker, settings.fleet.topic_root
-        );
-        println!(
-            "  a correct server's run reads: {}",
-            settings.plan.expected_counts()
-        );
+        print_intro(&args, &settings, fd_limit);
     }
     let show_bars = output == Output::Text && std::io::stdout().is_terminal();
     let observer = Bars::new(show_bars);
@@ -129,30 +112,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         .context("the demo could not finish")?;
     let report = demo.report;
     let fleet = demo.fleet;
-    let peak_rss = peak_rss_bytes();
-
-    match output {
-        Output::Json => {
-            let mut value = serde_json::to_value(&report).context("encoding the report")?;
-            value["passed"] = report.passed().into();
-            value["simulator_peak_rss_bytes"] = peak_rss.into();
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&value).context("encoding the report")?
-            );
-        }
-        Output::Quiet => {
-            println!("{}", report.summary);
-            for line in problem_lines(&report) {
-                eprintln!("{line}");
-            }
-        }
-        Output::Text => {
-            for line in text_lines(&report, peak_rss) {
-                println!("{line}");
-            }
-        }
-    }
+    print_report(&report, output)?;
 
     if args.keep_running {
         if output != Output::Json {
@@ -169,6 +129,57 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(MISMATCH_EXIT)
     })
+}
+
+/// What the demo is about to do, and what a correct server's run reads.
+fn print_intro(args: &DemoArgs, settings: &DemoSettings, fd_limit: u64) {
+    let f = &args.fleet;
+    println!(
+        "device-sim demo: {} devices ({} drifted, {} rejecting, {} silent; seed {}) against {}",
+        format_count(f.devices as u64),
+        f.drifted_count().unwrap_or(f.drifted),
+        f.reject,
+        f.silent,
+        f.seed,
+        args.server,
+    );
+    println!(
+        "  broker {} · topic root {} · open-file limit {fd_limit}",
+        settings.fleet.broker, settings.fleet.topic_root
+    );
+    println!(
+        "  a correct server's run reads: {}",
+        settings.plan.expected_counts()
+    );
+}
+
+/// The report in the chosen output form.
+fn print_report(report: &DemoReport, output: Output) -> anyhow::Result<()> {
+    let peak_rss = peak_rss_bytes();
+    match output {
+        Output::Json => {
+            let mut value = serde_json::to_value(report).context("encoding the report")?;
+            value["passed"] = report.passed().into();
+            value["simulator_peak_rss_bytes"] = peak_rss.into();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&value).context("encoding the report")?
+            );
+        }
+        Output::Quiet => {
+            println!("{}", report.summary);
+            for line in problem_lines(report) {
+                eprintln!("{line}");
+            }
+        }
+        Output::Text => {
+            for line in text_lines(report, peak_rss) {
+                println!("{line}");
+            }
+        }
+    }
+
+    Ok(())
 }
 
 async fn shutdown(fleet: Fleet, output: Output) {

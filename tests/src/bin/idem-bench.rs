@@ -920,6 +920,67 @@ async fn run_steps(
 
     // Ingest: every device publishes K reports at once; the server's stored
     // rate against a bare subscriber's received rate, same burst.
+    let (total, sub_rate, server_rate) =
+        ingest_step(bench, broker, root, &fleet, &mut record).await?;
+    let ingest_ratio = server_rate / sub_rate;
+
+    // Memory.
+    let server_peak = bench.probe.server_memory(MemoryField::PeakRss);
+    let server_end_rss = bench.probe.server_memory(MemoryField::Rss);
+    let sim_peak = idem_device_sim::memory::peak_rss_bytes().unwrap_or(0);
+    let stopping = Instant::now();
+    let stats = fleet.shutdown().await;
+    let shutdown_s = stopping.elapsed().as_secs_f64();
+    let per_device = |bytes: u64, idle: u64| bytes.saturating_sub(idle) as f64 / n as f64;
+    let server_steady_per_device = per_device(server_connected_rss, server_idle_rss);
+    let server_peak_per_device = per_device(server_peak, server_idle_rss);
+    let sim_per_device = per_device(sim_peak, sim_idle_rss);
+
+    let measured = Measured {
+        n,
+        k,
+        total,
+        connect_wall,
+        connected_s,
+        converged,
+        converged_wall,
+        write_floor,
+        normal_wall,
+        forced_wall,
+        normal_pushes,
+        forced_pushes,
+        full_wall,
+        full_pushes,
+        sub_rate,
+        server_rate,
+        ingest_ratio,
+        server_idle_rss,
+        server_connected_rss,
+        server_end_rss,
+        server_peak,
+        server_steady_per_device,
+        server_peak_per_device,
+        sim_idle_rss,
+        sim_peak,
+        sim_per_device,
+        stats,
+        shutdown_s,
+    };
+    report(bench, load_before, server_env, &record, measured)
+}
+
+/// The ingest step: every device publishes `heartbeats` reports at once;
+/// returns how many, and the rates a bare subscriber received and the
+/// server stored them at.
+async fn ingest_step(
+    bench: &Bench,
+    broker: &PrivateMosquitto,
+    root: &TopicRoot,
+    fleet: &Fleet,
+    record: &mut Record,
+) -> Result<(u64, f64, f64)> {
+    let n = bench.args.devices;
+    let k = bench.args.heartbeats;
     let total = n as u64 * u64::from(k);
     let counter_password = bench
         .passwords
@@ -1006,29 +1067,129 @@ async fn run_steps(
             ]),
         ))
     };
-    let ((sub_rate, server_rate), _) = bench.step(&mut record, "ingest", ingest).await?;
+    let ((sub_rate, server_rate), _) = bench.step(record, "ingest", ingest).await?;
     counter.stop().await;
-    let ingest_ratio = server_rate / sub_rate;
+    Ok((total, sub_rate, server_rate))
+}
 
-    // Memory.
-    let server_peak = bench.probe.server_memory(MemoryField::PeakRss);
-    let server_end_rss = bench.probe.server_memory(MemoryField::Rss);
-    let sim_peak = idem_device_sim::memory::peak_rss_bytes().unwrap_or(0);
-    let stopping = Instant::now();
-    let stats = fleet.shutdown().await;
-    let shutdown_s = stopping.elapsed().as_secs_f64();
-    let per_device = |bytes: u64, idle: u64| bytes.saturating_sub(idle) as f64 / n as f64;
-    let server_steady_per_device = per_device(server_connected_rss, server_idle_rss);
-    let server_peak_per_device = per_device(server_peak, server_idle_rss);
-    let sim_per_device = per_device(sim_peak, sim_idle_rss);
+/// Prints the targets table and writes the JSON results.
+fn report(
+    bench: &Bench,
+    load_before: &str,
+    server_env: &[(String, String)],
+    record: &Record,
+    measured: Measured,
+) -> Result<()> {
+    let targets = targets(bench, &measured);
+    let &Measured {
+        n,
+        k,
+        write_floor,
+        server_idle_rss,
+        server_connected_rss,
+        server_end_rss,
+        server_peak,
+        sim_idle_rss,
+        sim_peak,
+        stats,
+        shutdown_s,
+        ..
+    } = &measured;
+    print_tables(&targets, &record.steps);
+    for file in &record.perf_files {
+        println!(
+            "perf data: {} (perf report -i {} --no-children)",
+            file.display(),
+            file.display()
+        );
+    }
 
+    let output = json!({
+        "machine": {
+            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "load_average_before": load_before.trim(),
+            "mem_total": std::fs::read_to_string("/proc/meminfo").ok()
+                .and_then(|m| m.lines().next().map(str::to_owned)),
+        },
+        "settings": {
+            "devices": n,
+            "drifted": bench.args.drifted,
+            "heartbeats_per_device": k,
+            "secure": bench.args.secure,
+            "server_env": server_env
+                .iter()
+                .map(|(k, v)| {
+                    if k.contains("PASSWORD") {
+                        format!("{k}=***")
+                    } else {
+                        format!("{k}={v}")
+                    }
+                })
+                .collect::<Vec<_>>(),
+            "simulator": "one rumqttc v4 client per device in this process",
+            "connect_rate_per_s": bench.args.connect_rate,
+            "max_connecting": bench.args.max_connecting,
+        },
+        "targets": targets,
+        "steps": record.steps,
+        "memory": {
+            "server_idle_rss_bytes": server_idle_rss,
+            "server_connected_rss_bytes": server_connected_rss,
+            "server_end_rss_bytes": server_end_rss,
+            "server_peak_rss_bytes": server_peak,
+            "simulator_idle_rss_bytes": sim_idle_rss,
+            "simulator_peak_rss_bytes": sim_peak,
+        },
+        "fleet": stats,
+        "fleet_shutdown_s": shutdown_s,
+        "write_floor_s": write_floor.as_secs_f64(),
+    });
+    if let Some(out) = &bench.args.out {
+        if let Some(dir) = out.parent() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        std::fs::write(out, serde_json::to_string_pretty(&output)?)
+            .with_context(|| format!("writing {}", out.display()))?;
+        println!("results written to {}", out.display());
+    }
+    Ok(())
+}
+
+/// The benchmark's targets and what this run measured for each.
+fn targets(bench: &Bench, measured: &Measured) -> Vec<Target> {
+    let &Measured {
+        n,
+        total,
+        connect_wall,
+        connected_s,
+        ref converged,
+        converged_wall,
+        write_floor,
+        normal_wall,
+        forced_wall,
+        normal_pushes,
+        forced_pushes,
+        full_wall,
+        full_pushes,
+        sub_rate,
+        server_rate,
+        ingest_ratio,
+        server_idle_rss,
+        server_connected_rss,
+        server_peak,
+        server_steady_per_device,
+        server_peak_per_device,
+        sim_peak,
+        sim_per_device,
+        ..
+    } = measured;
     // The table.
     let connect_s = connect_wall.as_secs_f64();
     let duration_ratio = forced_wall.as_secs_f64() / normal_wall.as_secs_f64();
     let publish_ratio = forced_pushes / normal_pushes.max(1.0);
     let full_rate = n as f64 / full_wall.as_secs_f64();
     let nf = format_count(n as u64);
-    let targets = vec![
+    vec![
         Target {
             measure: "connect: all connected + first reports stored",
             result: format!(
@@ -1141,65 +1302,39 @@ async fn run_steps(
             target: "(reported)",
             met: None,
         },
-    ];
-    print_tables(&targets, &record.steps);
-    for file in &record.perf_files {
-        println!(
-            "perf data: {} (perf report -i {} --no-children)",
-            file.display(),
-            file.display()
-        );
-    }
+    ]
+}
 
-    let output = json!({
-        "machine": {
-            "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "load_average_before": load_before.trim(),
-            "mem_total": std::fs::read_to_string("/proc/meminfo").ok()
-                .and_then(|m| m.lines().next().map(str::to_owned)),
-        },
-        "settings": {
-            "devices": n,
-            "drifted": bench.args.drifted,
-            "heartbeats_per_device": k,
-            "secure": bench.args.secure,
-            "server_env": server_env
-                .iter()
-                .map(|(k, v)| {
-                    if k.contains("PASSWORD") {
-                        format!("{k}=***")
-                    } else {
-                        format!("{k}={v}")
-                    }
-                })
-                .collect::<Vec<_>>(),
-            "simulator": "one rumqttc v4 client per device in this process",
-            "connect_rate_per_s": bench.args.connect_rate,
-            "max_connecting": bench.args.max_connecting,
-        },
-        "targets": targets,
-        "steps": record.steps,
-        "memory": {
-            "server_idle_rss_bytes": server_idle_rss,
-            "server_connected_rss_bytes": server_connected_rss,
-            "server_end_rss_bytes": server_end_rss,
-            "server_peak_rss_bytes": server_peak,
-            "simulator_idle_rss_bytes": sim_idle_rss,
-            "simulator_peak_rss_bytes": sim_peak,
-        },
-        "fleet": stats,
-        "fleet_shutdown_s": shutdown_s,
-        "write_floor_s": write_floor.as_secs_f64(),
-    });
-    if let Some(out) = &bench.args.out {
-        if let Some(dir) = out.parent() {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
-        std::fs::write(out, serde_json::to_string_pretty(&output)?)
-            .with_context(|| format!("writing {}", out.display()))?;
-        println!("results written to {}", out.display());
-    }
-    Ok(())
+/// What `run_steps` measured, for the table and the JSON.
+struct Measured {
+    n: usize,
+    k: u32,
+    total: u64,
+    connect_wall: Duration,
+    connected_s: f64,
+    converged: RunView,
+    converged_wall: Duration,
+    write_floor: Duration,
+    normal_wall: Duration,
+    forced_wall: Duration,
+    normal_pushes: f64,
+    forced_pushes: f64,
+    full_wall: Duration,
+    full_pushes: f64,
+    sub_rate: f64,
+    server_rate: f64,
+    ingest_ratio: f64,
+    server_idle_rss: u64,
+    server_connected_rss: u64,
+    server_end_rss: u64,
+    server_peak: u64,
+    server_steady_per_device: f64,
+    server_peak_per_device: f64,
+    sim_idle_rss: u64,
+    sim_peak: u64,
+    sim_per_device: f64,
+    stats: idem_device_sim::FleetStats,
+    shutdown_s: f64,
 }
 
 /// Makes `ids` run a spec other than desired again and waits until the
