@@ -175,6 +175,22 @@ impl CommandResult {
     }
 }
 
+/// The control-topic payload carrying `commands`, each tagged with
+/// `batch` as its `correlationData` so the answers can be matched.
+pub fn command_payload(commands: &[Value], batch: &str) -> Vec<u8> {
+    let commands: Vec<Value> = commands
+        .iter()
+        .map(|c| {
+            let mut c = c.clone();
+            if let Some(map) = c.as_object_mut() {
+                map.insert("correlationData".into(), Value::from(batch));
+            }
+            c
+        })
+        .collect();
+    json!({ "commands": commands }).to_string().into_bytes()
+}
+
 /// Parses a payload of the response topic.
 pub fn parse_responses(payload: &[u8]) -> Result<Vec<CommandResult>, String> {
     let value: Value = serde_json::from_slice(payload).map_err(|e| e.to_string())?;
@@ -254,6 +270,19 @@ pub fn static_acl_file(root: &TopicRoot, server_username: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_command_of_a_payload_carries_its_batch_as_correlation_data() {
+        let commands = [
+            json!({"command": "createRole"}),
+            json!({"command": "createClient"}),
+        ];
+        let payload: Value = serde_json::from_slice(&command_payload(&commands, "b-1")).unwrap();
+        let sent = payload["commands"].as_array().unwrap();
+        assert_eq!(sent.len(), 2);
+        assert!(sent.iter().all(|c| c["correlationData"] == "b-1"));
+        assert_eq!(sent[1]["command"], "createClient");
+    }
 
     fn root() -> TopicRoot {
         TopicRoot::new("idem/v1").unwrap()

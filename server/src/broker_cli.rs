@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use clap::Subcommand;
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::broker_accounts::{self as accounts, CommandResult};
 use crate::config::ValidConfig;
@@ -239,16 +239,7 @@ async fn send_as_admin(
         .await
         .context("subscribing to the dynamic-security answers")?;
     let batch = uuid::Uuid::new_v4().simple().to_string();
-    let commands: Vec<Value> = commands
-        .into_iter()
-        .map(|mut c| {
-            if let Some(map) = c.as_object_mut() {
-                map.insert("correlationData".into(), json!(batch));
-            }
-            c
-        })
-        .collect();
-    let payload = json!({ "commands": commands }).to_string();
+    let payload = accounts::command_payload(&commands, &batch);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let mut sent = false;
     loop {

@@ -10,10 +10,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::oneshot;
 
-use crate::broker_accounts::{parse_responses, CommandResult};
+use crate::broker_accounts::{command_payload, parse_responses, CommandResult};
 use crate::mqtt::{ControlResponses, Publisher};
 
 /// How long the plugin has to answer one batch.
@@ -106,22 +106,12 @@ impl Dynsec {
 
     async fn execute_batch(&self, commands: &[Value]) -> Result<Vec<CommandResult>, DynsecError> {
         let batch = uuid::Uuid::new_v4().simple().to_string();
-        let commands: Vec<Value> = commands
-            .iter()
-            .map(|c| {
-                let mut c = c.clone();
-                if let Some(map) = c.as_object_mut() {
-                    map.insert("correlationData".into(), json!(batch));
-                }
-                c
-            })
-            .collect();
+        let payload = command_payload(commands, &batch);
         let (tx, rx) = oneshot::channel();
         self.pending
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(batch.clone(), tx);
-        let payload = json!({ "commands": commands }).to_string().into_bytes();
         if let Err(e) = self.publisher.publish_control(payload).await {
             self.forget(&batch);
             return Err(DynsecError::Publish(e));

@@ -40,6 +40,24 @@ fn device_passwords(plan: &idem_device_sim::Plan) -> HashMap<DeviceId, String> {
         .collect()
 }
 
+/// A private TLS-only Mosquitto whose password file holds every device's
+/// account and the server's.
+fn tls_broker_with_accounts(
+    passwords: &HashMap<DeviceId, String>,
+    server_password: &str,
+) -> PrivateMosquitto {
+    let mut accounts: Vec<(String, String)> = passwords
+        .iter()
+        .map(|(id, pw)| (id.to_string(), pw.clone()))
+        .collect();
+    accounts.push((SERVER_USER.to_owned(), server_password.to_owned()));
+    PrivateMosquitto::builder()
+        .tls()
+        .password_file(&accounts)
+        .start()
+        .unwrap()
+}
+
 /// Connects once with `options`: the broker's CONNACK, or why not.
 async fn try_connect(options: MqttOptions) -> Result<(), ConnectionError> {
     let (_client, mut eventloop) = AsyncClient::new(options, 10);
@@ -63,16 +81,7 @@ async fn the_server_connects_over_mqtts_with_a_password_and_a_run_over_tls_devic
         .build()
         .unwrap();
     let passwords = device_passwords(&plan);
-    let mut accounts: Vec<(String, String)> = passwords
-        .iter()
-        .map(|(id, pw)| (id.to_string(), pw.clone()))
-        .collect();
-    accounts.push((SERVER_USER.to_owned(), server_password.clone()));
-    let broker = PrivateMosquitto::builder()
-        .tls()
-        .password_file(&accounts)
-        .start()
-        .unwrap();
+    let broker = tls_broker_with_accounts(&passwords, &server_password);
     assert!(broker.url().starts_with("mqtts://127.0.0.1:"));
 
     // Anonymous clients, wrong passwords and plain TCP are all refused.
@@ -357,16 +366,7 @@ async fn the_demo_over_tls_with_100_devices_and_their_own_passwords_reports_exac
         .build()
         .unwrap();
     let passwords = device_passwords(&plan);
-    let mut accounts: Vec<(String, String)> = passwords
-        .iter()
-        .map(|(id, pw)| (id.to_string(), pw.clone()))
-        .collect();
-    accounts.push((SERVER_USER.to_owned(), server_password.clone()));
-    let broker = PrivateMosquitto::builder()
-        .tls()
-        .password_file(&accounts)
-        .start()
-        .unwrap();
+    let broker = tls_broker_with_accounts(&passwords, &server_password);
     let settings = ServerSettings {
         mqtt_credentials: Some((SERVER_USER.to_owned(), server_password)),
         ..ServerSettings::default()
@@ -480,16 +480,7 @@ async fn no_secret_appears_in_the_server_log_after_start_up_failures_or_a_run() 
         .build()
         .unwrap();
     let passwords = device_passwords(&plan);
-    let mut accounts: Vec<(String, String)> = passwords
-        .iter()
-        .map(|(id, pw)| (id.to_string(), pw.clone()))
-        .collect();
-    accounts.push((SERVER_USER.to_owned(), mqtt_password.clone()));
-    let broker = PrivateMosquitto::builder()
-        .tls()
-        .password_file(&accounts)
-        .start()
-        .unwrap();
+    let broker = tls_broker_with_accounts(&passwords, &mqtt_password);
     let db = TestDatabase::create().await.unwrap();
     // The shared PostgreSQL trusts local connections, so a password in the
     // URL is accepted (and ignored) there: it must still never be printed.

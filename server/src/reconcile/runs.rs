@@ -181,14 +181,9 @@ fn converged_targets(
     new_digest: Option<SpecDigest>,
     new_generations: &HashMap<&str, u64>,
 ) -> Vec<Converged> {
-    let mut seen = HashSet::new();
+    // Targets are distinct (the API and the engine's own runs deduplicate).
     let mut converged = Vec::new();
     for id in targets {
-        // A target listed twice is left to the engine, like any other.
-        if !seen.insert(id) {
-            converged.retain(|c: &Converged| &c.id != id);
-            continue;
-        }
         let Some(entry) = fleet.get(id) else {
             continue;
         };

@@ -254,10 +254,10 @@ impl Machine {
             let Some((run_id, force, id)) = self.starting.pop_front() else {
                 return;
             };
-            if self.join_attempt_in_flight(&id, run_id, now, out) {
+            let entry = self.entry(&id).unwrap_or_default();
+            if self.join_attempt_in_flight(&id, run_id, &entry, now, out) {
                 continue;
             }
-            let entry = self.entry(&id).unwrap_or_default();
             self.in_flight.insert(
                 id.clone(),
                 InFlight {
@@ -282,36 +282,48 @@ impl Machine {
     /// `AlreadyConverged`.
     fn converged_at_creation(&mut self, id: &DeviceId, now: Now, out: &mut Vec<Effect>) {
         let entry = self.entry(id).unwrap_or_default();
-        let current = entry.desired.as_ref().map(|d| d.generation);
-        if let Some(flight) = self.in_flight.get(id) {
-            if flight.generation == current {
-                return;
-            }
-            self.conclude(id, Outcome::Superseded, &entry, now, out);
+        if !self.supersede_older_attempt(id, &entry, now, out) {
+            self.refresh_retained_from(id, &entry, out);
         }
-        self.refresh_retained(id, out);
     }
 
     /// Lets `run_id` share the attempt already in flight for `id` when it
-    /// works towards the current desired generation. An attempt for an older
-    /// generation ends `Superseded` first, and the run starts afresh.
+    /// works towards the current desired generation; otherwise the run
+    /// starts afresh.
     fn join_attempt_in_flight(
         &mut self,
         id: &DeviceId,
         run_id: Uuid,
+        entry: &DeviceEntry,
         now: Now,
         out: &mut Vec<Effect>,
     ) -> bool {
-        let entry = self.entry(id).unwrap_or_default();
+        if !self.supersede_older_attempt(id, entry, now, out) {
+            return false;
+        }
+        if let Some(flight) = self.in_flight.get_mut(id) {
+            flight.runs.push(run_id);
+        }
+        true
+    }
+
+    /// Ends an attempt in flight for an older desired generation
+    /// (`Superseded`); true when one for the current generation is in flight.
+    fn supersede_older_attempt(
+        &mut self,
+        id: &DeviceId,
+        entry: &DeviceEntry,
+        now: Now,
+        out: &mut Vec<Effect>,
+    ) -> bool {
         let current = entry.desired.as_ref().map(|d| d.generation);
-        let Some(flight) = self.in_flight.get_mut(id) else {
+        let Some(flight) = self.in_flight.get(id) else {
             return false;
         };
         if flight.generation == current {
-            flight.runs.push(run_id);
             return true;
         }
-        self.conclude(id, Outcome::Superseded, &entry, now, out);
+        self.conclude(id, Outcome::Superseded, entry, now, out);
         false
     }
 
@@ -401,9 +413,13 @@ impl Machine {
     /// device already runs it or is not attempted now, but a reboot must
     /// never bring it a withdrawn generation.
     fn refresh_retained(&mut self, id: &DeviceId, out: &mut Vec<Effect>) {
-        let Some(entry) = self.entry(id) else {
-            return;
-        };
+        if let Some(entry) = self.entry(id) {
+            self.refresh_retained_from(id, &entry, out);
+        }
+    }
+
+    /// [`Machine::refresh_retained`] with the device as already looked up.
+    fn refresh_retained_from(&mut self, id: &DeviceId, entry: &DeviceEntry, out: &mut Vec<Effect>) {
         let Some(desired) = entry.retained_behind() else {
             return;
         };
