@@ -59,6 +59,63 @@ pub struct MosquittoBuilder {
     accounts: Vec<(String, String)>,
     /// The dynamic-security plugin with this `(admin, password)` account.
     dynsec: Option<(String, String)>,
+    /// This broker is an edge bridged to a core broker.
+    bridge: Option<BridgeToCore>,
+}
+
+/// How an edge broker forwards to the core broker the server connects to
+/// (docs/ARCHITECTURE.md, "Edge brokers"): device reports and status (wills
+/// included) go out to the core, desired and report requests come in. The
+/// bridge keeps a persistent session at the core (`cleansession false`), so
+/// what the core accepts for an edge's devices while the edge is away is
+/// delivered when it is back, and it uses Mosquitto's bridge mode
+/// (`try_private`), so the retain flag of every message survives the hop.
+#[derive(Debug, Clone)]
+pub struct BridgeToCore {
+    /// The core broker's plain listener on 127.0.0.1.
+    pub core_port: u16,
+    /// The server's topic root.
+    pub topic_root: String,
+    /// The bridge's client id at the core (unique per edge).
+    pub name: String,
+    /// `Some(ids)`: the bridge subscribes at the core to these devices'
+    /// `desired` and `get` topics only, so the core sends each edge only
+    /// its own devices' messages. `None`: to `{root}/+/desired` and
+    /// `{root}/+/get`, so every edge receives every device's messages.
+    pub devices: Option<Vec<String>>,
+}
+
+impl BridgeToCore {
+    /// The `connection` section of the edge's config.
+    fn config(&self) -> String {
+        let root = &self.topic_root;
+        let mut section = format!(
+            "connection {name}\n\
+             address {LOOPBACK}:{port}\n\
+             clientid {name}\n\
+             cleansession false\n\
+             try_private true\n\
+             bridge_protocol_version mqttv311\n\
+             restart_timeout 1 5\n\
+             topic {root}/+/reported out 1\n\
+             topic {root}/+/status out 1\n",
+            name = self.name,
+            port = self.core_port,
+        );
+        match &self.devices {
+            None => section.push_str(&format!(
+                "topic {root}/+/desired in 1\ntopic {root}/+/get in 1\n"
+            )),
+            Some(ids) => {
+                for id in ids {
+                    section.push_str(&format!(
+                        "topic {root}/{id}/desired in 1\ntopic {root}/{id}/get in 1\n"
+                    ));
+                }
+            }
+        }
+        section
+    }
 }
 
 impl MosquittoBuilder {
@@ -103,6 +160,12 @@ impl MosquittoBuilder {
     /// dynsec init` and this admin account; anonymous clients are refused.
     pub fn dynamic_security(mut self, admin: &str, password: &str) -> Self {
         self.dynsec = Some((admin.to_owned(), password.to_owned()));
+        self
+    }
+
+    /// An edge broker: bridged to the core broker as `bridge` says.
+    pub fn bridge_to(mut self, bridge: BridgeToCore) -> Self {
+        self.bridge = Some(bridge);
         self
     }
 
@@ -428,6 +491,12 @@ impl PrivateMosquitto {
                 state.display()
             ));
         }
+        let bridge = self
+            .settings
+            .bridge
+            .as_ref()
+            .map(BridgeToCore::config)
+            .unwrap_or_default();
         let config = format!(
             "# private broker of one idem test\n\
              {user}\
@@ -445,7 +514,8 @@ impl PrivateMosquitto {
              log_type notice\n\
              log_type information\n\
              connection_messages true\n\
-             log_timestamp_format %Y-%m-%dT%H:%M:%S\n",
+             log_timestamp_format %Y-%m-%dT%H:%M:%S\n\
+             {bridge}",
             port = self.port,
             log = self.log.display(),
         );

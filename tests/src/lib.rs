@@ -25,7 +25,7 @@ pub mod witness;
 pub mod write_floor;
 
 pub use api_client::{outcome_of, ApiClient};
-pub use broker::{raise_fd_limit, MosquittoBuilder, PrivateMosquitto};
+pub use broker::{raise_fd_limit, BridgeToCore, MosquittoBuilder, PrivateMosquitto};
 pub use certs::{CertFiles, TestCa};
 pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};
 pub use postgres::PrivatePostgres;
