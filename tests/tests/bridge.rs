@@ -87,16 +87,15 @@ impl Probe {
     async fn next(&mut self, broker: &PrivateMosquitto) -> (QoS, bool, Vec<u8>) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let event = tokio::time::timeout_at(deadline.into(), self.eventloop.poll())
-                .await
-                .unwrap_or_else(|_| {
-                    panic!(
-                        "nothing arrived on {} within 10 s\n{}",
-                        self.topic,
-                        broker.log_tail()
-                    )
-                })
-                .unwrap();
+            let Ok(event) = tokio::time::timeout_at(deadline.into(), self.eventloop.poll()).await
+            else {
+                panic!(
+                    "nothing arrived on {} within 10 s\n{}",
+                    self.topic,
+                    broker.log_tail()
+                );
+            };
+            let event = event.unwrap();
             if let Event::Incoming(Packet::Publish(p)) = event {
                 return (p.qos, p.retain, p.payload.to_vec());
             }
