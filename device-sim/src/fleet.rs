@@ -22,7 +22,7 @@ use crate::device_task::{Command, DeviceShared, DeviceTask, FleetCounters, Topic
 use crate::error::SimError;
 
 /// A point-in-time copy of the fleet-wide counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct FleetStats {
     pub devices: usize,
     /// Devices connected right now (CONNACK received, not yet lost).

@@ -270,6 +270,7 @@ impl Workers {
             tokio::spawn(metrics_upkeep(
                 state.metrics.clone(),
                 state.pool.clone(),
+                state.fleet.clone(),
                 intake_token.clone(),
             )),
             tokio::spawn(crate::retention::run(
@@ -343,15 +344,21 @@ async fn resume_unfinished_runs(
     Ok(())
 }
 
-/// Periodic metric work: histogram upkeep and the devices-by-status gauges
-/// (one grouped count, not a per-device label).
-async fn metrics_upkeep(metrics: Arc<Metrics>, pool: PgPool, token: CancellationToken) {
+/// Periodic metric work: histogram upkeep, the devices-by-status gauges
+/// (one grouped count, not a per-device label) and the fleet cache's size.
+async fn metrics_upkeep(
+    metrics: Arc<Metrics>,
+    pool: PgPool,
+    fleet: Arc<Fleet>,
+    token: CancellationToken,
+) {
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
     loop {
         tokio::select! {
             () = token.cancelled() => break,
             _ = tick.tick() => {
                 metrics.run_upkeep();
+                metrics.fleet_cache_bytes.set(fleet.footprint_bytes() as f64);
                 match store::devices::count_by_status(&pool).await {
                     Ok(counts) => metrics.set_devices_by_status(&counts),
                     Err(e) => tracing::debug!(error = %e, "devices-by-status gauge not refreshed"),

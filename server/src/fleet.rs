@@ -333,4 +333,38 @@ impl Fleet {
     pub fn reported_seq(&self, id: &DeviceId) -> Option<Option<u64>> {
         self.devices.get(id).map(|e| e.reported_seq())
     }
+
+    /// An estimate of the bytes the cache holds: every table slot (id and
+    /// entry, plus the hash table's control byte), each id's and refusal
+    /// message's heap allocation, and each distinct desired spec once, at
+    /// its JSON length. `idem_fleet_cache_bytes`; the benchmark divides it
+    /// by the fleet size.
+    pub fn footprint_bytes(&self) -> usize {
+        let slot = std::mem::size_of::<DeviceId>() + std::mem::size_of::<DeviceEntry>() + 1;
+        let mut bytes = self.devices.capacity() * slot;
+        let mut specs = std::collections::HashSet::new();
+        for entry in self.devices.iter() {
+            bytes += heap_allocation(entry.key().as_str().len());
+            let device = entry.value();
+            if let Some((_, message)) = device.reported.as_ref().and_then(|r| r.rejection.as_ref())
+            {
+                bytes += heap_allocation(message.len());
+            }
+            if let Some(desired) = &device.desired {
+                if specs.insert(Arc::as_ptr(&desired.spec)) {
+                    bytes += serde_json::to_vec(&*desired.spec).map_or(0, |json| json.len());
+                }
+            }
+        }
+        bytes
+    }
+}
+
+/// What glibc's malloc takes for `len` bytes: 8 bytes of header, rounded up
+/// to 16, at least 32.
+fn heap_allocation(len: usize) -> usize {
+    match len {
+        0 => 0,
+        len => (len + 8).max(32).next_multiple_of(16),
+    }
 }

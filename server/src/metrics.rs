@@ -142,6 +142,7 @@ pub struct Metrics {
     pub quarantined: Counter,
     pub drifts: Counter,
     pub unhealthy_converged: Gauge,
+    pub fleet_cache_bytes: Gauge,
     devices_by_status: [Gauge; DeviceStatus::ALL.len()],
     last_run: [Gauge; OutcomeKind::ALL.len()],
     pub events_committed: Counter,
@@ -276,6 +277,10 @@ const DEVICES_UNHEALTHY: Family<Gauge> = Family::new(
     "idem_devices_unhealthy",
     "Converged devices whose report says degraded or unhealthy",
 );
+const FLEET_CACHE_BYTES: Family<Gauge> = Family::new(
+    "idem_fleet_cache_bytes",
+    "Estimated bytes of the in-memory fleet cache (table slots, ids, refusal messages, distinct desired specs)",
+);
 const HTTP_CONNECTIONS: Family<Gauge> =
     Family::new("idem_http_connections", "Open HTTP connections");
 const HTTP_CONNECTIONS_REFUSED: Family<Counter> = Family::new(
@@ -341,6 +346,7 @@ impl Metrics {
             quarantined: QUARANTINED.register(r, &[]),
             drifts: DRIFT_DETECTED.register(r, &[]),
             unhealthy_converged: DEVICES_UNHEALTHY.register(r, &[]),
+            fleet_cache_bytes: FLEET_CACHE_BYTES.register(r, &[]),
             http_connections: HTTP_CONNECTIONS.register(r, &[]),
             http_connections_refused: HTTP_CONNECTIONS_REFUSED.register(r, &[]),
             http_rejected: BodyRejection::ALL
@@ -546,7 +552,7 @@ mod tests {
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .filter_map(|l| l.split(' ').next())
             .collect();
-        assert_eq!(typed.len(), 34, "{text}");
+        assert_eq!(typed.len(), 35, "{text}");
         for name in typed {
             assert!(
                 text.lines()

@@ -169,6 +169,59 @@ async fn a_second_event_writer_waits_for_the_first_to_commit_so_sequences_commit
     assert_eq!(second.await.unwrap(), 3);
 }
 
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn events_with_backslashes_tabs_line_breaks_and_copy_markers_in_their_data_are_stored_exactly(
+    pool: PgPool,
+) {
+    use idem_server::events::{finalize, EventDraft, EventType};
+    // Events are written with COPY's text format, where a raw tab ends a
+    // field, a raw newline ends a row and backslash sequences mean
+    // something: a device's refusal message may hold any of them.
+    let awkward = "tab\there\nnew line \\ backslash \\N \\. \r \"quoted\" é 🚀 \u{1}";
+    let data = json!({ "reason": awkward, "nested": { "list": [awkward, "\\t"] } });
+    let drafts = vec![
+        EventDraft {
+            event_type: EventType::Device(idem_protocol::OutcomeKind::Failed),
+            subject: "dev-awkward".to_owned(),
+            run_id: Some(uuid::Uuid::now_v7()),
+            generation: Some(7),
+            data: data.clone(),
+        },
+        EventDraft {
+            event_type: EventType::RunStarted,
+            subject: "run-plain".to_owned(),
+            run_id: None,
+            generation: None,
+            data: json!({}),
+        },
+    ];
+    let mut tx = pool.begin().await.unwrap();
+    let first = events::reserve_sequences(&mut tx, 2).await.unwrap();
+    let rows = finalize(drafts, first, "/idem/test", chrono::Utc::now()).unwrap();
+    events::insert(&mut tx, &rows).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let stored = events::read(&pool, 0, &events::EventFilter::default(), 10)
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 2);
+    for (row, stored) in rows.iter().zip(&stored) {
+        assert_eq!(stored.sequence, row.sequence);
+        assert_eq!(stored.event_type, row.event_type);
+        assert_eq!(stored.subject, row.subject);
+        assert_eq!(stored.run_id, row.run_id);
+        assert_eq!(stored.cloudevent, row.cloudevent);
+    }
+    assert_eq!(stored[0].cloudevent["data"], data);
+    let time: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT time FROM events WHERE sequence = $1")
+            .bind(rows[0].sequence)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(time.timestamp_micros(), rows[0].time.timestamp_micros());
+}
+
 async fn append_events(pool: &PgPool, count: usize, age: chrono::Duration) {
     use idem_server::events::{finalize, EventDraft, EventType};
     let drafts = (0..count)

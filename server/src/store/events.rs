@@ -1,10 +1,11 @@
 //! The event log: gap-free `sequence`, written in the caller's transaction.
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::Value;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
+use super::copy::{copy_in, CopyRows};
 use super::{to_u64, Context, StoreError};
 
 /// An event ready to be stored, with its sequence already assigned.
@@ -35,36 +36,29 @@ pub async fn reserve_sequences(
     Ok(to_u64(last - count + 1))
 }
 
+/// Appends `events` to the log (one `COPY`), in the caller's transaction.
 pub async fn insert(
     tx: &mut Transaction<'_, Postgres>,
     events: &[EventRow],
 ) -> Result<(), StoreError> {
-    if events.is_empty() {
-        return Ok(());
+    let mut rows = CopyRows::with_capacity(events.len() * 640);
+    for e in events {
+        rows.plain(e.sequence)
+            .plain(e.id)
+            .text(&e.event_type)
+            .text(&e.subject)
+            .optional_plain(e.run_id)
+            .plain(e.time.to_rfc3339_opts(SecondsFormat::Micros, true))
+            .text(&e.cloudevent.to_string());
+        rows.end_row();
     }
-    let sequences: Vec<i64> = events.iter().map(|e| e.sequence).collect();
-    let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
-    let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
-    let subjects: Vec<&str> = events.iter().map(|e| e.subject.as_str()).collect();
-    let run_ids: Vec<Option<Uuid>> = events.iter().map(|e| e.run_id).collect();
-    let times: Vec<DateTime<Utc>> = events.iter().map(|e| e.time).collect();
-    let bodies: Vec<String> = events.iter().map(|e| e.cloudevent.to_string()).collect();
-    sqlx::query(
-        "INSERT INTO events (sequence, id, type, subject, run_id, time, cloudevent) \
-         SELECT s, i, t, sub, r, tm, c::jsonb \
-         FROM UNNEST($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::uuid[], $6::timestamptz[], $7::text[]) \
-             AS x(s, i, t, sub, r, tm, c)",
+    copy_in(
+        tx,
+        "COPY events (sequence, id, type, subject, run_id, time, cloudevent) FROM STDIN",
+        rows,
+        "appending to the event log",
     )
-    .bind(&sequences)
-    .bind(&ids)
-    .bind(&types)
-    .bind(&subjects)
-    .bind(&run_ids)
-    .bind(&times)
-    .bind(&bodies)
-    .execute(&mut **tx)
-    .await
-    .context("appending to the event log")?;
+    .await?;
     Ok(())
 }
 

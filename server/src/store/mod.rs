@@ -1,9 +1,11 @@
 //! PostgreSQL adapter: the only module that speaks SQL. Writes are batched
-//! (`UNNEST` arrays, one statement per batch) and skip no-op updates.
+//! (`COPY` for bulk inserts of run targets and events, `UNNEST` arrays for
+//! updates, one statement per batch) and skip no-op updates.
 //!
 //! Holds no business rules: callers decide, this module persists.
 
 pub mod access;
+pub mod copy;
 pub mod devices;
 pub mod events;
 pub mod runs;

@@ -1,10 +1,11 @@
 //! Runs and their per-device targets/outcomes.
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SecondsFormat, Utc};
 use idem_protocol::{OutcomeCounts, OutcomeKind};
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
+use super::copy::{copy_in, CopyRows};
 use super::{to_i64, Context, StoreError};
 
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -82,30 +83,33 @@ pub async fn create(
     .execute(&mut **tx)
     .await
     .context("creating a run")?;
-    sqlx::query("INSERT INTO run_targets (run_id, device_id) SELECT $1, UNNEST($2::text[])")
-        .bind(id)
-        .bind(undecided)
-        .execute(&mut **tx)
+    // The transaction's own clock, as `now()` in SQL would give it.
+    let decided_at: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&mut **tx)
         .await
-        .context("recording run targets")?;
-    if converged.is_empty() {
-        return Ok(());
+        .context("reading the transaction's time")?;
+    let decided_at = decided_at.to_rfc3339_opts(SecondsFormat::Micros, true);
+    let mut rows = CopyRows::with_capacity((undecided.len() + converged.len()) * 100);
+    for device in undecided {
+        rows.plain(id).text(device).null().null().null().null();
+        rows.end_row();
     }
-    let ids: Vec<&str> = converged.iter().map(|t| t.device_id).collect();
-    let generations: Vec<i64> = converged.iter().map(|t| to_i64(t.generation)).collect();
-    let health: Vec<Option<&str>> = converged.iter().map(|t| t.health).collect();
-    sqlx::query(
-        "INSERT INTO run_targets (run_id, device_id, outcome, generation, health, decided_at) \
-         SELECT $1, t.id, 'already_converged', t.generation, t.health, now() \
-         FROM UNNEST($2::text[], $3::int8[], $4::text[]) AS t(id, generation, health)",
+    for target in converged {
+        rows.plain(id)
+            .text(target.device_id)
+            .plain(OutcomeKind::AlreadyConverged.as_str())
+            .plain(to_i64(target.generation))
+            .optional_text(target.health)
+            .plain(&decided_at);
+        rows.end_row();
+    }
+    copy_in(
+        tx,
+        "COPY run_targets (run_id, device_id, outcome, generation, health, decided_at) FROM STDIN",
+        rows,
+        "recording run targets",
     )
-    .bind(id)
-    .bind(&ids)
-    .bind(&generations)
-    .bind(&health)
-    .execute(&mut **tx)
-    .await
-    .context("recording the run's converged targets")?;
+    .await?;
     Ok(())
 }
 
