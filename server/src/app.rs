@@ -106,6 +106,7 @@ fn shared_state(
         config.topic_root.clone(),
         config.budget,
         metrics.clone(),
+        token.child_token(),
     );
     let dynsec = match config.config.broker_accounts {
         crate::config::BrokerAccounts::Dynsec => {

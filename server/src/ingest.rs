@@ -235,7 +235,7 @@ impl Ingest {
             }
         }
         for received in messages {
-            self.publisher.ack(&received.publish).await;
+            self.publisher.ack(&received.publish);
         }
         if !connectivity.is_empty() {
             self.tell_engine(EngineCommand::Connectivity(connectivity))

@@ -21,6 +21,7 @@ pub mod ingest;
 pub mod input;
 pub mod metrics;
 pub mod mqtt;
+pub mod outbox;
 pub mod reconcile;
 pub mod relay;
 pub mod retention;

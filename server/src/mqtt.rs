@@ -17,8 +17,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_protocol::{Channel, DeviceId, SpecBudget, TopicRoot, GET_PAYLOAD};
 use rumqttc::{
-    AsyncClient, ClientError, ConnectionError, Event, EventLoop, MqttOptions, Packet, Publish, QoS,
-    Request, SubscribeFilter, TlsConfiguration, Transport,
+    AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, Packet, Publish, QoS,
+    SubscribeFilter, TlsConfiguration, Transport,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ValidConfig;
 use crate::metrics::Metrics;
+use crate::outbox::Outbox;
 use crate::retry::Backoff;
 
 /// Requests the client may queue before `publish` waits for the event loop.
@@ -320,6 +321,8 @@ pub fn connect_hint(error: &ConnectionError) -> &'static str {
 #[derive(Clone)]
 pub struct Publisher {
     client: AsyncClient,
+    /// Where sends that found the client's channel full wait, in order.
+    outbox: Arc<Outbox>,
     root: TopicRoot,
     budget: SpecBudget,
     metrics: Arc<Metrics>,
@@ -338,13 +341,16 @@ struct DesiredMessage<'a> {
 }
 
 impl Publisher {
+    /// The publisher of `client`; its outbox drains until `token` ends.
     pub fn new(
         client: AsyncClient,
         root: TopicRoot,
         budget: SpecBudget,
         metrics: Arc<Metrics>,
+        token: CancellationToken,
     ) -> Self {
         Self {
+            outbox: Outbox::start(client.clone(), token),
             client,
             root,
             budget,
@@ -374,10 +380,8 @@ impl Publisher {
             return;
         }
         let topic = self.root.topic(device, Channel::Desired);
-        let sent = self
-            .client
-            .try_publish(topic, QoS::AtLeastOnce, true, payload);
-        self.detach_if_full(sent, "desired state");
+        self.outbox
+            .publish(topic, QoS::AtLeastOnce, true, payload, "desired state");
     }
 
     /// Sends one message of dynamic-security commands (waits for room in
@@ -399,20 +403,26 @@ impl Publisher {
     pub fn clear_retained(&self, device: &DeviceId) {
         for channel in [Channel::Desired, Channel::Status] {
             let topic = self.root.topic(device, channel);
-            let sent = self
-                .client
-                .try_publish(topic, QoS::AtLeastOnce, true, Vec::new());
-            self.detach_if_full(sent, "retained message removal");
+            self.outbox.publish(
+                topic,
+                QoS::AtLeastOnce,
+                true,
+                Vec::new(),
+                "retained message removal",
+            );
         }
     }
 
     /// Asks the device to report now.
     pub fn ask_for_report(&self, device: &DeviceId) {
         let topic = self.root.topic(device, Channel::Get);
-        let sent = self
-            .client
-            .try_publish(topic, QoS::AtLeastOnce, false, GET_PAYLOAD);
-        self.detach_if_full(sent, "report request");
+        self.outbox.publish(
+            topic,
+            QoS::AtLeastOnce,
+            false,
+            GET_PAYLOAD.to_vec(),
+            "report request",
+        );
     }
 
     /// Publishes one CloudEvent (structured JSON) on an event topic.
@@ -431,53 +441,14 @@ impl Publisher {
         }
     }
 
-    /// Acknowledges an inbound publish (manual acks).
-    pub async fn ack(&self, publish: &Publish) {
-        match self.client.try_ack(publish) {
-            Ok(()) => {}
-            Err(ClientError::TryRequest(_)) => {
-                // Wait for room in a task of its own (see `detach_if_full`).
-                let client = self.client.clone();
-                let publish = publish.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = client.ack(&publish).await {
-                        tracing::warn!(error = %e, "could not queue an MQTT ack");
-                    }
-                });
-            }
-            Err(e @ ClientError::Request(_)) => {
-                tracing::warn!(error = %e, "could not queue an MQTT ack")
-            }
-        }
+    /// Acknowledges an inbound publish (manual acks), without waiting.
+    pub fn ack(&self, publish: &Publish) {
+        self.outbox.ack(publish);
     }
 
-    /// The engine and the ingest never wait for room in the client's request
-    /// channel: the event loop that drains it may itself be waiting for them
-    /// (inbound channel full), which would deadlock. When the channel is
-    /// full, a task of its own waits instead; at most one per in-flight push,
-    /// report request or ack.
-    fn detach_if_full(&self, sent: Result<(), ClientError>, what: &'static str) {
-        match sent {
-            Ok(()) => {}
-            Err(ClientError::TryRequest(request)) => {
-                let Request::Publish(p) = request else {
-                    tracing::error!(what, "unexpected request returned by the MQTT client");
-                    return;
-                };
-                let client = self.client.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = client
-                        .publish(p.topic, p.qos, p.retain, p.payload.to_vec())
-                        .await
-                    {
-                        tracing::error!(error = %e, what, "could not publish");
-                    }
-                });
-            }
-            Err(e @ ClientError::Request(_)) => {
-                tracing::error!(error = %e, what, "could not publish")
-            }
-        }
+    /// Sends waiting for room in the MQTT client's request channel.
+    pub fn backlog(&self) -> usize {
+        self.outbox.backlog()
     }
 
     pub fn root(&self) -> &TopicRoot {

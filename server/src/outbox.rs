@@ -1,0 +1,230 @@
+//! The MQTT client's overflow queue: what the engine and the ingest send
+//! (desired pushes, report requests, acks) goes straight into the client's
+//! request channel while it has room; once it is full, sends wait here, in
+//! order, and one task hands them over as room frees up.
+//!
+//! The engine and the ingest never wait for room themselves: the event loop
+//! that drains the channel may be waiting for them (inbound channel full),
+//! which would deadlock. One waiting task, not one task per message: each
+//! waiter on the client's channel is woken and re-scanned on every free
+//! slot, so thousands of waiters cost time quadratic in their number
+//! (measured: half the server's CPU during a 100,000-report burst).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rumqttc::{AsyncClient, ClientError, Publish, QoS, Request};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// A request that found the client's channel full.
+#[derive(Debug, Clone)]
+enum Pending {
+    Publish(Publish),
+    Ack(Publish),
+}
+
+/// See the module documentation. Shared by every clone of the publisher.
+#[derive(Debug)]
+pub struct Outbox {
+    client: AsyncClient,
+    /// In send order; the head stays until the client took it, so nothing
+    /// sent later overtakes it.
+    waiting: Mutex<VecDeque<Pending>>,
+    wake: Notify,
+}
+
+impl Outbox {
+    /// The outbox of `client` and its draining task, which ends with `token`.
+    pub fn start(client: AsyncClient, token: CancellationToken) -> Arc<Self> {
+        let outbox = Arc::new(Self {
+            client,
+            waiting: Mutex::new(VecDeque::new()),
+            wake: Notify::new(),
+        });
+        tokio::spawn(Arc::clone(&outbox).drain(token));
+        outbox
+    }
+
+    /// Publishes without waiting. `what` names the message in the log if
+    /// the client is gone.
+    pub fn publish(
+        &self,
+        topic: String,
+        qos: QoS,
+        retain: bool,
+        payload: Vec<u8>,
+        what: &'static str,
+    ) {
+        let mut waiting = self.lock();
+        let publish = if waiting.is_empty() {
+            match self.client.try_publish(topic, qos, retain, payload) {
+                Ok(()) => return,
+                // The channel is full: the client hands the publish back.
+                Err(ClientError::TryRequest(Request::Publish(publish))) => publish,
+                Err(e) => {
+                    tracing::error!(error = %e, what, "could not publish");
+                    return;
+                }
+            }
+        } else {
+            let mut publish = Publish::new(topic, qos, payload);
+            publish.retain = retain;
+            publish
+        };
+        waiting.push_back(Pending::Publish(publish));
+        drop(waiting);
+        self.wake.notify_one();
+    }
+
+    /// Acknowledges an inbound QoS 1 publish without waiting.
+    pub fn ack(&self, publish: &Publish) {
+        let mut waiting = self.lock();
+        if waiting.is_empty() {
+            match self.client.try_ack(publish) {
+                Ok(()) => return,
+                Err(ClientError::TryRequest(_)) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not queue an MQTT ack");
+                    return;
+                }
+            }
+        }
+        waiting.push_back(Pending::Ack(publish.clone()));
+        drop(waiting);
+        self.wake.notify_one();
+    }
+
+    /// Requests waiting for room in the client's channel.
+    pub fn backlog(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pending>> {
+        // A panic while holding the lock leaves a consistent queue.
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Hands waiting requests to the client, oldest first, each once the
+    /// channel has room.
+    async fn drain(self: Arc<Self>, token: CancellationToken) {
+        loop {
+            let head = self.lock().front().cloned();
+            let Some(head) = head else {
+                tokio::select! {
+                    () = token.cancelled() => return,
+                    () = self.wake.notified() => continue,
+                }
+            };
+            let sent = tokio::select! {
+                () = token.cancelled() => return,
+                sent = self.send(head) => sent,
+            };
+            self.lock().pop_front();
+            if let Err(e) = sent {
+                tracing::warn!(error = %e, "could not hand a waiting request to the MQTT client");
+            }
+        }
+    }
+
+    async fn send(&self, pending: Pending) -> Result<(), ClientError> {
+        match pending {
+            Pending::Publish(p) => {
+                self.client
+                    .publish_bytes(p.topic, p.qos, p.retain, p.payload)
+                    .await
+            }
+            Pending::Ack(p) => self.client.ack(&p).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use rumqttc::{AsyncClient, Publish, QoS, Request};
+    use tokio_util::sync::CancellationToken;
+
+    use super::Outbox;
+
+    /// What a request on the channel is, in a test's words.
+    fn describe(request: &Request) -> String {
+        if let Request::Publish(p) = request {
+            return format!("publish {} {:?}", p.topic, p.payload);
+        }
+        if let Request::PubAck(ack) = request {
+            return format!("ack {}", ack.pkid);
+        }
+        format!("{request:?}")
+    }
+
+    fn inbound(pkid: u16) -> Publish {
+        let mut publish = Publish::new("r/d/reported", QoS::AtLeastOnce, b"{}".to_vec());
+        publish.pkid = pkid;
+        publish
+    }
+
+    #[tokio::test]
+    async fn sends_beyond_a_full_channel_wait_and_reach_the_client_in_send_order() {
+        // A channel of two, drained only after everything was sent.
+        let (tx, rx) = flume::bounded(2);
+        let token = CancellationToken::new();
+        let outbox = Outbox::start(AsyncClient::from_senders(tx), token.clone());
+        let mut expected = Vec::new();
+        for i in 0..6u16 {
+            let topic = format!("r/d{i}/desired");
+            outbox.publish(topic.clone(), QoS::AtLeastOnce, true, vec![b'a'; 3], "test");
+            expected.push(format!("publish {topic} b\"aaa\""));
+            outbox.ack(&inbound(i + 1));
+            expected.push(format!("ack {}", i + 1));
+        }
+        assert_eq!(outbox.backlog(), 10, "two fit in the channel, ten wait");
+        let mut got = Vec::new();
+        while got.len() < expected.len() {
+            let request = tokio::time::timeout(Duration::from_secs(5), rx.recv_async())
+                .await
+                .expect("a waiting request never reached the client")
+                .expect("channel open");
+            got.push(describe(&request));
+        }
+        assert_eq!(got, expected);
+        assert_eq!(outbox.backlog(), 0);
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_send_after_the_queue_emptied_goes_straight_to_the_client() {
+        let (tx, rx) = flume::bounded(1);
+        let token = CancellationToken::new();
+        let outbox = Outbox::start(AsyncClient::from_senders(tx), token.clone());
+        outbox.ack(&inbound(1));
+        assert_eq!(outbox.backlog(), 0);
+        assert_eq!(describe(&rx.recv_async().await.unwrap()), "ack 1");
+        outbox.ack(&inbound(2));
+        assert_eq!(outbox.backlog(), 0);
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_send_while_others_wait_never_overtakes_them_even_when_the_channel_has_room() {
+        let (tx, rx) = flume::bounded(1);
+        let token = CancellationToken::new();
+        let outbox = Outbox::start(AsyncClient::from_senders(tx), token.clone());
+        outbox.ack(&inbound(1));
+        outbox.ack(&inbound(2));
+        // A slot frees up before the outbox's task had a chance to run.
+        assert_eq!(describe(&rx.try_recv().unwrap()), "ack 1");
+        outbox.ack(&inbound(3));
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            let request = tokio::time::timeout(Duration::from_secs(5), rx.recv_async())
+                .await
+                .unwrap()
+                .unwrap();
+            got.push(describe(&request));
+        }
+        assert_eq!(got, ["ack 2", "ack 3"]);
+        token.cancel();
+    }
+}
