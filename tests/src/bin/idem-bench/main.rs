@@ -58,7 +58,8 @@ usage: idem-bench --server-bin PATH [--out FILE] [--devices N] [--drifted N]
   --out FILE          where to write the JSON results
   --devices N         fleet size (default 10000)
   --drifted N         devices drifted for the converged pass (default 4)
-  --heartbeats K      reports per device in the ingest burst (default 10)
+  --heartbeats K      reports per device in the ingest burst (default: a
+                      burst of 100,000 reports, 10 each at 10,000 devices)
   --connect-rate R    new device connections per second (default 0 = all at once)
   --max-connecting M  connection attempts in flight (default 100; 0 = unbounded)
   --perf STEP         run `perf record -g` during STEP (connect, converged,
@@ -110,7 +111,7 @@ fn parse_args() -> Result<Args> {
         out: None,
         devices: 10_000,
         drifted: 4,
-        heartbeats: 10,
+        heartbeats: 0,
         connect_rate: 0,
         max_connecting: idem_device_sim::DEFAULT_MAX_CONNECTING,
         perf: None,
@@ -152,6 +153,9 @@ fn parse_args() -> Result<Args> {
             }
             other => bail!("unknown argument {other:?}\n{USAGE}"),
         }
+    }
+    if args.heartbeats == 0 {
+        args.heartbeats = u32::try_from((100_000 / args.devices.max(1)).max(1)).unwrap_or(1);
     }
     if args.server_bin.as_os_str().is_empty() {
         bail!("--server-bin is required\n{USAGE}");
@@ -1179,7 +1183,8 @@ async fn ingest_step(
     let ingest = async {
         let t0 = Instant::now();
         fleet.request_reports(k).await?;
-        let deadline = t0 + Duration::from_secs(120);
+        // At least 120 s, and 1,000 reports/s more than that.
+        let deadline = t0 + Duration::from_secs(120 + total / 1_000);
         let subscriber = async {
             loop {
                 if let Some(at) = counter.reached() {
