@@ -222,6 +222,19 @@ async fn events_with_backslashes_tabs_line_breaks_and_copy_markers_in_their_data
     assert_eq!(time.timestamp_micros(), rows[0].time.timestamp_micros());
 }
 
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn events_spanning_many_copy_chunks_are_all_stored_in_sequence(pool: PgPool) {
+    // ~200 B each: 5,000 of them are several of COPY's 256 KiB chunks.
+    append_events(&pool, 5_000, chrono::Duration::zero()).await;
+    let (count, first, last, subjects): (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), min(sequence), max(sequence), count(DISTINCT subject) FROM events",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((count, first, last, subjects), (5_000, 1, 5_000, 5_000));
+}
+
 async fn append_events(pool: &PgPool, count: usize, age: chrono::Duration) {
     use idem_server::events::{finalize, EventDraft, EventType};
     let drafts = (0..count)

@@ -48,6 +48,13 @@ impl CopyRows {
     /// A text field, escaped.
     pub fn text(&mut self, value: &str) -> &mut Self {
         self.separate();
+        if !value
+            .bytes()
+            .any(|b| matches!(b, b'\\' | b'\t' | b'\n' | b'\r'))
+        {
+            self.text.push_str(value);
+            return self;
+        }
         for c in value.chars() {
             match c {
                 '\\' => self.text.push_str("\\\\"),
@@ -112,24 +119,43 @@ impl CopyRows {
     }
 }
 
-/// Runs `statement` (`COPY table (columns) FROM STDIN`) with `rows` in the
-/// caller's transaction; returns the rows PostgreSQL stored. Nothing is
-/// sent for no rows.
-pub async fn copy_in(
+/// Encoded rows are sent to PostgreSQL in chunks of about this size, so it
+/// parses one chunk while the next is encoded.
+const CHUNK_BYTES: usize = 256 * 1024;
+
+/// Runs `statement` (`COPY table (columns) FROM STDIN`) in the caller's
+/// transaction with one row per item, `encode(rows, item)` writing its
+/// fields; returns the rows PostgreSQL stored. Nothing is sent for no items.
+pub async fn copy_in<I, F>(
     tx: &mut Transaction<'_, Postgres>,
     statement: &str,
-    rows: CopyRows,
     context: &'static str,
-) -> Result<u64, StoreError> {
-    if rows.is_empty() {
+    items: I,
+    mut encode: F,
+) -> Result<u64, StoreError>
+where
+    I: IntoIterator,
+    F: FnMut(&mut CopyRows, I::Item),
+{
+    let mut items = items.into_iter().peekable();
+    if items.peek().is_none() {
         return Ok(0);
     }
     let mut copy = tx.copy_in_raw(statement).await.context(context)?;
-    if let Err(e) = copy.send(rows.text.into_bytes()).await {
-        // The statement is still open: end it so the connection stays usable
-        // for the rollback, and report the send's error.
-        let _ = copy.abort("the rows could not be sent").await;
-        return Err(e).context(context);
+    let fresh = || CopyRows::with_capacity(CHUNK_BYTES + CHUNK_BYTES / 4);
+    let mut chunk = fresh();
+    while let Some(item) = items.next() {
+        encode(&mut chunk, item);
+        chunk.end_row();
+        if chunk.text.len() >= CHUNK_BYTES || items.peek().is_none() {
+            let full = std::mem::replace(&mut chunk, fresh());
+            if let Err(e) = copy.send(full.text.into_bytes()).await {
+                // End the statement so the connection stays usable for the
+                // rollback, and report the send's error.
+                let _ = copy.abort("the rows could not be sent").await;
+                return Err(e).context(context);
+            }
+        }
     }
     copy.finish().await.context(context)
 }

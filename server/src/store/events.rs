@@ -5,7 +5,7 @@ use serde_json::Value;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
-use super::copy::{copy_in, CopyRows};
+use super::copy::copy_in;
 use super::{to_u64, Context, StoreError};
 
 /// An event ready to be stored, with its sequence already assigned.
@@ -41,22 +41,20 @@ pub async fn insert(
     tx: &mut Transaction<'_, Postgres>,
     events: &[EventRow],
 ) -> Result<(), StoreError> {
-    let mut rows = CopyRows::with_capacity(events.len() * 640);
-    for e in events {
-        rows.plain(e.sequence)
-            .plain(e.id)
-            .text(&e.event_type)
-            .text(&e.subject)
-            .optional_plain(e.run_id)
-            .plain(e.time.to_rfc3339_opts(SecondsFormat::Micros, true))
-            .text(&e.cloudevent.to_string());
-        rows.end_row();
-    }
     copy_in(
         tx,
         "COPY events (sequence, id, type, subject, run_id, time, cloudevent) FROM STDIN",
-        rows,
         "appending to the event log",
+        events,
+        |rows, e| {
+            rows.plain(e.sequence)
+                .plain(e.id)
+                .text(&e.event_type)
+                .text(&e.subject)
+                .optional_plain(e.run_id)
+                .plain(e.time.to_rfc3339_opts(SecondsFormat::Micros, true))
+                .text(&e.cloudevent.to_string());
+        },
     )
     .await?;
     Ok(())

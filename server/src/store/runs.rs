@@ -5,7 +5,7 @@ use idem_protocol::{OutcomeCounts, OutcomeKind};
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
-use super::copy::{copy_in, CopyRows};
+use super::copy::copy_in;
 use super::{to_i64, Context, StoreError};
 
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -89,25 +89,29 @@ pub async fn create(
         .await
         .context("reading the transaction's time")?;
     let decided_at = decided_at.to_rfc3339_opts(SecondsFormat::Micros, true);
-    let mut rows = CopyRows::with_capacity((undecided.len() + converged.len()) * 100);
-    for device in undecided {
-        rows.plain(id).text(device).null().null().null().null();
-        rows.end_row();
-    }
-    for target in converged {
-        rows.plain(id)
-            .text(target.device_id)
-            .plain(OutcomeKind::AlreadyConverged.as_str())
-            .plain(to_i64(target.generation))
-            .optional_text(target.health)
-            .plain(&decided_at);
-        rows.end_row();
-    }
+    // Collected: a lazy iterator of closures would be held across the
+    // COPY's awaits, which the futures of axum handlers cannot carry.
+    let rows: Vec<(&str, Option<&ConvergedTarget<'_>>)> = undecided
+        .iter()
+        .map(|device| (device.as_str(), None))
+        .chain(converged.iter().map(|t| (t.device_id, Some(t))))
+        .collect();
     copy_in(
         tx,
         "COPY run_targets (run_id, device_id, outcome, generation, health, decided_at) FROM STDIN",
-        rows,
         "recording run targets",
+        rows,
+        |row, (device, converged)| {
+            row.plain(id).text(device);
+            match converged {
+                None => row.null().null().null().null(),
+                Some(target) => row
+                    .plain(OutcomeKind::AlreadyConverged.as_str())
+                    .plain(to_i64(target.generation))
+                    .optional_text(target.health)
+                    .plain(&decided_at),
+            };
+        },
     )
     .await?;
     Ok(())
