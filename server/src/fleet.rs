@@ -330,6 +330,18 @@ impl Fleet {
         self.devices.get(id).and_then(|e| e.online)
     }
 
+    /// Whether a report with `digest` makes the device converged without a
+    /// run: it was never reconciled (`unknown`) and `digest` is its desired
+    /// state's.
+    pub fn first_report_converges(&self, id: &DeviceId, digest: &SpecDigest) -> bool {
+        self.devices.get(id).is_some_and(|e| {
+            e.status == DeviceStatus::Unknown
+                && e.desired
+                    .as_ref()
+                    .is_some_and(|d| d.generation > 0 && d.digest == *digest)
+        })
+    }
+
     pub fn reported_seq(&self, id: &DeviceId) -> Option<Option<u64>> {
         self.devices.get(id).map(|e| e.reported_seq())
     }

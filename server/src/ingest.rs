@@ -14,7 +14,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use idem_protocol::limits::seq_ceiling;
 use idem_protocol::{
-    Channel, DeviceId, Health, Reported, SpecBudget, SpecDigest, Status, TopicRoot,
+    Channel, DeviceId, DeviceStatus, Health, Reported, SpecBudget, SpecDigest, Status, TopicRoot,
 };
 use sqlx::PgPool;
 use tokio::sync::mpsc;
@@ -23,11 +23,12 @@ use tokio_util::sync::CancellationToken;
 use crate::fleet::{Fleet, FleetChange};
 use crate::metrics::{Metrics, ReportResult};
 use crate::mqtt::{Publisher, Received};
+use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::engine::EngineCommand;
 use crate::retry::Backoff;
 use crate::stall::Stall;
-use crate::store::devices::ReportRow;
+use crate::store::devices::{DeviceChangeRow, ReportRow};
 use crate::store::{self, Context, DeviceWrites, StoreError};
 
 /// Most messages stored in one database batch.
@@ -415,13 +416,46 @@ impl Ingest {
         store::devices::apply_reports(&mut tx, &reports, self.auto_register)
             .await
             .map_err(classify_failure)?;
+        // A device never reconciled that reports exactly its desired state
+        // is converged: written with its report (under the same lock as
+        // desired changes, so the cache's desired state is the committed
+        // one), so the fleet's first run has no row to rewrite for it.
+        let converged: Vec<&DeviceId> = rows
+            .iter()
+            .filter(|(id, row)| {
+                SpecDigest::parse(&row.digest)
+                    .is_ok_and(|digest| self.fleet.first_report_converges(id, &digest))
+            })
+            .map(|(id, _)| id)
+            .collect();
+        let changes: Vec<DeviceChangeRow<'_>> = converged
+            .iter()
+            .map(|id| DeviceChangeRow {
+                id: id.as_str(),
+                status: Some(DeviceStatus::Converged.as_str()),
+                ..DeviceChangeRow::default()
+            })
+            .collect();
+        store::devices::apply_changes(&mut tx, &changes)
+            .await
+            .map_err(classify_failure)?;
         store::devices::set_online(&mut tx, online)
             .await
             .map_err(classify_failure)?;
         tx.commit()
             .await
             .context("committing reports")
-            .map_err(classify_failure)
+            .map_err(classify_failure)?;
+        let change = DeviceChange {
+            status: Some(DeviceStatus::Converged),
+            ..DeviceChange::default()
+        };
+        self.fleet.apply(
+            converged
+                .into_iter()
+                .map(|id| FleetChange::Engine(id.clone(), change.clone())),
+        );
+        Ok(())
     }
 }
 

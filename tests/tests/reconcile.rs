@@ -25,6 +25,32 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
         .await
         .unwrap();
     let fleet = scenario.register_and_start(&plan, 50).await.unwrap();
+    // A row's `xmin` changes with every write.
+    let row_versions = || async {
+        sqlx::query_as::<_, (String, String, String)>(
+            "SELECT id, xmin::text, status FROM devices ORDER BY id",
+        )
+        .fetch_all(scenario.db.pool())
+        .await
+        .unwrap()
+    };
+    let drifted: BTreeSet<String> = plan
+        .ids_expecting(ExpectedOutcome::Provisioned)
+        .iter()
+        .map(|d| d.to_string())
+        .collect();
+    // Reporting its desired state made each of the 46 converged already.
+    let converged_rows = || async {
+        let rows = row_versions().await;
+        rows.into_iter()
+            .filter(|(id, _, _)| !drifted.contains(id))
+            .collect::<Vec<_>>()
+    };
+    let before_first_run = converged_rows().await;
+    assert!(
+        before_first_run.iter().all(|(_, _, status)| status == "converged"),
+        "devices reporting their desired state are not converged before any run: {before_first_run:?}"
+    );
 
     let started = Instant::now();
     let (run_id, run) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
@@ -49,12 +75,14 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
         assert_eq!(got, Some(expected.kind()), "device {id}");
     }
 
+    // The fleet's first run rewrote none of the 46 rows either.
+    assert_eq!(
+        converged_rows().await,
+        before_first_run,
+        "the first run rewrote converged devices' rows"
+    );
+
     // The broker carried desired-state publishes for exactly the drifted four.
-    let drifted: BTreeSet<String> = plan
-        .ids_expecting(ExpectedOutcome::Provisioned)
-        .iter()
-        .map(|d| d.to_string())
-        .collect();
     // Every push of the run has reached the watcher once the run's
     // completed event has (same server connection, sent after them).
     watcher
@@ -73,13 +101,7 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
     assert_eq!(events.values().sum::<i64>(), 52, "{events:?}");
 
     // The same run again: everything already converged, nothing published,
-    // and no device row rewritten (a row's `xmin` changes with every write).
-    let row_versions = || async {
-        sqlx::query_as::<_, (String, String)>("SELECT id, xmin::text FROM devices ORDER BY id")
-            .fetch_all(scenario.db.pool())
-            .await
-            .unwrap()
-    };
+    // and no device row rewritten.
     let before = row_versions().await;
     let (again_id, again) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
     assert_eq!(
