@@ -159,6 +159,19 @@ mod tests {
         format!("{request:?}")
     }
 
+    /// The next `n` requests the client's channel delivers, described.
+    async fn received(rx: &flume::Receiver<Request>, n: usize) -> Vec<String> {
+        let mut got = Vec::new();
+        while got.len() < n {
+            let request = tokio::time::timeout(Duration::from_secs(5), rx.recv_async())
+                .await
+                .expect("a waiting request never reached the client")
+                .expect("channel open");
+            got.push(describe(&request));
+        }
+        got
+    }
+
     fn inbound(pkid: u16) -> Publish {
         let mut publish = Publish::new("r/d/reported", QoS::AtLeastOnce, b"{}".to_vec());
         publish.pkid = pkid;
@@ -180,15 +193,7 @@ mod tests {
             expected.push(format!("ack {}", i + 1));
         }
         assert_eq!(outbox.backlog(), 10, "two fit in the channel, ten wait");
-        let mut got = Vec::new();
-        while got.len() < expected.len() {
-            let request = tokio::time::timeout(Duration::from_secs(5), rx.recv_async())
-                .await
-                .expect("a waiting request never reached the client")
-                .expect("channel open");
-            got.push(describe(&request));
-        }
-        assert_eq!(got, expected);
+        assert_eq!(received(&rx, expected.len()).await, expected);
         assert_eq!(outbox.backlog(), 0);
         token.cancel();
     }
@@ -216,15 +221,7 @@ mod tests {
         // A slot frees up before the outbox's task had a chance to run.
         assert_eq!(describe(&rx.try_recv().unwrap()), "ack 1");
         outbox.ack(&inbound(3));
-        let mut got = Vec::new();
-        for _ in 0..2 {
-            let request = tokio::time::timeout(Duration::from_secs(5), rx.recv_async())
-                .await
-                .unwrap()
-                .unwrap();
-            got.push(describe(&request));
-        }
-        assert_eq!(got, ["ack 2", "ack 3"]);
+        assert_eq!(received(&rx, 2).await, ["ack 2", "ack 3"]);
         token.cancel();
     }
 }

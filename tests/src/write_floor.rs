@@ -67,29 +67,33 @@ async fn by_copy(pool: &PgPool, rows: &Rows) -> Result<()> {
         .begin()
         .await
         .context("starting the floor transaction")?;
-    let mut copy = tx
-        .copy_in_raw(
-            "COPY floor_outcomes (run_id, device_id, outcome, reason, generation, health, decided_at) FROM STDIN",
-        )
-        .await
-        .context("COPY into floor_outcomes")?;
-    copy.send(rows.outcomes_copy_text().as_bytes()).await?;
-    copy.finish()
-        .await
-        .context("finishing COPY into floor_outcomes")?;
-    let mut copy = tx
-        .copy_in_raw(
-            "COPY floor_events (sequence, id, type, subject, run_id, time, cloudevent) FROM STDIN",
-        )
-        .await
-        .context("COPY into floor_events")?;
-    copy.send(rows.events_copy_text().as_bytes()).await?;
-    copy.finish()
-        .await
-        .context("finishing COPY into floor_events")?;
+    copy_into(
+        &mut tx,
+        "COPY floor_outcomes (run_id, device_id, outcome, reason, generation, health, decided_at) FROM STDIN",
+        &rows.outcomes_copy_text(),
+    )
+    .await?;
+    copy_into(
+        &mut tx,
+        "COPY floor_events (sequence, id, type, subject, run_id, time, cloudevent) FROM STDIN",
+        &rows.events_copy_text(),
+    )
+    .await?;
     tx.commit()
         .await
         .context("committing the floor transaction")
+}
+
+async fn copy_into(tx: &mut sqlx::PgConnection, statement: &str, text: &str) -> Result<()> {
+    let mut copy = tx
+        .copy_in_raw(statement)
+        .await
+        .with_context(|| format!("starting {statement}"))?;
+    copy.send(text.as_bytes()).await?;
+    copy.finish()
+        .await
+        .with_context(|| format!("finishing {statement}"))?;
+    Ok(())
 }
 
 async fn by_unnest(pool: &PgPool, rows: &Rows) -> Result<()> {

@@ -897,17 +897,9 @@ async fn run_steps(
     record.write_floor_unnest = Some(floors.unnest);
 
     // Converged pass: a normal run over the fleet with `drifted` devices off.
-    let client = bench.client.clone();
-    let pushes_before = bench.metric(PUSHES).await?;
-    let (converged, converged_wall) = bench
-        .step(&mut record, "converged", async {
-            let started = client.start_run(&json!({"all": true})).await?;
-            let run = follow_run(&client, &started.run_id).await?;
-            Ok((run, BTreeMap::new()))
-        })
-        .await?;
-    let converged_pushes = bench.metric(PUSHES).await? - pushes_before;
-    record.annotate_last(run_details(&converged, converged_pushes));
+    let all = json!({"all": true});
+    let (converged, converged_wall, _) =
+        run_step(bench, &mut record, "converged", RunStart::Run(&all)).await?;
     if converged.summary != expected_summary {
         bail!(
             "converged pass summary {:?}, expected {expected_summary:?}",
@@ -934,16 +926,8 @@ async fn run_steps(
 
     // Payoff: the same fleet, re-drifted, reconciled normally, then forced.
     redrift(bench, &mut fleet, &drifted_ids, &plan.desired_spec).await?;
-    let pushes_before = bench.metric(PUSHES).await?;
-    let (normal, normal_wall) = bench
-        .step(&mut record, "normal", async {
-            let started = client.start_run(&json!({"all": true})).await?;
-            let run = follow_run(&client, &started.run_id).await?;
-            Ok((run, BTreeMap::new()))
-        })
-        .await?;
-    let normal_pushes = bench.metric(PUSHES).await? - pushes_before;
-    record.annotate_last(run_details(&normal, normal_pushes));
+    let (normal, normal_wall, normal_pushes) =
+        run_step(bench, &mut record, "normal", RunStart::Run(&all)).await?;
     if normal.summary != expected_summary {
         bail!(
             "normal run summary {:?}, expected {expected_summary:?}",
@@ -951,35 +935,22 @@ async fn run_steps(
         );
     }
     redrift(bench, &mut fleet, &drifted_ids, &plan.desired_spec).await?;
-    let pushes_before = bench.metric(PUSHES).await?;
-    let (forced, forced_wall) = bench
-        .step(&mut record, "forced", async {
-            let started = client
-                .start_run(&json!({"all": true, "force": true}))
-                .await?;
-            let run = follow_run(&client, &started.run_id).await?;
-            Ok((run, BTreeMap::new()))
-        })
-        .await?;
-    let forced_pushes = bench.metric(PUSHES).await? - pushes_before;
-    record.annotate_last(run_details(&forced, forced_pushes));
+    let forced_body = json!({"all": true, "force": true});
+    let (_, forced_wall, forced_pushes) =
+        run_step(bench, &mut record, "forced", RunStart::Run(&forced_body)).await?;
 
     // Full push: a fleet-wide desired change; every device is pushed to.
     let new_spec = json!({"firmware": "2.5.0", "version": "2025.2",
         "telemetry": {"interval_s": 30, "metrics": ["temp", "rssi", "battery"]},
         "features": {"ota": true, "debug_log": false}});
-    let pushes_before = bench.metric(PUSHES).await?;
-    let (full, full_wall) = bench
-        .step(&mut record, "full_push", async {
-            let started = client
-                .set_desired(&json!({"all": true, "spec": new_spec}))
-                .await?;
-            let run = follow_run(&client, &started.run_id).await?;
-            Ok((run, BTreeMap::new()))
-        })
-        .await?;
-    let full_pushes = bench.metric(PUSHES).await? - pushes_before;
-    record.annotate_last(run_details(&full, full_pushes));
+    let desired_body = json!({"all": true, "spec": new_spec});
+    let (full, full_wall, full_pushes) = run_step(
+        bench,
+        &mut record,
+        "full_push",
+        RunStart::Desired(&desired_body),
+    )
+    .await?;
     if full.counts.provisioned != n as u64 {
         bail!("full push: {}", full.summary);
     }
@@ -1037,6 +1008,40 @@ async fn run_steps(
         cache_bytes,
     };
     report(bench, load_before, server_env, &record, measured)
+}
+
+/// How a run step starts its run.
+#[derive(Clone, Copy)]
+enum RunStart<'a> {
+    /// `POST /v1/runs` with this body.
+    Run(&'a Value),
+    /// `POST /v1/desired` with this body.
+    Desired(&'a Value),
+}
+
+/// Step `name`: starts a run and follows it until completed. Returns the
+/// run, the step's duration and the publishes the server made meanwhile.
+async fn run_step(
+    bench: &Bench,
+    record: &mut Record,
+    name: &'static str,
+    start: RunStart<'_>,
+) -> Result<(RunView, Duration, f64)> {
+    let client = &bench.client;
+    let pushes_before = bench.metric(PUSHES).await?;
+    let (run, wall) = bench
+        .step(record, name, async {
+            let started = match start {
+                RunStart::Run(body) => client.start_run(body).await?,
+                RunStart::Desired(body) => client.set_desired(body).await?,
+            };
+            let run = follow_run(client, &started.run_id).await?;
+            Ok((run, BTreeMap::new()))
+        })
+        .await?;
+    let pushes = bench.metric(PUSHES).await? - pushes_before;
+    record.annotate_last(run_details(&run, pushes));
+    Ok((run, wall, pushes))
 }
 
 /// Registers the plan's devices, 1,000 per request.
