@@ -1,4 +1,4 @@
-//! Fault tolerance end to end (issue 5, at-least-once ingest): the real
+//! Fault tolerance end to end (at-least-once ingest): the real
 //! `idem-server` binary as a child process that is SIGKILLed mid-run, and a
 //! private PostgreSQL cluster that is stopped mid-run — against a private
 //! Mosquitto and simulated devices. Every fault is injected into a service

@@ -1381,7 +1381,7 @@ fn targets(bench: &Bench, measured: &Measured) -> Vec<Target> {
     let publish_ratio = forced_pushes / normal_pushes.max(1.0);
     let full_rate = n as f64 / full_wall.as_secs_f64();
     let nf = format_count(n as u64);
-    // Issue 12's targets: connect 2 s per 10,000 devices; the ingest ratio
+    // The targets: connect 2 s per 10,000 devices; the ingest ratio
     // may fall to 0.9 at 100,000 (edges and bridges in between).
     let connect_limit = 2.0 * n as f64 / 10_000.0;
     let ingest_floor = if n >= 100_000 { 0.9 } else { 0.95 };
