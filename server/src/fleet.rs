@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::{self, Actual, ReportedState};
+use crate::reconcile::policy;
 use crate::store::devices::DeviceRow;
 use crate::store::to_u64;
 
@@ -331,14 +332,10 @@ impl Fleet {
     }
 
     /// Whether a report with `digest` makes the device converged without a
-    /// run: it was never reconciled (`unknown`) and `digest` is its desired
-    /// state's.
+    /// run ([`policy::converged_by_report`]).
     pub fn first_report_converges(&self, id: &DeviceId, digest: &SpecDigest) -> bool {
         self.devices.get(id).is_some_and(|e| {
-            e.status == DeviceStatus::Unknown
-                && e.desired
-                    .as_ref()
-                    .is_some_and(|d| d.generation > 0 && d.digest == *digest)
+            policy::converged_by_report(e.status, e.desired_for_decision().as_ref(), digest)
         })
     }
 
@@ -364,12 +361,30 @@ impl Fleet {
             }
             if let Some(desired) = &device.desired {
                 if specs.insert(Arc::as_ptr(&desired.spec)) {
-                    bytes += serde_json::to_vec(&*desired.spec).map_or(0, |json| json.len());
+                    bytes += json_length(&desired.spec);
                 }
             }
         }
         bytes
     }
+}
+
+/// The length of `value` as JSON, counted without building the text.
+fn json_length(value: &Value) -> usize {
+    struct Counter(usize);
+    impl std::io::Write for Counter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counter = Counter(0);
+    // Serialising a `Value` into a writer that never fails cannot fail.
+    let _ = serde_json::to_writer(&mut counter, value);
+    counter.0
 }
 
 /// What glibc's malloc takes for `len` bytes: 8 bytes of header, rounded up

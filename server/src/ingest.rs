@@ -331,10 +331,14 @@ impl Ingest {
         if batch.reports.is_empty() && batch.online.is_empty() {
             return Some(Vec::new());
         }
-        let rows: Vec<(DeviceId, ReportRow)> = batch
+        let rows: Vec<PendingReport> = batch
             .reports
             .iter()
-            .map(|(device, (report, digest))| (device.clone(), report_row(device, report, digest)))
+            .map(|(device, (report, digest))| PendingReport {
+                device: device.clone(),
+                digest: *digest,
+                row: report_row(device, report, digest),
+            })
             .collect();
         let online: Vec<(String, bool)> = batch
             .online
@@ -344,7 +348,7 @@ impl Ingest {
         let mut refused = Vec::new();
         // Report slices still to write; the connection state goes with the
         // first write that commits (alone, if every report was refused).
-        let mut pending: Vec<&[(DeviceId, ReportRow)]> = vec![&rows];
+        let mut pending: Vec<&[PendingReport]> = vec![&rows];
         let mut online: &[(String, bool)] = &online;
         let mut backoff = Backoff::store_and_broker();
         loop {
@@ -372,7 +376,7 @@ impl Ingest {
                     pending.push(first);
                 }
                 Err(WriteFailure::Refused(e)) if slice.len() == 1 => {
-                    let (device, _) = &slice[0];
+                    let device = &slice[0].device;
                     self.metrics.reject_report("db_refused");
                     tracing::error!(%device, error = %e, "the database refused this device's report; it is dropped");
                     refused.push(device.clone());
@@ -395,7 +399,7 @@ impl Ingest {
 
     async fn write(
         &self,
-        rows: &[(DeviceId, ReportRow)],
+        rows: &[PendingReport],
         online: &[(String, bool)],
     ) -> Result<(), WriteFailure> {
         let classify_failure = |e: StoreError| {
@@ -405,7 +409,7 @@ impl Ingest {
                 WriteFailure::Transient(e)
             }
         };
-        let reports: Vec<&ReportRow> = rows.iter().map(|(_, row)| row).collect();
+        let reports: Vec<&ReportRow> = rows.iter().map(|r| &r.row).collect();
         let _one_writer = self.device_writes.lock().await;
         let mut tx = self
             .pool
@@ -422,11 +426,8 @@ impl Ingest {
         // one), so the fleet's first run has no row to rewrite for it.
         let converged: Vec<&DeviceId> = rows
             .iter()
-            .filter(|(id, row)| {
-                SpecDigest::parse(&row.digest)
-                    .is_ok_and(|digest| self.fleet.first_report_converges(id, &digest))
-            })
-            .map(|(id, _)| id)
+            .filter(|r| self.fleet.first_report_converges(&r.device, &r.digest))
+            .map(|r| &r.device)
             .collect();
         let changes: Vec<DeviceChangeRow<'_>> = converged
             .iter()
@@ -457,6 +458,13 @@ impl Ingest {
         );
         Ok(())
     }
+}
+
+/// One report of a batch on its way to PostgreSQL.
+struct PendingReport {
+    device: DeviceId,
+    digest: SpecDigest,
+    row: ReportRow,
 }
 
 fn report_row(device: &DeviceId, report: &Reported, digest: &SpecDigest) -> ReportRow {

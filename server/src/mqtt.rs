@@ -446,11 +446,6 @@ impl Publisher {
         self.outbox.ack(publish);
     }
 
-    /// Sends waiting for room in the MQTT client's request channel.
-    pub fn backlog(&self) -> usize {
-        self.outbox.backlog()
-    }
-
     pub fn root(&self) -> &TopicRoot {
         &self.root
     }

@@ -1,10 +1,13 @@
-//! Pure policies around `decide`: which devices a run does not attempt, how
-//! long to wait before retrying a failed push, and the device status an
-//! outcome leaves behind. No IO, no clock, no randomness (jitter is an input).
+//! Pure policies around `decide`: which devices a run does not attempt (or
+//! decides while it is created), how long to wait before retrying a failed
+//! push, the device status an outcome leaves behind, and the one a report
+//! alone sets. No IO, no clock, no randomness (jitter is an input).
 
 use std::time::Duration;
 
 pub use idem_protocol::DeviceStatus;
+
+use idem_protocol::SpecDigest;
 
 use super::decide::{decide, Actual, Attempt, Decision, Desired};
 use super::outcome::{Outcome, SkipReason};
@@ -49,6 +52,19 @@ pub fn converged_at_creation(
         | Decision::AskForReport
         | Decision::Wait => false,
     }
+}
+
+/// Whether a stored report makes a device `converged` without a run: it
+/// was never reconciled (`unknown`) and the report carries its desired
+/// digest. The ingest writes that status with the report, so the fleet's
+/// first run has no row to rewrite for it.
+pub fn converged_by_report(
+    status: DeviceStatus,
+    desired: Option<&Desired>,
+    reported: &SpecDigest,
+) -> bool {
+    status == DeviceStatus::Unknown
+        && desired.is_some_and(|d| d.generation > 0 && d.digest == *reported)
 }
 
 /// Retry schedule for failed attempts.
@@ -113,6 +129,39 @@ mod tests {
         Desired {
             generation: version,
             digest: SpecDigest::of(&serde_json::json!({ "v": version })),
+        }
+    }
+
+    #[test]
+    fn only_a_never_reconciled_device_reporting_its_desired_digest_is_converged_by_that_report() {
+        let digest = wanting(2).digest;
+        assert!(converged_by_report(
+            DeviceStatus::Unknown,
+            Some(&wanting(2)),
+            &digest
+        ));
+        assert!(!converged_by_report(
+            DeviceStatus::Unknown,
+            Some(&wanting(3)),
+            &digest
+        ));
+        assert!(!converged_by_report(DeviceStatus::Unknown, None, &digest));
+        let never_desired = Desired {
+            generation: 0,
+            ..wanting(2)
+        };
+        assert!(!converged_by_report(
+            DeviceStatus::Unknown,
+            Some(&never_desired),
+            &digest
+        ));
+        for status in DeviceStatus::ALL {
+            if status != DeviceStatus::Unknown {
+                assert!(
+                    !converged_by_report(status, Some(&wanting(2)), &digest),
+                    "{status:?}"
+                );
+            }
         }
     }
 

@@ -53,7 +53,7 @@ pub async fn insert(
                 .text(&e.subject)
                 .optional_plain(e.run_id)
                 .plain(e.time.to_rfc3339_opts(SecondsFormat::Micros, true))
-                .text(&e.cloudevent.to_string());
+                .json(&e.cloudevent);
         },
     )
     .await?;

@@ -133,31 +133,21 @@ pub async fn run_worker(args: &[String]) -> Result<()> {
     while let Some(line) = lines.next_line().await? {
         let command: WorkerCommand =
             serde_json::from_str(&line).with_context(|| format!("a worker command: {line:?}"))?;
-        let reply = match (command, &fleet, config.take()) {
-            (WorkerCommand::Shutdown, _, _) => break,
-            (WorkerCommand::Start, None, Some(config)) => match Fleet::start(config) {
-                Ok(started) => {
-                    fleet = Some(started);
-                    WorkerAnswer::Started
-                }
-                Err(e) => WorkerAnswer::Failed {
-                    error: format!("{e:#}"),
-                },
+        let result = match (command, &fleet) {
+            (WorkerCommand::Shutdown, _) => break,
+            (WorkerCommand::Start, None) => match config.take() {
+                Some(config) => Fleet::start(config)
+                    .map(|started| fleet = Some(started))
+                    .map(|()| WorkerAnswer::Started)
+                    .map_err(anyhow::Error::from),
+                None => Err(anyhow::anyhow!("the fleet failed to start before")),
             },
-            (command, Some(fleet), _) => {
-                obey(fleet, &drifted, command)
-                    .await
-                    .unwrap_or_else(|e| WorkerAnswer::Failed {
-                        error: format!("{e:#}"),
-                    })
-            }
-            (command, None, unused) => {
-                config = unused;
-                WorkerAnswer::Failed {
-                    error: format!("{command:?} before the fleet started"),
-                }
-            }
+            (command, Some(running)) => obey(running, &drifted, command).await,
+            (command, None) => Err(anyhow::anyhow!("{command:?} before the fleet started")),
         };
+        let reply = result.unwrap_or_else(|e| WorkerAnswer::Failed {
+            error: format!("{e:#}"),
+        });
         answer(&mut stdout, &reply).await?;
     }
     let stats = match fleet {
