@@ -74,8 +74,13 @@ pub fn set_device_password(id: &DeviceId, password: &str) -> Value {
 pub fn delete_device(id: &DeviceId) -> Vec<Value> {
     vec![
         json!({"command": "deleteClient", "username": id.as_str()}),
-        json!({"command": "deleteRole", "rolename": device_role(id)}),
+        delete_device_role(id),
     ]
+}
+
+/// The command that removes a device's role (only ever the device's own).
+pub fn delete_device_role(id: &DeviceId) -> Value {
+    json!({"command": "deleteRole", "rolename": device_role(id)})
 }
 
 /// The server's ACLs for the topic root.
@@ -146,12 +151,110 @@ pub fn ensure_client(
     commands
 }
 
+/// Broker user names no device may take whatever the configuration: the
+/// server's default account, the dashboards' reader and the usual names of
+/// a broker's admin account. The server's own `--mqtt-username` and
+/// `--reserved-broker-usernames` add to them.
+pub const BUILT_IN_RESERVED_USERNAMES: [&str; 4] =
+    ["idem-server", "dashboards", "broker-admin", "admin"];
+
+/// Asks the plugin for the account named like a device.
+pub fn get_client(id: &DeviceId) -> Value {
+    json!({"command": "getClient", "username": id.as_str()})
+}
+
+/// Whose a broker account named like a device is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AccountOwner {
+    /// No account has the name: the server may create the device's.
+    Absent,
+    /// The account the server creates for this device: client id = user
+    /// name = the id, and the device's role as its only role.
+    ThisDevice,
+    /// Any other account (the server's, a reader's, an admin's, one made
+    /// on the broker directly): never modified, deleted or re-passworded.
+    Foreign,
+}
+
+/// Reads a `getClient` answer for `id`; `Err` when the plugin's answer
+/// says neither "found" nor "not found".
+pub fn account_owner(id: &DeviceId, answer: &CommandResult) -> Result<AccountOwner, String> {
+    if let Some(error) = &answer.error {
+        return if error.to_ascii_lowercase().contains("not found") {
+            Ok(AccountOwner::Absent)
+        } else {
+            Err(format!("getClient {id}: {error}"))
+        };
+    }
+    let client = answer
+        .data
+        .as_ref()
+        .and_then(|d| d.get("client"))
+        .ok_or_else(|| format!("getClient {id}: the answer has no client"))?;
+    let roles: Vec<&str> = client["roles"]
+        .as_array()
+        .map(|roles| {
+            roles
+                .iter()
+                .filter_map(|r| r["rolename"].as_str())
+                .collect()
+        })
+        .unwrap_or_default();
+    let device_role = device_role(id);
+    let is_device_account = client["username"] == id.as_str()
+        && client["clientid"] == id.as_str()
+        && roles == [device_role.as_str()]
+        && client["groups"].as_array().is_none_or(Vec::is_empty);
+    Ok(if is_device_account {
+        AccountOwner::ThisDevice
+    } else {
+        AccountOwner::Foreign
+    })
+}
+
+/// The commands that give a device its account with `password`, by whose
+/// the account named like it is now: created when absent, its password set
+/// when it is this device's; `None` for a foreign account, which is never
+/// touched.
+pub fn provision_device(
+    root: &TopicRoot,
+    id: &DeviceId,
+    password: &str,
+    owner: AccountOwner,
+) -> Option<Vec<Value>> {
+    match owner {
+        AccountOwner::Absent => Some(create_device(root, id, password)),
+        AccountOwner::ThisDevice => Some(vec![
+            // Answers "already exists" unless the role was lost; both fine.
+            json!({"command": "createRole", "rolename": device_role(id), "acls": device_acls(root, id)}),
+            set_device_password(id, password),
+        ]),
+        AccountOwner::Foreign => None,
+    }
+}
+
+/// The user names of a Mosquitto `password_file` (`user:hash` lines;
+/// blank lines and `#` comments skipped), each with its line.
+pub fn password_file_accounts(text: &str) -> Result<Vec<(&str, &str)>, String> {
+    text.lines()
+        .enumerate()
+        .map(|(n, line)| (n, line.trim_end_matches('\r')))
+        .filter(|(_, line)| !line.trim().is_empty() && !line.starts_with('#'))
+        .map(|(n, line)| match line.split_once(':') {
+            Some((user, hash)) if !user.is_empty() && !hash.is_empty() => Ok((user, line)),
+            _ => Err(format!("line {} is not `user:hash`", n + 1)),
+        })
+        .collect()
+}
+
 /// The answer to one command.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommandResult {
     pub command: String,
     pub error: Option<String>,
     pub correlation: Option<String>,
+    /// What a query command (`getClient`) answered.
+    pub data: Option<Value>,
 }
 
 impl CommandResult {
@@ -203,6 +306,7 @@ pub fn parse_responses(payload: &[u8]) -> Result<Vec<CommandResult>, String> {
             command: r["command"].as_str().unwrap_or_default().to_owned(),
             error: r["error"].as_str().map(str::to_owned),
             correlation: r["correlationData"].as_str().map(str::to_owned),
+            data: r.get("data").cloned(),
         })
         .collect())
 }
@@ -364,5 +468,85 @@ mod tests {
         assert!(text.contains("pattern write idem/v1/%u/reported"));
         assert!(text.contains("pattern read idem/v1/%u/desired"));
         assert!(text.contains("user idem-server\ntopic write idem/v1/+/desired"));
+    }
+
+    fn answer(error: Option<&str>, data: Option<Value>) -> CommandResult {
+        CommandResult {
+            command: "getClient".into(),
+            error: error.map(str::to_owned),
+            correlation: None,
+            data,
+        }
+    }
+
+    fn client(username: &str, clientid: Option<&str>, roles: &[&str]) -> Option<Value> {
+        let roles: Vec<Value> = roles.iter().map(|r| json!({"rolename": r})).collect();
+        Some(
+            json!({"client": {"username": username, "clientid": clientid, "roles": roles, "groups": []}}),
+        )
+    }
+
+    #[test]
+    fn only_the_account_made_for_a_device_counts_as_that_devices() {
+        let id = DeviceId::parse("pump-7").unwrap();
+        let owner = |a: CommandResult| account_owner(&id, &a).unwrap();
+        assert_eq!(
+            owner(answer(Some("Client not found"), None)),
+            AccountOwner::Absent
+        );
+        assert_eq!(
+            owner(answer(
+                None,
+                client("pump-7", Some("pump-7"), &["idem-device:pump-7"])
+            )),
+            AccountOwner::ThisDevice
+        );
+        // The server's, an admin's, one made by hand, one with more roles.
+        for data in [
+            client("pump-7", Some("idem-server:idem-1"), &["idem-server"]),
+            client("pump-7", None, &["admin"]),
+            client("pump-7", None, &[]),
+            client("pump-7", Some("pump-7"), &["idem-device:pump-7", "admin"]),
+            client("pump-7", None, &["idem-device:pump-7"]),
+        ] {
+            assert_eq!(
+                owner(answer(None, data.clone())),
+                AccountOwner::Foreign,
+                "{data:?}"
+            );
+        }
+        assert!(account_owner(&id, &answer(Some("Internal error"), None)).is_err());
+        assert!(account_owner(&id, &answer(None, None)).is_err());
+    }
+
+    #[test]
+    fn a_foreign_account_is_never_given_a_command_and_an_absent_one_is_only_created() {
+        let id = DeviceId::parse("pump-7").unwrap();
+        assert_eq!(
+            provision_device(&root(), &id, "pw", AccountOwner::Foreign),
+            None
+        );
+        let created = provision_device(&root(), &id, "pw", AccountOwner::Absent).unwrap();
+        let names: Vec<&str> = created
+            .iter()
+            .map(|c| c["command"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["createRole", "createClient"]);
+        let rekeyed = provision_device(&root(), &id, "pw", AccountOwner::ThisDevice).unwrap();
+        assert_eq!(rekeyed[1]["command"], "setClientPassword");
+        assert_eq!(rekeyed[1]["username"], "pump-7");
+    }
+
+    #[test]
+    fn a_password_files_user_names_are_read_without_comments_and_blank_lines() {
+        let text = "# accounts\nadmin:$7$a\n\ndashboards:$7$b\r\n";
+        let users: Vec<&str> = password_file_accounts(text)
+            .unwrap()
+            .into_iter()
+            .map(|(u, _)| u)
+            .collect();
+        assert_eq!(users, ["admin", "dashboards"]);
+        assert!(password_file_accounts("admin\n").is_err());
+        assert!(password_file_accounts(":hash\n").is_err());
     }
 }

@@ -161,44 +161,118 @@ fn refuse_failures(results: &[CommandResult]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes `password_file` and `acl_file` into `out` from the device table.
+/// Writes `password_file` and `acl_file` into `out` from the device table:
+/// the server's account, the lines of `--broker-accounts-file`, then every
+/// device with issued credentials whose id names none of those accounts
+/// nor a reserved one (such a device is left out and named on stderr: no
+/// device line can ever stand for another account).
 async fn write_files(
     config: &ValidConfig,
     out: &Path,
     server_username: &str,
     server_password: &str,
 ) -> anyhow::Result<()> {
+    let accounts_file = match &config.config.broker_accounts_file {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading the broker accounts file {}", path.display()))?,
+        None => String::new(),
+    };
     let pool = store::connect(config.config.database_url.expose(), 2)
         .await
         .context("cannot reach PostgreSQL: start it or set IDEM_DATABASE_URL")?;
     store::migrate(&pool).await.context("applying migrations")?;
     let devices = store::devices::broker_password_hashes(&pool).await?;
+    let mut reserved = config.config.reserved_broker_usernames();
+    reserved.insert(server_username.to_owned());
+    let file = PasswordFile::build(
+        server_username,
+        &accounts::mosquitto_hash(server_password),
+        &accounts_file,
+        &reserved,
+        &devices,
+    )
+    .map_err(anyhow::Error::msg)
+    .context("reading the broker accounts file")?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut passwords = format!(
-        "{server_username}:{}\n",
-        accounts::mosquitto_hash(server_password)
-    );
-    for (id, hash) in &devices {
-        passwords.push_str(&format!("{id}:{hash}\n"));
-    }
-    write_private(&out.join("password_file"), &passwords)?;
+    write_private(&out.join("password_file"), &file.text)?;
     write_private(
         &out.join("acl_file"),
         &accounts::static_acl_file(&config.topic_root, server_username),
     )?;
+    for id in &file.left_out {
+        eprintln!(
+            "left out device {id:?}: its id names a broker account that is not a device's (delete the device and register it under another id)"
+        );
+    }
     eprintln!(
-        "wrote {}/password_file ({} devices and {server_username:?}) and {}/acl_file",
+        "wrote {}/password_file ({} devices, {} other accounts and {server_username:?}) and {}/acl_file",
         out.display(),
-        devices.len(),
+        file.devices,
+        file.accounts,
         out.display()
     );
     Ok(())
 }
 
-/// Writes a file only its owner may read (it holds password hashes).
+/// The text of a Mosquitto `password_file`, with what it holds.
+#[derive(Debug)]
+struct PasswordFile {
+    text: String,
+    devices: usize,
+    accounts: usize,
+    /// Devices whose id names another account, left out.
+    left_out: Vec<String>,
+}
+
+impl PasswordFile {
+    /// The server's line, the other accounts' lines (`accounts_file`, as
+    /// `mosquitto_passwd` writes them), then the devices' lines, each user
+    /// name once: a device named like an account or a `reserved` name is
+    /// left out.
+    fn build(
+        server_username: &str,
+        server_hash: &str,
+        accounts_file: &str,
+        reserved: &std::collections::BTreeSet<String>,
+        devices: &[(String, String)],
+    ) -> Result<Self, String> {
+        let accounts = accounts::password_file_accounts(accounts_file)?;
+        let mut written = std::collections::BTreeSet::from([server_username]);
+        let mut text = format!("{server_username}:{server_hash}\n");
+        let mut kept_accounts = 0;
+        for (user, line) in &accounts {
+            // The server's line is the one written above; each name once.
+            if written.insert(user) {
+                text.push_str(line);
+                text.push('\n');
+                kept_accounts += 1;
+            }
+        }
+        let mut left_out = Vec::new();
+        let mut kept_devices = 0;
+        for (id, hash) in devices {
+            if written.contains(id.as_str()) || reserved.contains(id) {
+                left_out.push(id.clone());
+            } else {
+                text.push_str(&format!("{id}:{hash}\n"));
+                written.insert(id);
+                kept_devices += 1;
+            }
+        }
+        Ok(Self {
+            text,
+            devices: kept_devices,
+            accounts: kept_accounts,
+            left_out,
+        })
+    }
+}
+
+/// Writes a file only its owner may read (it holds password hashes): mode
+/// 0600, also when the file existed before with a wider mode.
 fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
     use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -206,12 +280,16 @@ fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
         .mode(0o600)
         .open(path)
         .with_context(|| format!("writing {}", path.display()))?;
+    // `mode` applies only to a file this call creates.
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} private (mode 0600)", path.display()))?;
     file.write_all(text.as_bytes())
         .with_context(|| format!("writing {}", path.display()))
 }
 
-/// Sends `commands` with the admin account and returns the answers.
-async fn send_as_admin(
+/// Sends `commands` with the admin account and returns the answers (also
+/// for tests that set a broker up as its admin would).
+pub async fn send_as_admin(
     config: &ValidConfig,
     username: &str,
     password: &str,
@@ -274,5 +352,70 @@ async fn send_as_admin(
             }
             Event::Incoming(_) | Event::Outgoing(_) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn reserved() -> BTreeSet<String> {
+        ["idem-server", "dashboards", "broker-admin", "admin"]
+            .map(str::to_owned)
+            .into()
+    }
+
+    #[test]
+    fn a_device_named_like_the_server_a_reader_or_an_account_of_the_file_is_left_out_of_the_password_file(
+    ) {
+        let devices = [
+            ("dev-1", "$7$h1"),
+            ("idem-server", "$7$operator"),
+            ("dashboards", "$7$operator"),
+            ("ops-bot", "$7$operator"),
+            ("dev-2", "$7$h2"),
+        ]
+        .map(|(id, hash)| (id.to_owned(), hash.to_owned()));
+        let accounts =
+            "# the broker's own\ndashboards:$7$reader\nops-bot:$7$bot\nidem-server:$7$stale\n";
+        let file = PasswordFile::build("idem-server", "$7$server", accounts, &reserved(), &devices)
+            .unwrap();
+        assert_eq!(
+            file.text,
+            "idem-server:$7$server\ndashboards:$7$reader\nops-bot:$7$bot\ndev-1:$7$h1\ndev-2:$7$h2\n"
+        );
+        assert_eq!(file.left_out, ["idem-server", "dashboards", "ops-bot"]);
+        assert_eq!((file.devices, file.accounts), (2, 2));
+        let users: Vec<&str> = file
+            .text
+            .lines()
+            .filter_map(|l| l.split(':').next())
+            .collect();
+        let unique: BTreeSet<&str> = users.iter().copied().collect();
+        assert_eq!(users.len(), unique.len(), "every user name once: {users:?}");
+    }
+
+    #[test]
+    fn an_accounts_file_that_is_not_a_password_file_is_refused() {
+        let err = PasswordFile::build("idem-server", "$7$s", "just text\n", &reserved(), &[])
+            .unwrap_err();
+        assert!(err.contains("line 1"), "{err}");
+    }
+
+    #[test]
+    fn files_with_passwords_are_made_private_also_when_they_existed_readable_by_all() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir =
+            std::env::temp_dir().join(format!("idem-private-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("password_file");
+        std::fs::write(&path, "old\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_private(&path, "new\n").unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new\n");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

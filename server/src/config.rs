@@ -151,6 +151,21 @@ pub struct Config {
     #[arg(long, env = "IDEM_BROKER_ACCOUNTS", value_enum, default_value_t = BrokerAccounts::None)]
     pub broker_accounts: BrokerAccounts,
 
+    /// Broker user names no device id may take (comma-separated), besides
+    /// the built-in `idem-server`, `dashboards`, `broker-admin`, `admin` and
+    /// the server's own `--mqtt-username`: e.g. the accounts of other
+    /// services on the same broker.
+    #[arg(long, env = "IDEM_RESERVED_BROKER_USERNAMES", value_delimiter = ',')]
+    pub reserved_broker_usernames: Vec<String>,
+
+    /// A Mosquitto `password_file` of the broker's own accounts that are not
+    /// devices (a dashboards reader, an admin, other services): no device
+    /// may be registered under one of its names, and `idem-server broker
+    /// files` copies its lines into the `password_file` it writes. Read at
+    /// every registration, so an account added to it is reserved at once.
+    #[arg(long, env = "IDEM_BROKER_ACCOUNTS_FILE")]
+    pub broker_accounts_file: Option<PathBuf>,
+
     /// Open access: no token needed, every caller is an anonymous admin.
     /// For local experiments only; the server logs a warning at start.
     #[arg(long, env = "IDEM_INSECURE_NO_AUTH", default_value_t = false)]
@@ -178,6 +193,14 @@ pub struct Config {
     #[arg(long, env = "IDEM_HTTP_MAX_CONNECTIONS", default_value_t = 4_096)]
     pub http_max_connections: usize,
 
+    /// Most open HTTP connections from one client address (IPv6: one /64);
+    /// more are answered 429 `too_many_connections_from_peer` and closed.
+    /// Default: a quarter of `--http-max-connections`, so one address never
+    /// holds the whole cap. Behind a reverse proxy every client is the
+    /// proxy's address: set it to `--http-max-connections` there.
+    #[arg(long, env = "IDEM_HTTP_MAX_CONNECTIONS_PER_PEER")]
+    pub http_max_connections_per_peer: Option<usize>,
+
     /// A connection must send a complete request head within this time
     /// (also after each keep-alive response), or it is closed.
     #[arg(long, env = "IDEM_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
@@ -194,6 +217,14 @@ pub struct Config {
     /// Most concurrent `GET /v1/events` streams (more: 503 `too_many_sse_clients`).
     #[arg(long, env = "IDEM_SSE_MAX_CLIENTS", default_value_t = 64)]
     pub sse_max_clients: usize,
+
+    /// Most concurrent `GET /v1/events` streams of one token (callers
+    /// without a token: of one client address); more: 429
+    /// `too_many_sse_clients_for_token`. Default: a quarter of
+    /// `--sse-max-clients`. A quarter of the streams is kept for admin
+    /// tokens in any case.
+    #[arg(long, env = "IDEM_SSE_MAX_CLIENTS_PER_TOKEN")]
+    pub sse_max_clients_per_token: Option<usize>,
 
     /// Events queued per SSE client; a client that falls further behind is dropped.
     #[arg(long, env = "IDEM_SSE_CLIENT_BUFFER", default_value_t = 4_096)]
@@ -301,6 +332,10 @@ pub enum ConfigError {
     MaxAttempts(u32),
     #[error("IDEM_MAX_IN_FLIGHT / --max-in-flight must be at least 1 (got {0})")]
     MaxInFlight(usize),
+    #[error("IDEM_BROKER_ACCOUNTS_FILE / --broker-accounts-file {path}: {reason} (a Mosquitto password file: `user:hash` lines, as `mosquitto_passwd` writes them)")]
+    BrokerAccountsFile { path: String, reason: String },
+    #[error("IDEM_RESERVED_BROKER_USERNAMES / --reserved-broker-usernames holds an empty name: list names separated by commas, without empty entries")]
+    ReservedUsername,
     #[error(
         "IDEM_RETRY_BACKOFF_MAX must not be shorter than IDEM_RETRY_BACKOFF ({max:?} < {base:?})"
     )]
@@ -321,6 +356,11 @@ pub enum ConfigError {
     DbConnections(u32),
     #[error("IDEM_HTTP_MAX_CONNECTIONS / --http-max-connections must be between 1 and 1000000 (got {0})")]
     HttpMaxConnections(usize),
+    #[error("IDEM_HTTP_MAX_CONNECTIONS_PER_PEER / --http-max-connections-per-peer must be between 1 and IDEM_HTTP_MAX_CONNECTIONS ({max_connections}) (got {per_peer}); leave it unset for a quarter of the connection cap")]
+    HttpMaxConnectionsPerPeer {
+        per_peer: usize,
+        max_connections: usize,
+    },
     #[error(
         "IDEM_HTTP_HEADER_TIMEOUT / --http-header-timeout must be between 100ms and 1h (got {0:?})"
     )]
@@ -335,6 +375,11 @@ pub enum ConfigError {
     SseMaxClients {
         clients: usize,
         max_connections: usize,
+    },
+    #[error("IDEM_SSE_MAX_CLIENTS_PER_TOKEN / --sse-max-clients-per-token must be between 1 and IDEM_SSE_MAX_CLIENTS ({max_clients}) (got {per_token}); leave it unset for a quarter of the stream cap")]
+    SseMaxClientsPerToken {
+        per_token: usize,
+        max_clients: usize,
     },
     #[error("IDEM_SSE_CLIENT_BUFFER / --sse-client-buffer must be between 1 and 1000000 events (got {0})")]
     SseClientBuffer(usize),
@@ -428,6 +473,14 @@ impl Config {
         if self.mqtt_events_qos > 1 {
             return Err(ConfigError::EventsQos(self.mqtt_events_qos));
         }
+        if self
+            .reserved_broker_usernames
+            .iter()
+            .any(|n| n.trim().is_empty())
+        {
+            return Err(ConfigError::ReservedUsername);
+        }
+        self.broker_accounts_file_names()?;
         if self.event_retention_count < 1 {
             return Err(ConfigError::RetentionCount(self.event_retention_count));
         }
@@ -568,6 +621,14 @@ impl Config {
         if !(1..=1_000_000).contains(&self.http_max_connections) {
             return Err(ConfigError::HttpMaxConnections(self.http_max_connections));
         }
+        if let Some(per_peer) = self.http_max_connections_per_peer {
+            if !(1..=self.http_max_connections).contains(&per_peer) {
+                return Err(ConfigError::HttpMaxConnectionsPerPeer {
+                    per_peer,
+                    max_connections: self.http_max_connections,
+                });
+            }
+        }
         if !TIMEOUTS.contains(&self.http_header_timeout) {
             return Err(ConfigError::HttpHeaderTimeout(self.http_header_timeout));
         }
@@ -583,6 +644,14 @@ impl Config {
                 max_connections: self.http_max_connections,
             });
         }
+        if let Some(per_token) = self.sse_max_clients_per_token {
+            if !(1..=self.sse_max_clients).contains(&per_token) {
+                return Err(ConfigError::SseMaxClientsPerToken {
+                    per_token,
+                    max_clients: self.sse_max_clients,
+                });
+            }
+        }
         if !(1..=1_000_000).contains(&self.sse_client_buffer) {
             return Err(ConfigError::SseClientBuffer(self.sse_client_buffer));
         }
@@ -595,6 +664,55 @@ impl Config {
             return Err(ConfigError::SseReplayRate(self.sse_replay_rate));
         }
         Ok(())
+    }
+
+    /// Broker user names no device may take: the built-in ones, the
+    /// server's own and `--reserved-broker-usernames`.
+    pub fn reserved_broker_usernames(&self) -> std::collections::BTreeSet<String> {
+        crate::broker_accounts::BUILT_IN_RESERVED_USERNAMES
+            .iter()
+            .map(|n| (*n).to_owned())
+            .chain(self.mqtt_username.iter().cloned())
+            .chain(
+                self.reserved_broker_usernames
+                    .iter()
+                    .map(|n| n.trim().to_owned()),
+            )
+            .collect()
+    }
+
+    /// The user names of `--broker-accounts-file` (none without it), read
+    /// now.
+    pub fn broker_accounts_file_names(
+        &self,
+    ) -> Result<std::collections::BTreeSet<String>, ConfigError> {
+        let Some(path) = &self.broker_accounts_file else {
+            return Ok(Default::default());
+        };
+        let error = |reason: String| ConfigError::BrokerAccountsFile {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
+        let accounts = crate::broker_accounts::password_file_accounts(&text).map_err(error)?;
+        Ok(accounts
+            .into_iter()
+            .map(|(user, _)| user.to_owned())
+            .collect())
+    }
+
+    /// `--http-max-connections-per-peer`, or its default: a quarter of the
+    /// connection cap.
+    pub fn http_connections_per_peer(&self) -> usize {
+        self.http_max_connections_per_peer
+            .unwrap_or_else(|| quarter_of(self.http_max_connections))
+    }
+
+    /// `--sse-max-clients-per-token`, or its default: a quarter of the
+    /// stream cap.
+    pub fn sse_clients_per_token(&self) -> usize {
+        self.sse_max_clients_per_token
+            .unwrap_or_else(|| quarter_of(self.sse_max_clients))
     }
 
     /// A configuration with every default, for embedding and tests.
@@ -690,6 +808,13 @@ fn read_password_file(path: &std::path::Path) -> Result<Secret<String>, ConfigEr
     Ok(Secret::new(password.to_owned()))
 }
 
+/// A quarter of `total`, rounded to the nearest whole number, at least 1
+/// and at most `total` (when it is at least 1): the default share of one
+/// client in the HTTP connection and SSE stream caps.
+pub fn quarter_of(total: usize) -> usize {
+    (total.saturating_add(2) / 4).clamp(1, total.max(1))
+}
+
 /// Parses `250ms`, `30s`, `5m`, `1h`, `7d` (a bare number means seconds).
 pub fn parse_duration(raw: &str) -> Result<Duration, String> {
     let raw = raw.trim();
@@ -769,8 +894,20 @@ mod tests {
     #[test]
     fn http_and_sse_limits_out_of_range_fail_with_a_message_naming_the_variable() {
         type Change = fn(&mut Config);
-        let cases: [(Change, &str); 8] = [
+        let cases: [(Change, &str); 11] = [
             (|c| c.http_max_connections = 0, "IDEM_HTTP_MAX_CONNECTIONS"),
+            (
+                |c| c.http_max_connections_per_peer = Some(0),
+                "IDEM_HTTP_MAX_CONNECTIONS_PER_PEER",
+            ),
+            (
+                |c| c.http_max_connections_per_peer = Some(4_097),
+                "IDEM_HTTP_MAX_CONNECTIONS_PER_PEER",
+            ),
+            (
+                |c| c.sse_max_clients_per_token = Some(65),
+                "IDEM_SSE_MAX_CLIENTS_PER_TOKEN",
+            ),
             (
                 |c| c.http_header_timeout = Duration::from_millis(5),
                 "IDEM_HTTP_HEADER_TIMEOUT",
@@ -807,6 +944,34 @@ mod tests {
         assert_eq!(c.sse_client_buffer, 4_096);
         assert_eq!(c.sse_send_timeout, Duration::from_secs(10));
         assert_eq!(c.sse_replay_rate, 5_000);
+        assert_eq!(c.http_max_connections_per_peer, None);
+        assert_eq!(c.http_connections_per_peer(), 1_024);
+        assert_eq!(c.sse_max_clients_per_token, None);
+        assert_eq!(c.sse_clients_per_token(), 16);
+    }
+
+    #[test]
+    fn the_per_client_shares_default_to_a_quarter_rounded_and_never_exceed_the_cap() {
+        assert_eq!(quarter_of(1), 1);
+        assert_eq!(quarter_of(2), 1);
+        assert_eq!(quarter_of(3), 1);
+        assert_eq!(quarter_of(6), 2);
+        assert_eq!(quarter_of(50), 13);
+        assert_eq!(quarter_of(4_096), 1_024);
+        let mut c = Config::defaults();
+        c.http_max_connections = 10;
+        c.sse_max_clients = 10;
+        assert_eq!(c.http_connections_per_peer(), 3);
+        assert_eq!(c.sse_clients_per_token(), 3);
+        c.http_max_connections_per_peer = Some(10);
+        c.sse_max_clients_per_token = Some(10);
+        assert!(c.validate().is_ok(), "a share equal to the cap is allowed");
+        c.http_max_connections_per_peer = Some(11);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("between 1 and IDEM_HTTP_MAX_CONNECTIONS (10)") && err.contains("unset"),
+            "{err}"
+        );
     }
 
     #[test]

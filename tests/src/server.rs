@@ -82,6 +82,8 @@ pub struct ServerSettings {
     pub mqtt_credentials: Option<(String, String)>,
     /// `--broker-accounts`.
     pub broker_accounts: idem_server::config::BrokerAccounts,
+    /// `--broker-accounts-file`: the broker's own accounts, not devices.
+    pub broker_accounts_file: Option<PathBuf>,
     /// `--mqtt-ca-file`; `None` takes the broker's test CA when its
     /// listener is TLS.
     pub mqtt_ca_file: Option<PathBuf>,
@@ -123,6 +125,7 @@ impl Default for ServerSettings {
             sse_replay_rate: server.sse_replay_rate,
             mqtt_credentials: None,
             broker_accounts: idem_server::config::BrokerAccounts::None,
+            broker_accounts_file: None,
             mqtt_ca_file: None,
             mqtt_client_cert: None,
             https: None,
@@ -174,6 +177,7 @@ impl TestServer {
             config.instance = instance;
         }
         config.broker_accounts = settings.broker_accounts;
+        config.broker_accounts_file = settings.broker_accounts_file;
         if let Some((username, password)) = settings.mqtt_credentials {
             config.mqtt_username = Some(username);
             config.mqtt_password = Some(password.into());

@@ -16,7 +16,7 @@ use super::command::{audited, DeviceWrite};
 use super::params::registered;
 use crate::api_error::ApiError;
 use crate::auth::AuditNote;
-use crate::broker_accounts;
+use crate::broker_accounts::{self, AccountOwner};
 use crate::state::AppState;
 use crate::store;
 
@@ -85,39 +85,165 @@ pub(super) async fn issue(
     })
 }
 
-/// Creates (or, for existing accounts, re-keys) the devices' accounts on
-/// the broker when the server manages them there.
+/// Ids shown in a refusal that names several, at most.
+const MAX_IDS_NAMED: usize = 10;
+
+/// Refuses device ids that name a broker account no device may have: the
+/// reserved user names (built-in, the server's, configured) and every
+/// account of `--broker-accounts-file`. Checked in every mode, so a device
+/// row can never stand for such an account later either.
+pub(super) fn refuse_reserved<'a>(
+    state: &AppState,
+    ids: impl IntoIterator<Item = &'a DeviceId>,
+) -> Result<(), ApiError> {
+    let config = &state.config.config;
+    let mut reserved = config.reserved_broker_usernames();
+    reserved.extend(config.broker_accounts_file_names().map_err(|e| {
+        tracing::error!(error = %e, "cannot read the broker accounts file");
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "broker_accounts_file_unreadable",
+            "the server cannot read its --broker-accounts-file (details are in the server log)",
+        )
+    })?);
+    let taken: Vec<&str> = ids
+        .into_iter()
+        .filter(|id| reserved.contains(id.as_str()))
+        .map(DeviceId::as_str)
+        .collect();
+    refuse_named(
+        &taken,
+        "is a reserved broker account (the server's, a reader's, an admin's or a configured one)",
+    )
+}
+
+/// A 409 naming the first of `ids`, or `Ok` when there are none.
+fn refuse_named(ids: &[&str], why: &str) -> Result<(), ApiError> {
+    let Some(first) = ids.first() else {
+        return Ok(());
+    };
+    let shown: Vec<&str> = ids.iter().take(MAX_IDS_NAMED).copied().collect();
+    let message = if ids.len() == 1 {
+        format!("device id {first:?} {why}; choose another id")
+    } else {
+        format!(
+            "{} device ids name broker accounts that are not theirs ({why}): {}; choose other ids",
+            ids.len(),
+            shown.join(", ")
+        )
+    };
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "reserved_broker_account",
+        message,
+    ))
+}
+
+fn broker_unavailable(e: impl std::fmt::Display, devices: usize) -> ApiError {
+    tracing::error!(error = %e, devices, "the broker's dynamic-security plugin failed");
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "broker_accounts_failed",
+        format!(
+            "the broker did not answer for the devices' accounts: {e}; issue new credentials with POST /v1/devices/{{id}}/credentials"
+        ),
+    )
+}
+
+/// Whose the broker accounts named like `ids` are (`--broker-accounts
+/// dynsec`; without it, every name counts as absent).
+pub(super) async fn account_owners(
+    state: &AppState,
+    ids: &[DeviceId],
+) -> Result<Vec<AccountOwner>, ApiError> {
+    let Some(dynsec) = &state.dynsec else {
+        return Ok(vec![AccountOwner::Absent; ids.len()]);
+    };
+    let answers = dynsec
+        .execute(ids.iter().map(broker_accounts::get_client).collect())
+        .await
+        .map_err(|e| broker_unavailable(e, ids.len()))?;
+    if answers.len() != ids.len() {
+        return Err(broker_unavailable(
+            format!("{} answers to {} questions", answers.len(), ids.len()),
+            ids.len(),
+        ));
+    }
+    ids.iter()
+        .zip(&answers)
+        .map(|(id, answer)| {
+            broker_accounts::account_owner(id, answer).map_err(|e| broker_unavailable(e, ids.len()))
+        })
+        .collect()
+}
+
+/// Refuses, before anything is written, ids whose name is taken on the
+/// broker by an account that is not theirs.
+pub(super) async fn refuse_foreign_accounts(
+    state: &AppState,
+    ids: &[DeviceId],
+) -> Result<(), ApiError> {
+    let owners = account_owners(state, ids).await?;
+    let foreign: Vec<&str> = ids
+        .iter()
+        .zip(&owners)
+        .filter(|(_, owner)| **owner == AccountOwner::Foreign)
+        .map(|(id, _)| id.as_str())
+        .collect();
+    refuse_named(
+        &foreign,
+        "names an account on the broker that is not this device's",
+    )
+}
+
+/// Creates the devices' accounts on the broker, or sets the new password
+/// on accounts that are already theirs, when the server manages them
+/// there. A name taken by any other account meanwhile is left untouched and
+/// refused.
 pub(super) async fn apply_on_broker(state: &AppState, issued: &[Issued]) -> Result<(), ApiError> {
     let Some(dynsec) = &state.dynsec else {
         return Ok(());
     };
+    let ids: Vec<DeviceId> = issued.iter().map(|i| i.id.clone()).collect();
+    let owners = account_owners(state, &ids).await?;
     let root = &state.config.topic_root;
-    let commands = issued
-        .iter()
-        .flat_map(|i| {
-            let mut c = broker_accounts::create_device(root, &i.id, &i.password);
-            // An account that exists already gets the new password.
-            c.push(broker_accounts::set_device_password(&i.id, &i.password));
-            c
-        })
-        .collect();
-    dynsec.execute_all_ok(commands).await.map_err(|e| {
-        tracing::error!(error = %e, devices = issued.len(), "creating broker accounts failed");
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "broker_accounts_failed",
-            format!(
-                "the broker did not create the devices' accounts: {e}; issue new credentials with POST /v1/devices/{{id}}/credentials"
-            ),
-        )
-    })
+    let mut commands = Vec::new();
+    let mut foreign = Vec::new();
+    for (i, owner) in issued.iter().zip(owners) {
+        match broker_accounts::provision_device(root, &i.id, &i.password, owner) {
+            Some(c) => commands.extend(c),
+            None => foreign.push(i.id.as_str()),
+        }
+    }
+    dynsec
+        .execute_all_ok(commands)
+        .await
+        .map_err(|e| broker_unavailable(e, issued.len()))?;
+    refuse_named(
+        &foreign,
+        "names an account on the broker that is not this device's (it was left untouched; delete the device)",
+    )
 }
 
-/// Removes a deleted device's account; failures are logged (the device is
-/// gone from idem either way) and reported as `false`.
+/// Removes a deleted device's account when it is the device's own (any
+/// other account of that name is left alone); failures are logged (the
+/// device is gone from idem either way) and reported as `false`.
 pub(super) async fn remove_from_broker(state: &AppState, id: &DeviceId) -> Option<bool> {
     let dynsec = state.dynsec.as_ref()?;
-    match dynsec.execute(broker_accounts::delete_device(id)).await {
+    let owner = match account_owners(state, std::slice::from_ref(id)).await {
+        Ok(owners) => owners.first().copied(),
+        Err(_) => None,
+    };
+    let commands = match owner {
+        Some(AccountOwner::ThisDevice) => broker_accounts::delete_device(id),
+        Some(AccountOwner::Absent) => vec![broker_accounts::delete_device_role(id)],
+        Some(AccountOwner::Foreign) => {
+            tracing::warn!(device = %id, "a broker account named like the deleted device is not its own; left it");
+            return Some(false);
+        }
+        None => return Some(false),
+    };
+    match dynsec.execute(commands).await {
         Ok(results) => Some(
             results
                 .iter()
@@ -164,6 +290,10 @@ pub(super) async fn rotate(
     if let Some(password) = &supplied {
         check_password(password)?;
     }
+    // A device row named like a foreign account (registered before names
+    // were reserved) never re-passwords that account.
+    refuse_reserved(&state, [&id])?;
+    refuse_foreign_accounts(&state, std::slice::from_ref(&id)).await?;
     let issued = issue(vec![(id.clone(), supplied)]).await?;
     let hashes: Vec<(String, String)> = issued
         .iter()

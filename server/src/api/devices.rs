@@ -99,6 +99,18 @@ pub(super) async fn register_devices(
     ApiJson(body): ApiJson<Vec<DeviceRegistration>>,
 ) -> Result<Response, ApiError> {
     let mut checked = check_registrations(&state, body)?;
+    credentials::refuse_reserved(&state, &checked.ids)?;
+    if state.config.config.broker_accounts.issues_passwords() {
+        // New devices only: an existing one's account was checked when it
+        // was registered, and a registration changes no existing account.
+        let new: Vec<DeviceId> = checked
+            .ids
+            .iter()
+            .filter(|id| !state.fleet.contains(id))
+            .cloned()
+            .collect();
+        credentials::refuse_foreign_accounts(&state, &new).await?;
+    }
     let mut write = DeviceWrite::begin(&state).await?;
     let (counts, created) =
         store::devices::register_returning_new(write.tx(), &checked.rows).await?;
@@ -189,6 +201,10 @@ pub(super) async fn upsert_device(
     ApiJson(body): ApiJson<DeviceUpsert>,
 ) -> Result<Response, ApiError> {
     let id = parse_id(&raw_id)?;
+    credentials::refuse_reserved(&state, [&id])?;
+    if !state.fleet.contains(&id) {
+        credentials::refuse_foreign_accounts(&state, std::slice::from_ref(&id)).await?;
+    }
     let registration = Registration {
         id: id.to_string(),
         labels: parse_labels(body.labels)?,
