@@ -4,7 +4,11 @@
 //! call in the audit trail.
 //!
 //! Handlers never check roles themselves; they receive the caller as an
-//! [`Actor`] and describe what they did in an [`AuditNote`].
+//! [`Actor`] (and, on mutating calls, the [`Call`]). A call that changes
+//! something writes its audit record in the transaction of that change
+//! ([`Call::audit`]) and marks its answer [`AuditWritten`]; the middleware
+//! records every other mutating call (refusals, failures, calls that
+//! changed nothing) itself.
 
 use std::fmt;
 use std::sync::Arc;
@@ -20,7 +24,7 @@ use uuid::Uuid;
 
 use crate::api_error::ApiError;
 use crate::metrics::Metrics;
-use crate::store::{self, access::NewAudit};
+use crate::store::{self, access::AuditRecord};
 
 /// What a token may do; each role includes the ones below it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -153,6 +157,39 @@ pub struct Actor {
     pub name: String,
     pub role: Role,
 }
+
+/// A mutating call being served: who made it and on which route, for the
+/// audit record its change writes in its own transaction. In the request
+/// extensions of every authenticated mutating call.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub actor: Actor,
+    pub method: Method,
+    /// The route pattern (`/v1/devices/{id}`).
+    pub route: String,
+    /// The concrete path (`/v1/devices/pump-7`).
+    pub path: String,
+}
+
+impl Call {
+    /// The audit record of this call answered with `status`, having done
+    /// what `note` says.
+    pub fn audit(&self, status: StatusCode, note: AuditNote) -> AuditRecord {
+        audit_record(
+            &self.actor,
+            &self.method,
+            &self.route,
+            &self.path,
+            status.as_u16(),
+            note,
+        )
+    }
+}
+
+/// Marks an answer whose audit record was written in the transaction of
+/// the change it reports: the middleware writes none for it.
+#[derive(Debug, Clone, Copy)]
+pub struct AuditWritten;
 
 /// What a mutating handler did, attached to its response for the audit
 /// trail.
@@ -361,9 +398,18 @@ pub async fn authorize(
     };
     if let Some(actor) = &actor {
         request.extensions_mut().insert(actor.clone());
+        if mutating {
+            request.extensions_mut().insert(Call {
+                actor: actor.clone(),
+                method: method.clone(),
+                route: route.clone(),
+                path: path.clone(),
+            });
+        }
     }
     let response = next.run(request).await;
-    if let (true, Some(actor)) = (mutating, actor) {
+    let written = response.extensions().get::<AuditWritten>().is_some();
+    if let (true, false, Some(actor)) = (mutating, written, actor) {
         let outcome = Answered::of(&response);
         record(&state, &actor, &method, &route, &path, outcome).await;
     }
@@ -390,7 +436,8 @@ impl Answered {
     }
 }
 
-/// Writes one audit record for a mutating call and its answer.
+/// Writes one audit record for a mutating call and its answer (calls whose
+/// change wrote its own are not recorded here).
 async fn record(
     state: &AuthState,
     actor: &Actor,
@@ -400,20 +447,31 @@ async fn record(
     answered: Answered,
 ) {
     let Answered { status, note } = answered;
-    let audit = NewAudit {
-        actor: &actor.name,
-        role: actor.role.as_str(),
-        method: method.as_str(),
-        route,
-        path,
+    let audit = audit_record(actor, method, route, path, status, note);
+    if let Err(e) = store::access::record_audit(&state.pool, &audit).await {
+        tracing::error!(error = %e, actor = %actor.name, %method, %path, "could not write the audit trail");
+    }
+}
+
+fn audit_record(
+    actor: &Actor,
+    method: &Method,
+    route: &str,
+    path: &str,
+    status: u16,
+    note: AuditNote,
+) -> AuditRecord {
+    AuditRecord {
+        actor: actor.name.clone(),
+        role: actor.role.as_str().to_owned(),
+        method: method.as_str().to_owned(),
+        route: route.to_owned(),
+        path: path.to_owned(),
         status,
         targets: note.targets,
         generation: note.generation,
         run_id: note.run_id,
-        detail: note.detail.as_ref(),
-    };
-    if let Err(e) = store::access::record_audit(&state.pool, &audit).await {
-        tracing::error!(error = %e, actor = %actor.name, %method, %path, "could not write the audit trail");
+        detail: note.detail,
     }
 }
 

@@ -2,29 +2,53 @@
 //! goes through here, in one order — the `DeviceWrites` lock, one
 //! transaction, the commit, then the fleet cache (`Fleet::apply`, only after
 //! the commit), then the engine. Handlers validate and answer; they do not
-//! commit or touch the cache themselves. The answer of a mutating call
-//! carries its `AuditNote` from here too ([`audited`]).
+//! commit or touch the cache themselves. Every change commits with its
+//! audit record in the same transaction ([`DeviceWrite::commit`],
+//! [`start_run`]), answered by [`recorded`]; a mutating call that changed
+//! nothing carries its `AuditNote` for the middleware ([`audited`]).
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use idem_protocol::DeviceId;
 use serde::Serialize;
 use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::api_error::ApiError;
-use crate::auth::{Actor, AuditNote};
+use crate::auth::{AuditNote, AuditWritten, Call};
 use crate::fleet::FleetChange;
 use crate::reconcile::engine::EngineCommand;
-use crate::reconcile::runs::{commit_run, CommitRunError, NewRun, Trigger};
+use crate::reconcile::runs::{commit_run, CommitRunError, NewRun};
 use crate::state::AppState;
+use crate::store::access::AuditRecord;
 use crate::store::{self, Context};
 
-/// A JSON answer carrying what the call did, for the audit trail.
+/// A JSON answer carrying what the call did, for the audit record the
+/// middleware writes (a call that changed nothing).
 pub(super) fn audited(note: AuditNote, status: StatusCode, body: impl Serialize) -> Response {
     (status, Extension(note), Json(body)).into_response()
+}
+
+/// A JSON answer to a call whose change committed with its audit record.
+pub(super) fn recorded(status: StatusCode, body: impl Serialize) -> Response {
+    (status, Extension(AuditWritten), Json(body)).into_response()
+}
+
+/// Device ids an audit record names, at most (the count is always there).
+pub(super) const MAX_AUDITED_IDS: usize = 20;
+
+/// `{"count": n, "first": [the first ids]}`, for an audit record's detail.
+pub(super) fn audited_ids<'a>(ids: impl IntoIterator<Item = &'a str>) -> Value {
+    let mut count = 0usize;
+    let mut first = Vec::new();
+    for id in ids {
+        if first.len() < MAX_AUDITED_IDS {
+            first.push(id);
+        }
+        count += 1;
+    }
+    serde_json::json!({"count": count, "first": first})
 }
 
 /// One write to device rows: holds the `DeviceWrites` lock and a
@@ -68,17 +92,23 @@ impl<'a> DeviceWrite<'a> {
         self.then.push(command);
     }
 
-    /// Commits (`what` names the write in an error), applies the cache
-    /// changes, releases the lock, then tells the engine. An engine that has
-    /// stopped is not told: what it would do is redone at its next start.
-    pub(super) async fn commit(self, what: &'static str) -> Result<(), ApiError> {
+    /// Writes `audit` and commits with it (`what` names the write in an
+    /// error), applies the cache changes, releases the lock, then tells the
+    /// engine. An engine that has stopped is not told: what it would do is
+    /// redone at its next start.
+    pub(super) async fn commit(
+        self,
+        what: &'static str,
+        audit: AuditRecord,
+    ) -> Result<(), ApiError> {
         let Self {
             state,
             lock,
-            tx,
+            mut tx,
             changes,
             then,
         } = self;
+        store::access::record_audit(&mut *tx, &audit).await?;
         tx.commit().await.context(what)?;
         state.fleet.apply(changes);
         drop(lock);
@@ -89,38 +119,19 @@ impl<'a> DeviceWrite<'a> {
     }
 }
 
-/// Releases quarantined devices among `ids` and mirrors it in the cache;
-/// returns the released ones.
-pub(super) async fn release(state: &AppState, ids: Vec<String>) -> Result<Vec<DeviceId>, ApiError> {
-    let released = store::devices::release_quarantine(&state.pool, &ids).await?;
-    let released: Vec<DeviceId> = released
-        .iter()
-        .filter_map(|id| DeviceId::parse(id).ok())
-        .collect();
-    state
-        .fleet
-        .apply(released.iter().cloned().map(FleetChange::Released));
-    Ok(released)
-}
-
-/// Commits a run (with the desired change, if any, and its `run.started`
-/// event; `commit_run` applies its own cache changes) and hands it to the
-/// engine. Returns the run id.
+/// Commits `run` as started by this call (with the desired change or the
+/// release it carries, its `run.started` event and the call's audit record
+/// with what `note` says, completed with the run id; `commit_run` applies
+/// its own cache changes) and hands it to the engine. Returns the run id
+/// and how many devices it targets.
 pub(super) async fn start_run(
     state: &AppState,
-    actor: &Actor,
-    targets: Vec<DeviceId>,
-    trigger: Trigger,
-    force: bool,
-    spec: Option<Value>,
-) -> Result<Uuid, ApiError> {
-    let run = NewRun {
-        targets,
-        trigger,
-        force,
-        spec,
-        started_by: Some(actor.name.clone()),
-    };
+    call: &Call,
+    mut run: NewRun,
+    note: AuditNote,
+) -> Result<(Uuid, usize), ApiError> {
+    run.started_by = Some(call.actor.name.clone());
+    run.audit = Some(call.audit(StatusCode::OK, note));
     let run = commit_run(
         &state.pool,
         &state.device_writes,
@@ -132,7 +143,13 @@ pub(super) async fn start_run(
     .map_err(|e| match e {
         CommitRunError::Store(e) => ApiError::from(e),
         CommitRunError::Event(e) => ApiError::from(e),
+        CommitRunError::NothingQuarantined => ApiError::new(
+            StatusCode::CONFLICT,
+            "not_quarantined",
+            "none of the devices to retry is quarantined (any more)",
+        ),
     })?;
+    let targets = run.targets.len() + run.decided;
     state.events_wake.notify_one();
     state.metrics.events_committed.increment(1);
     let run_id = run.id;
@@ -147,7 +164,7 @@ pub(super) async fn start_run(
                 "the server is shutting down; the run resumes at next start",
             )
         })?;
-    Ok(run_id)
+    Ok((run_id, targets))
 }
 
 /// Tells the engine about a change committed earlier; an engine that has

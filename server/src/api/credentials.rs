@@ -8,14 +8,15 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
+use axum::Extension;
 use idem_protocol::api::{CredentialsRequest, ErrorBody, IssuedCredential};
 use idem_protocol::DeviceId;
 use serde_json::json;
 
-use super::command::{audited, DeviceWrite};
+use super::command::{recorded, DeviceWrite};
 use super::params::registered;
 use crate::api_error::ApiError;
-use crate::auth::AuditNote;
+use crate::auth::{AuditNote, Call};
 use crate::broker_accounts::{self, AccountOwner};
 use crate::state::AppState;
 use crate::store;
@@ -263,6 +264,7 @@ pub(super) async fn remove_from_broker(state: &AppState, id: &DeviceId) -> Optio
     responses((status = 200, body = IssuedCredential), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn rotate(
     State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
     Path(raw_id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
@@ -299,17 +301,21 @@ pub(super) async fn rotate(
         .iter()
         .map(|i| (i.id.to_string(), i.hash.clone()))
         .collect();
-    let mut write = DeviceWrite::begin(&state).await?;
-    store::devices::set_broker_password_hashes(write.tx(), &hashes).await?;
-    write.commit("committing broker credentials").await?;
-    apply_on_broker(&state, &issued).await?;
     let note = AuditNote {
         targets: Some(1),
         detail: Some(json!({"credentials_for": id})),
         ..AuditNote::default()
     };
-    Ok(audited(
-        note,
+    let mut write = DeviceWrite::begin(&state).await?;
+    store::devices::set_broker_password_hashes(write.tx(), &hashes).await?;
+    write
+        .commit(
+            "committing broker credentials",
+            call.audit(StatusCode::OK, note),
+        )
+        .await?;
+    apply_on_broker(&state, &issued).await?;
+    Ok(recorded(
         StatusCode::OK,
         issued.first().map(Issued::credential),
     ))

@@ -14,12 +14,12 @@ use idem_protocol::api::{
 use idem_protocol::{DeviceId, SpecDigest};
 use serde_json::{json, Value};
 
-use super::command::{audited, start_run};
+use super::command::{audited_ids, recorded, start_run};
 use super::params::registered;
 use crate::api_error::{ApiError, ApiJson};
-use crate::auth::{Actor, AuditNote};
+use crate::auth::{AuditNote, Call};
 use crate::input;
-use crate::reconcile::runs::Trigger;
+use crate::reconcile::runs::{NewRun, Trigger};
 use crate::state::AppState;
 use crate::store;
 
@@ -34,36 +34,32 @@ const MAX_IDS_SHOWN: usize = 20;
     responses((status = 200, body = DesiredSet), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn set_device_desired(
     State(state): State<Arc<AppState>>,
-    Extension(actor): Extension<Actor>,
+    Extension(call): Extension<Call>,
     Path(raw_id): Path<String>,
     ApiJson(body): ApiJson<DeviceDesired>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     input::check_spec(state.config.budget, &body.spec)?;
-    let run = start_run(
-        &state,
-        &actor,
-        vec![id.clone()],
-        Trigger::Desired,
-        body.force,
-        Some(body.spec),
-    )
-    .await?;
+    let note = AuditNote {
+        targets: Some(1),
+        detail: Some(
+            json!({"devices": audited_ids([id.as_str()]), "digest": SpecDigest::of(&body.spec).to_string(), "force": body.force}),
+        ),
+        ..AuditNote::default()
+    };
+    let run = NewRun::new(vec![id.clone()], Trigger::Desired)
+        .forced(body.force)
+        .changing_desired_to(body.spec);
+    let (run, _) = start_run(&state, &call, run, note).await?;
     let generation = state
         .fleet
         .get(&id)
         .and_then(|e| e.desired.map(|d| d.generation));
-    let note = AuditNote {
-        targets: Some(1),
-        generation,
-        run_id: Some(run),
-        detail: Some(json!({"force": body.force})),
-    };
     let answer = DesiredSet {
         generation,
         run_id: run,
     };
-    Ok(audited(note, StatusCode::OK, answer))
+    Ok(recorded(StatusCode::OK, answer))
 }
 
 /// `POST /v1/desired`: a new desired spec for the targeted devices and the
@@ -73,7 +69,7 @@ pub(super) async fn set_device_desired(
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn set_desired_bulk(
     State(state): State<Arc<AppState>>,
-    Extension(actor): Extension<Actor>,
+    Extension(call): Extension<Call>,
     ApiJson(mut body): ApiJson<TargetedRequest>,
 ) -> Result<Response, ApiError> {
     let Some(spec) = body.spec.take() else {
@@ -86,29 +82,26 @@ pub(super) async fn set_desired_bulk(
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
     let digest = SpecDigest::of(&spec).to_string();
-    let run = start_run(
-        &state,
-        &actor,
-        targets,
-        Trigger::Desired,
-        body.force,
-        Some(spec),
-    )
-    .await?;
     let note = AuditNote {
         targets: Some(count),
-        generation: None,
-        run_id: Some(run),
-        detail: Some(
-            json!({"targeting": targeting_summary(&body), "digest": digest, "force": body.force}),
-        ),
+        detail: Some(json!({
+            "targeting": targeting_summary(&body),
+            "devices": audited_ids(targets.iter().map(DeviceId::as_str)),
+            "digest": digest,
+            "force": body.force,
+        })),
+        ..AuditNote::default()
     };
+    let run = NewRun::new(targets, Trigger::Desired)
+        .forced(body.force)
+        .changing_desired_to(spec);
+    let (run, _) = start_run(&state, &call, run, note).await?;
     let answer = RunStarted {
         run_id: run,
         targets: count as u64,
         joined: None,
     };
-    Ok(audited(note, StatusCode::OK, answer))
+    Ok(recorded(StatusCode::OK, answer))
 }
 
 /// How a bulk call chose its targets, for the audit trail (ids as sent,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use axum::Json;
+use axum::{Extension, Json};
 use idem_protocol::api::{
     Attempt, DesiredView, DeviceDeleted, DeviceListQuery, DevicePage, DeviceRegistration,
     DeviceUpsert, DeviceView, ErrorBody, LastOutcome, Registered, ReportedError, ReportedView,
@@ -16,11 +16,11 @@ use idem_protocol::api::{
 use idem_protocol::{DeviceId, DeviceStatus, SpecDigest};
 use serde_json::{json, Value};
 
-use super::command::{self, audited, DeviceWrite};
+use super::command::{self, audited_ids, recorded, DeviceWrite};
 use super::credentials::{self, Issued};
 use super::params::{page_limit, parse_id, parse_labels, registered, unknown_device};
 use crate::api_error::{ApiError, ApiJson};
-use crate::auth::AuditNote;
+use crate::auth::{AuditNote, Call};
 use crate::fleet::{DesiredState, FleetChange};
 use crate::input;
 use crate::reconcile::engine::EngineCommand;
@@ -96,6 +96,7 @@ fn check_registrations(
     responses((status = 200, body = Registered), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn register_devices(
     State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
     ApiJson(body): ApiJson<Vec<DeviceRegistration>>,
 ) -> Result<Response, ApiError> {
     let mut checked = check_registrations(&state, body)?;
@@ -134,27 +135,39 @@ pub(super) async fn register_devices(
     } else {
         Vec::new()
     };
+    let devices = audited_ids(checked.ids.iter().map(DeviceId::as_str));
+    // Registered before their desired state: the cache applies in order.
     write.change(checked.ids.drain(..).map(FleetChange::Registered));
     let desired_changed = write_desired(&mut write, &checked.specs).await?;
-    write.commit("committing registrations").await?;
-    let mut answer = Registered {
+    let answer = Registered {
         created: counts.created,
         updated: counts.updated,
         unchanged: counts.unchanged,
         desired_changed,
         credentials: Vec::new(),
     };
-    // Recorded before the passwords join the answer: they are never audited.
+    // Written before the passwords join the answer: they are never audited.
     let note = AuditNote {
         targets: Some(checked.requested),
-        detail: serde_json::to_value(&answer).ok(),
+        detail: Some(json!({
+            "created": answer.created,
+            "updated": answer.updated,
+            "unchanged": answer.unchanged,
+            "desired_changed": answer.desired_changed,
+            "devices": devices,
+            "new": audited_ids(created.iter().map(String::as_str)),
+        })),
         ..AuditNote::default()
     };
+    write
+        .commit("committing registrations", call.audit(StatusCode::OK, note))
+        .await?;
+    let mut answer = answer;
     if !issued.is_empty() {
         credentials::apply_on_broker(&state, &issued).await?;
         answer.credentials = issued.iter().map(Issued::credential).collect();
     }
-    Ok(audited(note, StatusCode::OK, answer))
+    Ok(recorded(StatusCode::OK, answer))
 }
 
 /// Writes the registrations' desired specs in `write`; the cache follows
@@ -197,6 +210,7 @@ async fn write_desired(
         (status = "4XX", body = ErrorBody)))]
 pub(super) async fn upsert_device(
     State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
     Path(raw_id): Path<String>,
     ApiJson(body): ApiJson<DeviceUpsert>,
 ) -> Result<Response, ApiError> {
@@ -211,19 +225,22 @@ pub(super) async fn upsert_device(
     };
     let mut write = DeviceWrite::begin(&state).await?;
     let counts = store::devices::register(write.tx(), &[registration]).await?;
-    write.change([FleetChange::Registered(id.clone())]);
-    write.commit("committing a registration").await?;
     let status = if counts.created > 0 {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
-    let row = store::devices::get(&state.pool, id.as_str()).await?;
     let note = AuditNote {
         targets: Some(1),
+        detail: Some(json!({"devices": audited_ids([id.as_str()]), "created": counts.created > 0})),
         ..AuditNote::default()
     };
-    Ok(audited(note, status, row.map(device_view)))
+    write.change([FleetChange::Registered(id.clone())]);
+    write
+        .commit("committing a registration", call.audit(status, note))
+        .await?;
+    let row = store::devices::get(&state.pool, id.as_str()).await?;
+    Ok(recorded(status, row.map(device_view)))
 }
 
 /// `GET /v1/devices/{id}`: the device with its newest attempts.
@@ -253,27 +270,34 @@ pub(super) async fn get_device(
     responses((status = 200, body = DeviceDeleted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn delete_device(
     State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
     Path(raw_id): Path<String>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let mut write = DeviceWrite::begin(&state).await?;
     let existed = store::devices::delete(write.tx(), id.as_str()).await?;
+    let note = AuditNote {
+        targets: Some(1),
+        detail: Some(json!({"devices": audited_ids([id.as_str()])})),
+        ..AuditNote::default()
+    };
     write.change([FleetChange::Removed(id.clone())]);
-    write.commit("committing a device deletion").await?;
+    write
+        .commit(
+            "committing a device deletion",
+            call.audit(StatusCode::OK, note),
+        )
+        .await?;
     state.publisher.clear_retained(&id);
     let broker_account_removed = credentials::remove_from_broker(&state, &id).await;
     command::tell(&state, EngineCommand::DevicesRemoved(vec![id.clone()])).await;
     tracing::info!(device = %id, existed, "device deleted");
-    let note = AuditNote {
-        targets: Some(1),
-        ..AuditNote::default()
-    };
     let answer = DeviceDeleted {
         id,
         deleted: true,
         broker_account_removed,
     };
-    Ok(audited(note, StatusCode::OK, answer))
+    Ok(recorded(StatusCode::OK, answer))
 }
 
 /// `DELETE /v1/devices/{id}/reported`: forgets the device's reported state,
@@ -284,19 +308,26 @@ pub(super) async fn delete_device(
     responses((status = 200, body = DeviceView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn reset_reported(
     State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
     Path(raw_id): Path<String>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let mut write = DeviceWrite::begin(&state).await?;
     store::devices::reset_reported(write.tx(), id.as_str()).await?;
-    write.change([FleetChange::ReportedCleared(id.clone())]);
-    write.commit("committing a reported-state reset").await?;
-    let row = store::devices::get(&state.pool, id.as_str()).await?;
     let note = AuditNote {
         targets: Some(1),
+        detail: Some(json!({"devices": audited_ids([id.as_str()])})),
         ..AuditNote::default()
     };
-    Ok(audited(note, StatusCode::OK, row.map(device_view)))
+    write.change([FleetChange::ReportedCleared(id.clone())]);
+    write
+        .commit(
+            "committing a reported-state reset",
+            call.audit(StatusCode::OK, note),
+        )
+        .await?;
+    let row = store::devices::get(&state.pool, id.as_str()).await?;
+    Ok(recorded(StatusCode::OK, row.map(device_view)))
 }
 
 /// The store's filter for a device list query, each parameter checked.

@@ -16,13 +16,13 @@ use idem_protocol::{DeviceId, OutcomeKind, SpecDigest};
 use serde_json::json;
 use uuid::Uuid;
 
-use super::command::{audited, release, start_run};
+use super::command::{audited, audited_ids, recorded, start_run};
 use super::desired::{resolve_targets, targeting_summary};
 use super::params::{page_limit, parse_run_id, registered, unknown_run};
 use crate::api_error::{ApiError, ApiJson};
-use crate::auth::{Actor, AuditNote};
+use crate::auth::{AuditNote, Call};
 use crate::input;
-use crate::reconcile::runs::Trigger;
+use crate::reconcile::runs::{NewRun, Trigger};
 use crate::state::AppState;
 use crate::store;
 use crate::store::runs::{RunRow, TargetRow};
@@ -42,7 +42,7 @@ type ManualRunKey = (SpecDigest, bool);
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn start_manual_run(
     State(state): State<Arc<AppState>>,
-    Extension(actor): Extension<Actor>,
+    Extension(call): Extension<Call>,
     ApiJson(body): ApiJson<TargetedRequest>,
 ) -> Result<Response, ApiError> {
     if body.spec.is_some() {
@@ -56,28 +56,34 @@ pub(super) async fn start_manual_run(
     let mut sorted: Vec<&str> = targets.iter().map(DeviceId::as_str).collect();
     sorted.sort_unstable();
     let key = (SpecDigest::of(&json!(sorted)), body.force);
-    let (run_id, joined) = match running_manual_run(&state, &key).await? {
-        Some(run_id) => (run_id, true),
-        None => {
-            let run = start_run(&state, &actor, targets, Trigger::Manual, body.force, None).await?;
-            remember_manual_run(&state, key, run);
-            (run, false)
-        }
-    };
-    let note = AuditNote {
+    let note = |joined: bool| AuditNote {
         targets: Some(count),
-        run_id: Some(run_id),
-        detail: Some(
-            json!({"targeting": targeting_summary(&body), "force": body.force, "joined": joined}),
-        ),
+        detail: Some(json!({
+            "targeting": targeting_summary(&body),
+            "devices": audited_ids(targets.iter().map(DeviceId::as_str)),
+            "force": body.force,
+            "joined": joined,
+        })),
         ..AuditNote::default()
     };
-    let answer = RunStarted {
+    let answer = |run_id, joined| RunStarted {
         run_id,
         targets: count as u64,
         joined: Some(joined),
     };
-    Ok(audited(note, StatusCode::OK, answer))
+    if let Some(run_id) = running_manual_run(&state, &key).await? {
+        // Nothing new is committed: the middleware records the call.
+        let note = AuditNote {
+            run_id: Some(run_id),
+            ..note(true)
+        };
+        return Ok(audited(note, StatusCode::OK, answer(run_id, true)));
+    }
+    let note = note(false);
+    let run = NewRun::new(targets, Trigger::Manual).forced(body.force);
+    let (run_id, _) = start_run(&state, &call, run, note).await?;
+    remember_manual_run(&state, key, run_id);
+    Ok(recorded(StatusCode::OK, answer(run_id, false)))
 }
 
 /// The remembered manual run with this key, if it is still running.
@@ -117,30 +123,23 @@ fn remember_manual_run(state: &AppState, key: ManualRunKey, run: Uuid) {
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn retry_device(
     State(state): State<Arc<AppState>>,
-    Extension(actor): Extension<Actor>,
+    Extension(call): Extension<Call>,
     Path(raw_id): Path<String>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
-    let released = release(&state, vec![id.to_string()]).await?;
-    if released.is_empty() {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "not_quarantined",
-            format!("device {id} is not quarantined"),
-        ));
-    }
-    let run = start_run(&state, &actor, released, Trigger::Retry, false, None).await?;
     let note = AuditNote {
         targets: Some(1),
-        run_id: Some(run),
+        detail: Some(json!({"devices": audited_ids([id.as_str()])})),
         ..AuditNote::default()
     };
+    let run = NewRun::new(vec![id.clone()], Trigger::Retry).releasing_quarantine();
+    let (run_id, _) = start_run(&state, &call, run, note).await?;
     let answer = RunStarted {
-        run_id: run,
+        run_id,
         targets: 1,
         joined: None,
     };
-    Ok(audited(note, StatusCode::OK, answer))
+    Ok(recorded(StatusCode::OK, answer))
 }
 
 /// `POST /v1/runs/{id}/retry`: releases every quarantined device of a run
@@ -150,36 +149,41 @@ pub(super) async fn retry_device(
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn retry_run(
     State(state): State<Arc<AppState>>,
-    Extension(actor): Extension<Actor>,
+    Extension(call): Extension<Call>,
     Path(raw): Path<String>,
 ) -> Result<Response, ApiError> {
     let run_id = parse_run_id(&raw)?;
     if store::runs::get(&state.pool, run_id).await?.is_none() {
         return Err(unknown_run(run_id));
     }
-    let quarantined = store::devices::quarantined_in_run(&state.pool, run_id).await?;
-    let released = release(&state, quarantined).await?;
-    if released.is_empty() {
+    let quarantined: Vec<DeviceId> = store::devices::quarantined_in_run(&state.pool, run_id)
+        .await?
+        .iter()
+        .filter_map(|id| DeviceId::parse(id).ok())
+        .collect();
+    if quarantined.is_empty() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "nothing_quarantined",
             "no device of this run is quarantined",
         ));
     }
-    let count = released.len();
-    let run = start_run(&state, &actor, released, Trigger::Retry, false, None).await?;
     let note = AuditNote {
-        targets: Some(count),
-        run_id: Some(run),
-        detail: Some(json!({"retried_run": run_id})),
+        targets: Some(quarantined.len()),
+        detail: Some(json!({
+            "retried_run": run_id,
+            "devices": audited_ids(quarantined.iter().map(DeviceId::as_str)),
+        })),
         ..AuditNote::default()
     };
+    let run = NewRun::new(quarantined, Trigger::Retry).releasing_quarantine();
+    let (run_id, targets) = start_run(&state, &call, run, note).await?;
     let answer = RunStarted {
-        run_id: run,
-        targets: count as u64,
+        run_id,
+        targets: targets as u64,
         joined: None,
     };
-    Ok(audited(note, StatusCode::OK, answer))
+    Ok(recorded(StatusCode::OK, answer))
 }
 
 /// `GET /v1/runs`: runs, newest first.

@@ -13,13 +13,13 @@ use idem_protocol::api::{
 };
 use serde_json::json;
 
-use super::command::audited;
+use super::command::recorded;
 use crate::api_error::{ApiError, ApiJson};
-use crate::auth::{Actor, AuditNote, Role};
+use crate::auth::{AuditNote, Call, Role};
 use crate::config::parse_duration;
 use crate::state::AppState;
-use crate::store;
 use crate::store::access::{NewToken, TokenRow};
+use crate::store::{self, Context};
 
 /// Names are what the audit trail shows: short, printable, no spaces.
 const MAX_TOKEN_NAME_BYTES: usize = 64;
@@ -45,7 +45,7 @@ fn check_name(name: &str) -> Result<(), ApiError> {
     responses((status = 201, body = TokenCreated), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn create_token(
     State(state): State<Arc<AppState>>,
-    Extension(actor): Extension<Actor>,
+    Extension(call): Extension<Call>,
     ApiJson(body): ApiJson<TokenRequest>,
 ) -> Result<Response, ApiError> {
     check_name(&body.name)?;
@@ -66,13 +66,14 @@ pub(super) async fn create_token(
         }
     };
     let generated = crate::auth::generate_token();
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let created = store::access::create_token(
-        &state.pool,
+        &mut *tx,
         &NewToken {
             name: &body.name,
             role: role.as_str(),
             hash: &generated.hash,
-            created_by: Some(&actor.name),
+            created_by: Some(&call.actor.name),
             expires_at,
         },
     )
@@ -84,13 +85,14 @@ pub(super) async fn create_token(
             format!("a token named {:?} exists already", body.name),
         ));
     };
-    tracing::info!(name = %row.name, role = %row.role, by = %actor.name, "token created");
     let note = AuditNote {
         detail: Some(json!({"name": row.name, "role": row.role, "expires_at": row.expires_at})),
         ..AuditNote::default()
     };
-    Ok(audited(
-        note,
+    store::access::record_audit(&mut *tx, &call.audit(StatusCode::CREATED, note)).await?;
+    tx.commit().await.context("committing a token")?;
+    tracing::info!(name = %row.name, role = %row.role, by = %call.actor.name, "token created");
+    Ok(recorded(
         StatusCode::CREATED,
         TokenCreated {
             id: row.id,
@@ -132,23 +134,25 @@ fn token_view(row: TokenRow) -> TokenView {
     responses((status = 200, body = TokenRevoked), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn revoke_token(
     State(state): State<Arc<AppState>>,
-    Extension(actor): Extension<Actor>,
+    Extension(call): Extension<Call>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
-    let Some(row) = store::access::revoke_token(&state.pool, &name).await? else {
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
+    let Some(row) = store::access::revoke_token(&mut *tx, &name).await? else {
         return Err(ApiError::not_found(
             "unknown_token",
             format!("no token is named {name:?}"),
         ));
     };
-    tracing::info!(name = %row.name, by = %actor.name, "token revoked");
     let note = AuditNote {
         detail: Some(json!({"name": row.name})),
         ..AuditNote::default()
     };
-    Ok(audited(
-        note,
+    store::access::record_audit(&mut *tx, &call.audit(StatusCode::OK, note)).await?;
+    tx.commit().await.context("committing a revocation")?;
+    tracing::info!(name = %row.name, by = %call.actor.name, "token revoked");
+    Ok(recorded(
         StatusCode::OK,
         TokenRevoked {
             name: row.name,

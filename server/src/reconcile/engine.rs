@@ -183,13 +183,7 @@ impl Engine {
     /// Commits a run the engine starts itself; if the commit fails
     /// (database down), the machine tries again a debounce window later.
     async fn start_own_run(&self, trigger: Trigger, targets: Vec<DeviceId>) -> EngineCommand {
-        let run = NewRun {
-            targets: targets.clone(),
-            trigger,
-            force: false,
-            spec: None,
-            started_by: None,
-        };
+        let run = NewRun::new(targets.clone(), trigger);
         let committed = commit_run(
             &self.ctx.pool,
             &self.ctx.device_writes,

@@ -17,6 +17,7 @@ use super::run::RunSpec;
 pub use super::run::Trigger;
 use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedData};
 use crate::fleet::{DesiredState, Fleet, FleetChange};
+use crate::store::access::AuditRecord;
 use crate::store::devices::DeviceChangeRow;
 use crate::store::runs::ConvergedTarget;
 use crate::store::{self, Context, DeviceWrites, StoreError};
@@ -27,6 +28,9 @@ pub enum CommitRunError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Event(#[from] EventError),
+    /// A run that releases quarantined targets found none quarantined.
+    #[error("none of the targets is quarantined")]
+    NothingQuarantined,
 }
 
 /// A run to commit.
@@ -39,6 +43,47 @@ pub struct NewRun {
     pub spec: Option<Value>,
     /// The operator token that started it (`None`: the server itself).
     pub started_by: Option<String>,
+    /// The audit record of the API call that started it, written in the
+    /// run's transaction with the run id (and, for a desired change of one
+    /// device, its new generation) filled in.
+    pub audit: Option<AuditRecord>,
+    /// Release the targets from quarantine first, in the run's
+    /// transaction; the run targets only those that were quarantined.
+    pub release_quarantined: bool,
+}
+
+impl NewRun {
+    /// A run over `targets` with nothing else to do: no change, no
+    /// release, started by the server itself.
+    pub fn new(targets: Vec<DeviceId>, trigger: Trigger) -> Self {
+        Self {
+            targets,
+            trigger,
+            force: false,
+            spec: None,
+            started_by: None,
+            audit: None,
+            release_quarantined: false,
+        }
+    }
+
+    /// Push even to targets whose report already matches.
+    pub fn forced(mut self, force: bool) -> Self {
+        self.force = force;
+        self
+    }
+
+    /// Sets `spec` as every target's desired state.
+    pub fn changing_desired_to(mut self, spec: Value) -> Self {
+        self.spec = Some(spec);
+        self
+    }
+
+    /// Releases quarantined targets first and runs only those.
+    pub fn releasing_quarantine(mut self) -> Self {
+        self.release_quarantined = true;
+        self
+    }
 }
 
 /// Commits `run`; the caller hands the result to the engine. Targets
@@ -53,13 +98,28 @@ pub async fn commit_run(
     run: NewRun,
 ) -> Result<RunSpec, CommitRunError> {
     let run_id = Uuid::now_v7();
-    let target_ids: Vec<String> = run.targets.iter().map(DeviceId::to_string).collect();
-    // Only a desired change updates many device rows.
-    let _one_writer = match run.spec {
-        Some(_) => Some(device_writes.lock().await),
-        None => None,
+    let mut targets = run.targets;
+    // Only a desired change or a release updates device rows here.
+    let _one_writer = if run.spec.is_some() || run.release_quarantined {
+        Some(device_writes.lock().await)
+    } else {
+        None
     };
     let mut tx = pool.begin().await.context("starting a transaction")?;
+    let mut released = Vec::new();
+    if run.release_quarantined {
+        let ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
+        let quarantined: HashSet<String> = store::devices::release_quarantine(&mut tx, &ids)
+            .await?
+            .into_iter()
+            .collect();
+        targets.retain(|id| quarantined.contains(id.as_str()));
+        if targets.is_empty() {
+            return Err(CommitRunError::NothingQuarantined);
+        }
+        released.clone_from(&targets);
+    }
+    let target_ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
     let digest_and_spec = run.spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
     let mut desired_changes = Vec::new();
     if let Some((digest, spec)) = &digest_and_spec {
@@ -71,8 +131,8 @@ pub async fn commit_run(
         .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
         .collect();
     let new_digest = digest_and_spec.as_ref().map(|(digest, _)| *digest);
-    let converged = converged_targets(fleet, &run.targets, run.force, new_digest, &new_generations);
-    let (undecided, undecided_ids) = split_undecided(&run.targets, &converged);
+    let converged = converged_targets(fleet, &targets, run.force, new_digest, &new_generations);
+    let (undecided, undecided_ids) = split_undecided(&targets, &converged);
     let started = RunStartedData {
         trigger: run.trigger.as_str().to_owned(),
         target_count: target_ids.len() as u64,
@@ -94,7 +154,15 @@ pub async fn commit_run(
         event_source,
     )
     .await?;
+    if let Some(mut audit) = run.audit {
+        audit.run_id = Some(run_id);
+        if let ([only], None) = (desired_changes.as_slice(), audit.generation) {
+            audit.generation = Some(store::to_u64(only.desired_generation));
+        }
+        store::access::record_audit(&mut *tx, &audit).await?;
+    }
     tx.commit().await.context("committing a run")?;
+    fleet.apply(released.into_iter().map(FleetChange::Released));
     if let Some((digest, spec)) = digest_and_spec {
         fleet.apply(desired_changes.into_iter().filter_map(|write| {
             let id = DeviceId::parse(&write.id).ok()?;

@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::PgPool;
+use sqlx::{PgExecutor, PgPool};
 use uuid::Uuid;
 
 use super::{Context, StoreError};
@@ -33,8 +33,8 @@ pub struct NewToken<'a> {
 }
 
 /// Creates a token; `None` when the name is taken.
-pub async fn create_token(
-    pool: &PgPool,
+pub async fn create_token<'e>(
+    executor: impl PgExecutor<'e>,
     token: &NewToken<'_>,
 ) -> Result<Option<TokenRow>, StoreError> {
     sqlx::query_as(&format!(
@@ -48,7 +48,7 @@ pub async fn create_token(
     .bind(token.hash)
     .bind(token.created_by)
     .bind(token.expires_at)
-    .fetch_optional(pool)
+    .fetch_optional(executor)
     .await
     .context("creating a token")
 }
@@ -76,13 +76,16 @@ pub async fn list_tokens(pool: &PgPool) -> Result<Vec<TokenRow>, StoreError> {
 
 /// Revokes the token called `name`; `None` when there is none, the row
 /// (with its first revocation time) otherwise.
-pub async fn revoke_token(pool: &PgPool, name: &str) -> Result<Option<TokenRow>, StoreError> {
+pub async fn revoke_token<'e>(
+    executor: impl PgExecutor<'e>,
+    name: &str,
+) -> Result<Option<TokenRow>, StoreError> {
     sqlx::query_as(&format!(
         "UPDATE api_tokens SET revoked_at = COALESCE(revoked_at, now()) WHERE name = $1 \
          RETURNING {TOKEN_COLUMNS}"
     ))
     .bind(name)
-    .fetch_optional(pool)
+    .fetch_optional(executor)
     .await
     .context("revoking a token")
 }
@@ -104,37 +107,43 @@ pub struct AuditRow {
     pub detail: Option<Value>,
 }
 
-/// An audit record to write.
+/// An audit record to write: who called what, how it was answered and
+/// what it changed.
 #[derive(Debug, Clone)]
-pub struct NewAudit<'a> {
-    pub actor: &'a str,
-    pub role: &'a str,
-    pub method: &'a str,
-    pub route: &'a str,
-    pub path: &'a str,
+pub struct AuditRecord {
+    pub actor: String,
+    pub role: String,
+    pub method: String,
+    pub route: String,
+    pub path: String,
     pub status: u16,
     pub targets: Option<usize>,
     pub generation: Option<u64>,
     pub run_id: Option<Uuid>,
-    pub detail: Option<&'a Value>,
+    pub detail: Option<Value>,
 }
 
-pub async fn record_audit(pool: &PgPool, audit: &NewAudit<'_>) -> Result<(), StoreError> {
+/// Writes `audit` through `executor`: the pool, or the transaction of the
+/// change it records (so the change never commits without it).
+pub async fn record_audit<'e>(
+    executor: impl PgExecutor<'e>,
+    audit: &AuditRecord,
+) -> Result<(), StoreError> {
     sqlx::query(
         "INSERT INTO audit_log (actor, role, method, route, path, status, targets, generation, run_id, detail) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
     )
-    .bind(audit.actor)
-    .bind(audit.role)
-    .bind(audit.method)
-    .bind(audit.route)
-    .bind(audit.path)
+    .bind(&audit.actor)
+    .bind(&audit.role)
+    .bind(&audit.method)
+    .bind(&audit.route)
+    .bind(&audit.path)
     .bind(i32::from(audit.status))
     .bind(audit.targets.map(|n| i32::try_from(n).unwrap_or(i32::MAX)))
     .bind(audit.generation.map(super::to_i64))
     .bind(audit.run_id)
-    .bind(audit.detail)
-    .execute(pool)
+    .bind(&audit.detail)
+    .execute(executor)
     .await
     .context("writing the audit trail")?;
     Ok(())

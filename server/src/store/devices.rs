@@ -503,15 +503,17 @@ pub async fn delete(tx: &mut Transaction<'_, Postgres>, id: &str) -> Result<bool
 }
 
 /// Releases quarantined devices among `ids`: status `failed`, attempts 0
-/// (written as a device change, the one path of device status). Returns
-/// the ids that were quarantined.
-pub async fn release_quarantine(pool: &PgPool, ids: &[String]) -> Result<Vec<String>, StoreError> {
-    let mut tx = pool.begin().await.context("starting a transaction")?;
+/// (written as a device change, the one path of device status), in the
+/// caller's transaction. Returns the ids that were quarantined.
+pub async fn release_quarantine(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[String],
+) -> Result<Vec<String>, StoreError> {
     let quarantined: Vec<String> =
         sqlx::query_scalar("SELECT id FROM devices WHERE id = ANY($1) AND status = $2 FOR UPDATE")
             .bind(ids)
             .bind(idem_protocol::DeviceStatus::Quarantined.as_str())
-            .fetch_all(&mut *tx)
+            .fetch_all(&mut **tx)
             .await
             .context("finding quarantined devices")?;
     let changes: Vec<DeviceChangeRow<'_>> = quarantined
@@ -523,8 +525,7 @@ pub async fn release_quarantine(pool: &PgPool, ids: &[String]) -> Result<Vec<Str
             ..DeviceChangeRow::default()
         })
         .collect();
-    apply_changes(&mut tx, &changes).await?;
-    tx.commit().await.context("releasing quarantined devices")?;
+    apply_changes(tx, &changes).await?;
     Ok(quarantined)
 }
 
