@@ -22,14 +22,13 @@ use crate::reconcile::engine::{Engine, EngineCommand, EngineContext, EngineSetti
 use crate::reconcile::policy::RetryPolicy;
 use crate::reconcile::run::RunSpec;
 use crate::reconcile::runs::Trigger;
+use crate::intake::{intake, IntakeGauge, IntakeReceiver, IntakeSender};
 use crate::relay::{EventRelay, Retention};
 use crate::sse::{SseClients, SseSettings};
 use crate::state::{AppState, Stalls};
 use crate::store::events::StoredEvent;
 use crate::store::{self, DeviceWrites, StoreError};
 
-/// Inbound MQTT messages buffered between the event loop and the ingest.
-const INBOUND_CAPACITY: usize = 16_384;
 const ENGINE_CAPACITY: usize = 1_024;
 /// Live events buffered per SSE subscriber before it must catch up from the log.
 const LIVE_EVENTS_CAPACITY: usize = 16_384;
@@ -56,10 +55,23 @@ pub async fn run(
 
     let (client, eventloop) = mqtt::connect(&config);
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
+    let (intake_tx, intake_rx, intake_gauge) = intake(config.config.mqtt_intake_buffer_bytes);
     let state = Arc::new(shared_state(
-        config, pool, fleet, &client, engine_tx, &token,
+        config,
+        pool,
+        fleet,
+        &client,
+        engine_tx,
+        intake_gauge,
+        &token,
     ));
-    let workers = Workers::start(&state, client, eventloop, engine_rx, &token);
+    let workers = Workers::start(
+        &state,
+        (client, eventloop),
+        (intake_tx, intake_rx),
+        engine_rx,
+        &token,
+    );
 
     resume_unfinished_runs(&state.pool, &state.engine).await?;
     // Retained desired messages left behind by an earlier process (it
@@ -98,6 +110,7 @@ fn shared_state(
     fleet: Arc<Fleet>,
     client: &rumqttc::AsyncClient,
     engine: mpsc::Sender<EngineCommand>,
+    intake: IntakeGauge,
     token: &CancellationToken,
 ) -> AppState {
     let metrics = Arc::new(Metrics::new());
@@ -137,6 +150,7 @@ fn shared_state(
         event_source: format!("/idem/{}", config.config.instance),
         sse: SseClients::new(SseSettings::from_config(&config.config), token.clone()),
         stalls: Stalls::new(config.config.stuck_after),
+        intake,
         config,
         manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
         auth,
@@ -215,8 +229,8 @@ impl Workers {
     /// the periodic jobs.
     fn start(
         state: &AppState,
-        client: rumqttc::AsyncClient,
-        eventloop: rumqttc::EventLoop,
+        (client, eventloop): (rumqttc::AsyncClient, rumqttc::EventLoop),
+        (intake_tx, intake_rx): (IntakeSender, IntakeReceiver),
         engine_rx: mpsc::Receiver<EngineCommand>,
         token: &CancellationToken,
     ) -> Self {
@@ -226,13 +240,12 @@ impl Workers {
         let relay_token = CancellationToken::new();
         let mqtt_token = CancellationToken::new();
         let config = &state.config;
-        let (inbound_tx, inbound_rx) = mpsc::channel(INBOUND_CAPACITY);
         let mqtt = tokio::spawn(mqtt::run_event_loop(
             eventloop,
             client,
             config.topic_root.clone(),
             config.budget,
-            inbound_tx,
+            intake_tx,
             state.mqtt.clone(),
             state.metrics.clone(),
             state
@@ -267,11 +280,12 @@ impl Workers {
             stall: state.stalls.ingest.clone(),
         };
         let intake = vec![
-            tokio::spawn(ingest.run(inbound_rx, intake_token.clone())),
+            tokio::spawn(ingest.run(intake_rx, intake_token.clone())),
             tokio::spawn(metrics_upkeep(
                 state.metrics.clone(),
                 state.pool.clone(),
                 state.fleet.clone(),
+                state.intake.clone(),
                 intake_token.clone(),
             )),
             tokio::spawn(crate::retention::run(
@@ -351,6 +365,7 @@ async fn metrics_upkeep(
     metrics: Arc<Metrics>,
     pool: PgPool,
     fleet: Arc<Fleet>,
+    intake: IntakeGauge,
     token: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
@@ -360,6 +375,10 @@ async fn metrics_upkeep(
             _ = tick.tick() => {
                 metrics.run_upkeep();
                 metrics.fleet_cache_bytes.set(fleet.footprint_bytes() as f64);
+                let backlog = intake.backlog(std::time::Instant::now());
+                metrics.intake_messages.set(backlog.messages as f64);
+                metrics.intake_bytes.set(backlog.bytes as f64);
+                metrics.intake_oldest.set(backlog.oldest.as_secs_f64());
                 match store::devices::count_by_status(&pool).await {
                     Ok(counts) => metrics.set_devices_by_status(&counts),
                     Err(e) => tracing::debug!(error = %e, "devices-by-status gauge not refreshed"),

@@ -121,6 +121,26 @@ pub struct Config {
     #[arg(long, env = "IDEM_STUCK_AFTER", default_value = "30s", value_parser = parse_duration)]
     pub stuck_after: Duration,
 
+    /// MQTT keepalive of the server's connection: with no packet from the
+    /// broker for this long (1.5× by the broker's count), the connection
+    /// counts as lost. The server reads its connection through any ingest
+    /// backlog, so this need not cover database stalls.
+    #[arg(long, env = "IDEM_MQTT_KEEP_ALIVE", default_value = "30s", value_parser = parse_duration)]
+    pub mqtt_keep_alive: Duration,
+
+    /// Bytes of received MQTT messages the server holds for the ingest
+    /// (topic, payload and about 160 bytes each). Below it the connection
+    /// is read on whatever the database does; past it the server stops
+    /// reading until half of it is stored (the broker queues meanwhile).
+    #[arg(long, env = "IDEM_MQTT_INTAKE_BUFFER_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub mqtt_intake_buffer_bytes: usize,
+
+    /// `/readyz` fails while the oldest received message has waited longer
+    /// than this for the ingest (the answer says how many wait, and since
+    /// when).
+    #[arg(long, env = "IDEM_READY_MAX_INTAKE_AGE", default_value = "30s", value_parser = parse_duration)]
+    pub ready_max_intake_age: Duration,
+
     /// Completed runs (with their per-device targets) older than this are
     /// pruned, e.g. `30d`.
     #[arg(long, env = "IDEM_RUN_RETENTION", default_value = "30d", value_parser = parse_duration)]
@@ -332,6 +352,12 @@ pub enum ConfigError {
     MaxAttempts(u32),
     #[error("IDEM_MAX_IN_FLIGHT / --max-in-flight must be at least 1 (got {0})")]
     MaxInFlight(usize),
+    #[error(
+        "IDEM_MQTT_KEEP_ALIVE / --mqtt-keep-alive must be between 1 s and 65535 s (got {0:?})"
+    )]
+    MqttKeepAlive(Duration),
+    #[error("IDEM_MQTT_INTAKE_BUFFER_BYTES / --mqtt-intake-buffer-bytes must be at least 1048576 (1 MiB; got {0})")]
+    MqttIntakeBuffer(usize),
     #[error("IDEM_BROKER_ACCOUNTS_FILE / --broker-accounts-file {path}: {reason} (a Mosquitto password file: `user:hash` lines, as `mosquitto_passwd` writes them)")]
     BrokerAccountsFile { path: String, reason: String },
     #[error("IDEM_RESERVED_BROKER_USERNAMES / --reserved-broker-usernames holds an empty name: list names separated by commas, without empty entries")]
@@ -472,6 +498,12 @@ impl Config {
         }
         if self.mqtt_events_qos > 1 {
             return Err(ConfigError::EventsQos(self.mqtt_events_qos));
+        }
+        if !(Duration::from_secs(1)..=Duration::from_secs(65_535)).contains(&self.mqtt_keep_alive) {
+            return Err(ConfigError::MqttKeepAlive(self.mqtt_keep_alive));
+        }
+        if self.mqtt_intake_buffer_bytes < 1024 * 1024 {
+            return Err(ConfigError::MqttIntakeBuffer(self.mqtt_intake_buffer_bytes));
         }
         if self
             .reserved_broker_usernames

@@ -8,6 +8,7 @@
 //! alone; that one is dropped (counted `db_refused`, acknowledged so the
 //! broker stops redelivering it) and the rest commit.
 
+use crate::intake::IntakeReceiver;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -187,7 +188,7 @@ enum WriteFailure {
 }
 
 impl Ingest {
-    pub async fn run(self, mut inbound: mpsc::Receiver<Received>, token: CancellationToken) {
+    pub async fn run(self, mut inbound: IntakeReceiver, token: CancellationToken) {
         let mut messages = Vec::with_capacity(MAX_BATCH);
         loop {
             let received = tokio::select! {

@@ -19,6 +19,7 @@ pub mod fleet;
 pub mod http;
 pub mod ingest;
 pub mod input;
+pub mod intake;
 pub mod metrics;
 pub mod mqtt;
 pub mod outbox;

@@ -88,6 +88,90 @@ impl BodyRejection {
     }
 }
 
+/// Why a request was answered with an error before it reached a handler,
+/// for its head (request line and headers); label values of
+/// `idem_http_requests_rejected_total` next to [`BodyRejection`]'s
+/// (answered by `http`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadRejection {
+    /// 414: the request target is longer than the server accepts.
+    UriTooLong,
+    /// 431: the head is larger, or has more header fields, than accepted.
+    HeadersTooLarge,
+    /// 400: the head is not HTTP/1.1.
+    Malformed,
+}
+
+impl HeadRejection {
+    pub const ALL: [HeadRejection; 3] = [
+        HeadRejection::UriTooLong,
+        HeadRejection::HeadersTooLarge,
+        HeadRejection::Malformed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HeadRejection::UriTooLong => "uri_too_long",
+            HeadRejection::HeadersTooLarge => "headers_too_large",
+            HeadRejection::Malformed => "malformed_request",
+        }
+    }
+}
+
+/// Why a connection was answered and closed as soon as it was accepted;
+/// label values of `idem_http_connections_refused_total` (refused by `http`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectionRefusal {
+    /// `--http-max-connections` were open.
+    MaxConnections,
+    /// Its client address (IPv6: its /64) had
+    /// `--http-max-connections-per-peer` open.
+    PerPeer,
+}
+
+impl ConnectionRefusal {
+    pub const ALL: [ConnectionRefusal; 2] = [
+        ConnectionRefusal::MaxConnections,
+        ConnectionRefusal::PerPeer,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnectionRefusal::MaxConnections => "max_connections",
+            ConnectionRefusal::PerPeer => "max_connections_per_peer",
+        }
+    }
+}
+
+/// Why `GET /v1/events` was refused a stream; label values of
+/// `idem_sse_clients_refused_total` (refused by `sse`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SseRefusal {
+    /// `--sse-max-clients` streams were open.
+    MaxClients,
+    /// Only the slots kept for admin tokens were free.
+    AdminReserve,
+    /// The caller's token (without a token: its address) had
+    /// `--sse-max-clients-per-token` streams open.
+    PerToken,
+}
+
+impl SseRefusal {
+    pub const ALL: [SseRefusal; 3] = [
+        SseRefusal::MaxClients,
+        SseRefusal::AdminReserve,
+        SseRefusal::PerToken,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SseRefusal::MaxClients => "max_clients",
+            SseRefusal::AdminReserve => "admin_reserve",
+            SseRefusal::PerToken => "per_token",
+        }
+    }
+}
+
 /// Why an SSE client was dropped; label values of
 /// `idem_sse_clients_dropped_total` (dropped by `sse`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,6 +219,13 @@ pub struct Metrics {
     pub db_batch_outcomes: Histogram,
     pub mqtt_connected: Gauge,
     pub mqtt_reconnects: Counter,
+    /// Times the intake queue reached its byte budget (the server then
+    /// stopped reading the broker until the ingest caught up).
+    pub intake_full: Counter,
+    /// Received messages waiting for the ingest, their bytes, the oldest's age.
+    pub intake_messages: Gauge,
+    pub intake_bytes: Gauge,
+    pub intake_oldest: Gauge,
     pub attempts_in_flight: Gauge,
     pub pushes_in_flight: Gauge,
     pub push_queue_depth: Gauge,
@@ -149,9 +240,11 @@ pub struct Metrics {
     pub events_published: Counter,
     pub event_log_lag: Gauge,
     pub http_connections: Gauge,
-    pub http_connections_refused: Counter,
+    http_connections_refused: [Counter; ConnectionRefusal::ALL.len()],
     http_rejected: [Counter; BodyRejection::ALL.len()],
+    http_head_rejected: [Counter; HeadRejection::ALL.len()],
     pub sse_clients: Gauge,
+    sse_refused: [Counter; SseRefusal::ALL.len()],
     sse_dropped: [Counter; DropReason::ALL.len()],
 }
 
@@ -232,6 +325,22 @@ const MQTT_RECONNECTS: Family<Counter> = Family::new(
     "idem_mqtt_reconnects_total",
     "MQTT connections re-established after a loss",
 );
+const INTAKE_FULL: Family<Counter> = Family::new(
+    "idem_mqtt_intake_full_total",
+    "Times the MQTT intake reached --mqtt-intake-buffer-bytes and reading paused",
+);
+const INTAKE_MESSAGES: Family<Gauge> = Family::new(
+    "idem_mqtt_intake_messages",
+    "Received MQTT messages waiting for the ingest",
+);
+const INTAKE_BYTES: Family<Gauge> = Family::new(
+    "idem_mqtt_intake_bytes",
+    "Bytes of received MQTT messages waiting for the ingest",
+);
+const INTAKE_OLDEST: Family<Gauge> = Family::new(
+    "idem_mqtt_intake_oldest_seconds",
+    "How long the oldest received MQTT message has waited for the ingest",
+);
 const ATTEMPTS_IN_FLIGHT: Family<Gauge> = Family::new(
     "idem_attempts_in_flight",
     "Devices with a push or report request awaiting an answer",
@@ -285,14 +394,18 @@ const HTTP_CONNECTIONS: Family<Gauge> =
     Family::new("idem_http_connections", "Open HTTP connections");
 const HTTP_CONNECTIONS_REFUSED: Family<Counter> = Family::new(
     "idem_http_connections_refused_total",
-    "HTTP connections closed at once because --http-max-connections were open",
+    "HTTP connections answered and closed at once because --http-max-connections were open, or --http-max-connections-per-peer from their address, by reason",
 );
 const HTTP_REQUESTS_REJECTED: Family<Counter> = Family::new(
     "idem_http_requests_rejected_total",
-    "HTTP requests answered with an error by a body limit, by reason",
+    "HTTP requests answered with an error by a head or body limit, by reason",
 );
 const SSE_CLIENTS: Family<Gauge> =
     Family::new("idem_sse_clients", "Connected SSE clients (GET /v1/events)");
+const SSE_CLIENTS_REFUSED: Family<Counter> = Family::new(
+    "idem_sse_clients_refused_total",
+    "GET /v1/events requests refused a stream by the stream cap, the admin reserve or the per-token cap, by reason",
+);
 const SSE_CLIENTS_DROPPED: Family<Counter> = Family::new(
     "idem_sse_clients_dropped_total",
     "SSE clients disconnected because they did not keep up, by reason",
@@ -332,6 +445,10 @@ impl Metrics {
             db_batch_outcomes: DB_BATCH_DURATION.register(r, &[("batch", "outcomes")]),
             mqtt_connected: MQTT_CONNECTED.register(r, &[]),
             mqtt_reconnects: MQTT_RECONNECTS.register(r, &[]),
+            intake_full: INTAKE_FULL.register(r, &[]),
+            intake_messages: INTAKE_MESSAGES.register(r, &[]),
+            intake_bytes: INTAKE_BYTES.register(r, &[]),
+            intake_oldest: INTAKE_OLDEST.register(r, &[]),
             attempts_in_flight: ATTEMPTS_IN_FLIGHT.register(r, &[]),
             devices_by_status: DeviceStatus::ALL
                 .map(|status| DEVICES.register(r, &[("status", status.as_str())])),
@@ -348,10 +465,15 @@ impl Metrics {
             unhealthy_converged: DEVICES_UNHEALTHY.register(r, &[]),
             fleet_cache_bytes: FLEET_CACHE_BYTES.register(r, &[]),
             http_connections: HTTP_CONNECTIONS.register(r, &[]),
-            http_connections_refused: HTTP_CONNECTIONS_REFUSED.register(r, &[]),
+            http_connections_refused: ConnectionRefusal::ALL
+                .map(|reason| HTTP_CONNECTIONS_REFUSED.register(r, &[("reason", reason.as_str())])),
             http_rejected: BodyRejection::ALL
                 .map(|reason| HTTP_REQUESTS_REJECTED.register(r, &[("reason", reason.as_str())])),
+            http_head_rejected: HeadRejection::ALL
+                .map(|reason| HTTP_REQUESTS_REJECTED.register(r, &[("reason", reason.as_str())])),
             sse_clients: SSE_CLIENTS.register(r, &[]),
+            sse_refused: SseRefusal::ALL
+                .map(|reason| SSE_CLIENTS_REFUSED.register(r, &[("reason", reason.as_str())])),
             sse_dropped: DropReason::ALL
                 .map(|reason| SSE_CLIENTS_DROPPED.register(r, &[("reason", reason.as_str())])),
             handle,
@@ -405,6 +527,35 @@ impl Metrics {
             BodyRejection::Timeout => 1,
         };
         &self.http_rejected[index]
+    }
+
+    /// `idem_http_requests_rejected_total{reason}` for a head limit.
+    pub fn http_head_rejected(&self, rejection: HeadRejection) -> &Counter {
+        let index = match rejection {
+            HeadRejection::UriTooLong => 0,
+            HeadRejection::HeadersTooLarge => 1,
+            HeadRejection::Malformed => 2,
+        };
+        &self.http_head_rejected[index]
+    }
+
+    /// `idem_http_connections_refused_total{reason}`.
+    pub fn http_connection_refused(&self, refusal: ConnectionRefusal) -> &Counter {
+        let index = match refusal {
+            ConnectionRefusal::MaxConnections => 0,
+            ConnectionRefusal::PerPeer => 1,
+        };
+        &self.http_connections_refused[index]
+    }
+
+    /// `idem_sse_clients_refused_total{reason}`.
+    pub fn sse_refused(&self, refusal: SseRefusal) -> &Counter {
+        let index = match refusal {
+            SseRefusal::MaxClients => 0,
+            SseRefusal::AdminReserve => 1,
+            SseRefusal::PerToken => 2,
+        };
+        &self.sse_refused[index]
     }
 
     /// `idem_sse_clients_dropped_total{reason}`.
@@ -552,7 +703,7 @@ mod tests {
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .filter_map(|l| l.split(' ').next())
             .collect();
-        assert_eq!(typed.len(), 35, "{text}");
+        assert_eq!(typed.len(), 36, "{text}");
         for name in typed {
             assert!(
                 text.lines()
@@ -568,10 +719,17 @@ mod tests {
         let text = Metrics::new().render();
         for line in [
             "idem_http_connections 0",
-            "idem_http_connections_refused_total 0",
+            "idem_http_connections_refused_total{reason=\"max_connections\"} 0",
+            "idem_http_connections_refused_total{reason=\"max_connections_per_peer\"} 0",
             "idem_http_requests_rejected_total{reason=\"body_too_large\"} 0",
             "idem_http_requests_rejected_total{reason=\"body_timeout\"} 0",
+            "idem_http_requests_rejected_total{reason=\"uri_too_long\"} 0",
+            "idem_http_requests_rejected_total{reason=\"headers_too_large\"} 0",
+            "idem_http_requests_rejected_total{reason=\"malformed_request\"} 0",
             "idem_sse_clients 0",
+            "idem_sse_clients_refused_total{reason=\"max_clients\"} 0",
+            "idem_sse_clients_refused_total{reason=\"admin_reserve\"} 0",
+            "idem_sse_clients_refused_total{reason=\"per_token\"} 0",
             "idem_sse_clients_dropped_total{reason=\"send_timeout\"} 0",
             "idem_sse_clients_dropped_total{reason=\"lagged\"} 0",
         ] {

@@ -1,8 +1,11 @@
 //! MQTT adapter: the connection's event loop and the publisher.
 //!
 //! The event loop is polled continuously and never awaits the database or its
-//! own client: inbound publishes go to a bounded channel, subscriptions are
-//! (re)made with `try_subscribe_many` on every ConnAck. Manual acks: the
+//! own client: inbound publishes go to the intake queue (`crate::intake`),
+//! which it waits on only past its byte budget, so the keepalive is answered
+//! through any ingest backlog; subscriptions are (re)made with
+//! `try_subscribe_many` on every ConnAck, and a reconnect is logged with how
+//! long the session was away. Manual acks: the
 //! ingest acknowledges a report only after the batch holding it commits.
 //!
 //! No packet can break the connection: the client reads any packet MQTT
@@ -22,10 +25,10 @@ use rumqttc::{
 };
 use serde::Serialize;
 use serde_json::Value;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ValidConfig;
+use crate::intake::IntakeSender;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
 use crate::retry::Backoff;
@@ -81,7 +84,7 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
         config.broker.port,
     );
     options
-        .set_keep_alive(Duration::from_secs(30))
+        .set_keep_alive(config.config.mqtt_keep_alive)
         // Persistent session: reports published while we are briefly away
         // are delivered when we return.
         .set_clean_session(false)
@@ -155,7 +158,7 @@ pub async fn run_event_loop(
     client: AsyncClient,
     root: TopicRoot,
     budget: SpecBudget,
-    inbound: mpsc::Sender<Received>,
+    intake: IntakeSender,
     status: Arc<MqttStatus>,
     metrics: Arc<Metrics>,
     control: Option<Arc<dyn ControlResponses>>,
@@ -171,6 +174,9 @@ pub async fn run_event_loop(
         filters.push(SubscribeFilter::new(topic.clone(), QoS::AtLeastOnce));
     }
     let mut ever_connected = false;
+    // When the connection was lost, until the next ConnAck.
+    let mut lost_at: Option<tokio::time::Instant> = None;
+    let intake_budget = intake.budget_bytes();
     let mut backoff = Backoff::store_and_broker();
     let mut failures = ConnectFailures::default();
     loop {
@@ -196,16 +202,32 @@ pub async fn run_event_loop(
                     len
                 });
                 let received = Received { publish, oversized };
-                tokio::select! {
-                    () = token.cancelled() => break,
-                    sent = inbound.send(received) => if sent.is_err() { break },
+                if !intake.push(received) {
+                    // Past the budget: stop reading until the ingest caught
+                    // up (the broker holds the rest meanwhile).
+                    metrics.intake_full.increment(1);
+                    tracing::warn!(
+                        budget_bytes = intake_budget,
+                        "the intake holds its --mqtt-intake-buffer-bytes; not reading the broker until the ingest stores half of it"
+                    );
+                    tokio::select! {
+                        () = token.cancelled() => break,
+                        () = intake.wait_for_room() => {}
+                    }
                 }
             }
             Ok(Event::Incoming(Packet::ConnAck(ack))) => {
-                tracing::info!(
-                    session_present = ack.session_present,
-                    "connected to MQTT broker"
-                );
+                match lost_at.take() {
+                    Some(at) => tracing::warn!(
+                        session_present = ack.session_present,
+                        away_ms = u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX),
+                        "reconnected to the MQTT broker"
+                    ),
+                    None => tracing::info!(
+                        session_present = ack.session_present,
+                        "connected to MQTT broker"
+                    ),
+                }
                 mark_connected(&status, &metrics, ever_connected);
                 ever_connected = true;
                 backoff.reset();
@@ -219,6 +241,9 @@ pub async fn run_event_loop(
             }
             Ok(Event::Incoming(_) | Event::Outgoing(_)) => {}
             Err(e) => {
+                if ever_connected && lost_at.is_none() {
+                    lost_at = Some(tokio::time::Instant::now());
+                }
                 let delay = backoff.next_delay();
                 let broker = format!("{broker_host}:{broker_port}");
                 log_connection_error(&e, &status, &mut failures, &broker, delay);

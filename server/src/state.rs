@@ -39,6 +39,8 @@ pub struct AppState {
     pub config: ValidConfig,
     /// Failing-write marks of the ingest and the engine, for `/readyz`.
     pub stalls: Stalls,
+    /// What waits between the MQTT event loop and the ingest, for `/readyz`.
+    pub intake: crate::intake::IntakeGauge,
     /// How the API decides access.
     pub auth: crate::auth::AuthSettings,
     /// Creates and removes device accounts on the broker (`--broker-accounts dynsec`).

@@ -84,6 +84,12 @@ pub struct ServerSettings {
     pub broker_accounts: idem_server::config::BrokerAccounts,
     /// `--broker-accounts-file`: the broker's own accounts, not devices.
     pub broker_accounts_file: Option<PathBuf>,
+    /// `--mqtt-keep-alive`.
+    pub mqtt_keep_alive: Duration,
+    /// `--mqtt-intake-buffer-bytes`.
+    pub mqtt_intake_buffer_bytes: usize,
+    /// `--ready-max-intake-age`.
+    pub ready_max_intake_age: Duration,
     /// `--mqtt-ca-file`; `None` takes the broker's test CA when its
     /// listener is TLS.
     pub mqtt_ca_file: Option<PathBuf>,
@@ -126,6 +132,9 @@ impl Default for ServerSettings {
             mqtt_credentials: None,
             broker_accounts: idem_server::config::BrokerAccounts::None,
             broker_accounts_file: None,
+            mqtt_keep_alive: server.mqtt_keep_alive,
+            mqtt_intake_buffer_bytes: server.mqtt_intake_buffer_bytes,
+            ready_max_intake_age: server.ready_max_intake_age,
             mqtt_ca_file: None,
             mqtt_client_cert: None,
             https: None,
@@ -178,6 +187,9 @@ impl TestServer {
         }
         config.broker_accounts = settings.broker_accounts;
         config.broker_accounts_file = settings.broker_accounts_file;
+        config.mqtt_keep_alive = settings.mqtt_keep_alive;
+        config.mqtt_intake_buffer_bytes = settings.mqtt_intake_buffer_bytes;
+        config.ready_max_intake_age = settings.ready_max_intake_age;
         if let Some((username, password)) = settings.mqtt_credentials {
             config.mqtt_username = Some(username);
             config.mqtt_password = Some(password.into());

@@ -69,6 +69,19 @@ pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         })
     })
     .collect();
+    let mut stuck = stuck;
+    let backlog = state.intake.backlog(now);
+    if backlog.oldest > state.config.config.ready_max_intake_age {
+        stuck.insert(
+            "intake".to_owned(),
+            format!(
+                "{} received messages ({} bytes) wait for the ingest, the oldest for {} s (more than --ready-max-intake-age)",
+                backlog.messages,
+                backlog.bytes,
+                backlog.oldest.as_secs()
+            ),
+        );
+    }
     let ready = database && mqtt && stuck.is_empty();
     let status = if ready {
         StatusCode::OK

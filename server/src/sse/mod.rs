@@ -5,23 +5,27 @@
 //! the relay's live feed without gap or duplicate. A cursor older than what
 //! the log retains first gets an explicit `reset` event.
 //!
-//! Owns the SSE client cap and one feeder task per client, which fills that
+//! Owns the SSE client cap (with a share per token and a reserve only admin
+//! tokens may take) and one feeder task per client, which fills that
 //! client's bounded queue; a client that does not drain it is dropped (a
 //! final `dropped` event says where to resume). It must never hold more than
 //! one replay page plus the client's queue per client, and never writes to
 //! the database.
 
-use std::collections::VecDeque;
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use futures::stream::Stream;
 use metrics::Gauge;
@@ -29,12 +33,13 @@ use serde::Deserialize;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::broadcast;
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::api_error::ApiError;
-use crate::http::ConnectionCloser;
+use crate::auth::{Actor, Role};
+use crate::http::{retry_after_seconds, ConnectionCloser, PeerGroup};
 use crate::metrics::Metrics;
 use crate::store::events::{self, EventFilter, StoredEvent};
 
@@ -45,11 +50,20 @@ use feeder::{Feeder, Pacer};
 /// page is sent within about a quarter of a second).
 const REPLAY_PAGE: i64 = 500;
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// `Retry-After` of a refused stream: streams last long, so a slot frees
+/// up at no predictable time; this keeps retries cheap and spaced.
+const REFUSED_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// Limits for the SSE clients of one server.
 #[derive(Debug, Clone, Copy)]
 pub struct SseSettings {
     pub max_clients: usize,
+    /// Streams one token (callers without a token: one client address) may
+    /// hold at once.
+    pub max_clients_per_token: usize,
+    /// Slots only admin tokens may take, so that viewers and operators
+    /// together never hold every stream.
+    pub admin_reserve: usize,
     /// Events queued per client.
     pub client_buffer: usize,
     /// A client whose queue stays full this long is dropped.
@@ -62,6 +76,8 @@ impl SseSettings {
     pub fn from_config(config: &crate::Config) -> Self {
         Self {
             max_clients: config.sse_max_clients,
+            max_clients_per_token: config.sse_clients_per_token(),
+            admin_reserve: admin_reserve(config.sse_max_clients),
             client_buffer: config.sse_client_buffer,
             send_timeout: config.sse_send_timeout,
             replay_rate: config.sse_replay_rate,
@@ -73,10 +89,20 @@ impl SseSettings {
     }
 }
 
-/// The SSE clients of one server: the cap and what every stream shares.
+/// The slots of `max_clients` only admin tokens may take: a quarter,
+/// rounded, at least one; none when there is a single slot (keeping it
+/// would refuse every other caller).
+pub fn admin_reserve(max_clients: usize) -> usize {
+    if max_clients < 2 {
+        return 0;
+    }
+    crate::config::quarter_of(max_clients).min(max_clients - 1)
+}
+
+/// The SSE clients of one server: the slots and what every stream shares.
 #[derive(Clone)]
 pub struct SseClients {
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     settings: SseSettings,
     /// Ends every stream when the HTTP server stops.
     token: CancellationToken,
@@ -85,14 +111,156 @@ pub struct SseClients {
 impl SseClients {
     pub fn new(settings: SseSettings, token: CancellationToken) -> Self {
         Self {
-            slots: Arc::new(Semaphore::new(settings.max_clients)),
+            slots: Arc::new(Slots {
+                settings,
+                taken: Mutex::new(Taken::default()),
+            }),
             settings,
             token,
         }
     }
 }
 
-pub use crate::metrics::DropReason;
+/// Who a stream is counted under for `--sse-max-clients-per-token`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Holder {
+    /// A token, by name.
+    Token(String),
+    /// Callers without a token (`--open-events`), by client address: each
+    /// address gets the share of a token, and none of them the admin
+    /// reserve. `None` only for a request that did not come through the
+    /// HTTP server (tests calling the router directly).
+    Anonymous(Option<PeerGroup>),
+}
+
+impl Holder {
+    fn of(actor: Option<&Actor>, peer: Option<PeerGroup>) -> (Self, bool) {
+        match actor {
+            Some(actor) => (Holder::Token(actor.name.clone()), actor.role == Role::Admin),
+            None => (Holder::Anonymous(peer), false),
+        }
+    }
+}
+
+/// The stream slots and who holds them.
+struct Slots {
+    settings: SseSettings,
+    /// Locked for a check and an update only, never across an await.
+    taken: Mutex<Taken>,
+}
+
+#[derive(Default)]
+struct Taken {
+    total: usize,
+    /// Held by callers that are not admins.
+    not_admin: usize,
+    /// Held per token (or anonymous address); entries with streams only.
+    per_holder: HashMap<Holder, usize>,
+}
+
+impl Slots {
+    /// A slot for `holder`, or why there is none: the holder's share is
+    /// taken, every slot is, or every slot but the admin reserve is and the
+    /// caller is not an admin.
+    fn try_take(
+        self: &Arc<Self>,
+        holder: Holder,
+        admin: bool,
+        gauge: Gauge,
+    ) -> Result<ClientSlot, SseRefusal> {
+        let settings = &self.settings;
+        let mut taken = self.taken.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = taken.per_holder.get(&holder).copied().unwrap_or(0);
+        if held >= settings.max_clients_per_token {
+            return Err(SseRefusal::PerToken);
+        }
+        if taken.total >= settings.max_clients {
+            return Err(SseRefusal::MaxClients);
+        }
+        if !admin && taken.not_admin >= settings.max_clients - settings.admin_reserve {
+            return Err(SseRefusal::AdminReserve);
+        }
+        taken.total += 1;
+        if !admin {
+            taken.not_admin += 1;
+        }
+        *taken.per_holder.entry(holder.clone()).or_insert(0) += 1;
+        drop(taken);
+        gauge.increment(1.0);
+        Ok(ClientSlot {
+            slots: self.clone(),
+            holder,
+            admin,
+            gauge,
+        })
+    }
+
+    fn release(&self, holder: &Holder, admin: bool) {
+        let mut taken = self.taken.lock().unwrap_or_else(PoisonError::into_inner);
+        taken.total = taken.total.saturating_sub(1);
+        if !admin {
+            taken.not_admin = taken.not_admin.saturating_sub(1);
+        }
+        if let Entry::Occupied(mut entry) = taken.per_holder.entry(holder.clone()) {
+            let held = entry.get_mut();
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                entry.remove();
+            }
+        }
+    }
+}
+
+pub use crate::metrics::{DropReason, SseRefusal};
+
+impl SseRefusal {
+    fn answer(self, settings: &SseSettings, holder: &Holder) -> Response {
+        let error = match self {
+            SseRefusal::PerToken => {
+                let who = match holder {
+                    Holder::Token(name) => format!("the token {name:?} has"),
+                    Holder::Anonymous(_) => {
+                        "callers without a token from your address have".to_owned()
+                    }
+                };
+                ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too_many_sse_clients_for_token",
+                    format!(
+                        "{who} {} event streams open, the most one token may hold \
+                         (--sse-max-clients-per-token / IDEM_SSE_MAX_CLIENTS_PER_TOKEN); \
+                         close one or retry later",
+                        settings.max_clients_per_token
+                    ),
+                )
+            }
+            SseRefusal::AdminReserve => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "sse_clients_reserved_for_admins",
+                format!(
+                    "the free event streams are kept for admin tokens: {} of the {} \
+                     (--sse-max-clients / IDEM_SSE_MAX_CLIENTS) are reserved; retry later",
+                    settings.admin_reserve, settings.max_clients
+                ),
+            ),
+            SseRefusal::MaxClients => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too_many_sse_clients",
+                format!(
+                    "too many event streams open: the limit is {} concurrent clients \
+                     (--sse-max-clients / IDEM_SSE_MAX_CLIENTS); retry later",
+                    settings.max_clients
+                ),
+            ),
+        };
+        let mut response = error.into_response();
+        response.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(retry_after_seconds(REFUSED_RETRY_AFTER)),
+        );
+        response
+    }
+}
 
 #[derive(Debug, Deserialize)]
 pub struct EventQuery {
@@ -144,9 +312,54 @@ async fn start_cursor(
 pub async fn events(
     State(state): State<SseState>,
     closer: Option<Extension<ConnectionCloser>>,
+    actor: Option<Extension<Actor>>,
+    peer: Option<Extension<PeerGroup>>,
     headers: HeaderMap,
-    Query(query): Query<EventQuery>,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    query: Result<Query<EventQuery>, QueryRejection>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Response> {
+    // axum's own rejection is plain text; the API answers JSON.
+    let Query(query) = query.map_err(|rejection| {
+        ApiError::bad_request("invalid_query", rejection.body_text()).into_response()
+    })?;
+    let caller = Caller {
+        actor: actor.map(|Extension(a)| a),
+        peer: peer.map(|Extension(p)| p),
+    };
+    stream_events(state, closer, caller, headers, query)
+        .await
+        .map_err(|refused| match refused {
+            Refused::Api(error) => error.into_response(),
+            Refused::Answered(response) => response,
+        })
+}
+
+/// Who asks for a stream: the token's actor (none for callers without a
+/// token) and the client address.
+struct Caller {
+    actor: Option<Actor>,
+    peer: Option<PeerGroup>,
+}
+
+/// Why no stream was opened.
+enum Refused {
+    Api(ApiError),
+    /// A refusal with its own headers (`Retry-After`).
+    Answered(Response),
+}
+
+impl From<ApiError> for Refused {
+    fn from(error: ApiError) -> Self {
+        Refused::Api(error)
+    }
+}
+
+async fn stream_events(
+    state: SseState,
+    closer: Option<Extension<ConnectionCloser>>,
+    caller: Caller,
+    headers: HeaderMap,
+    query: EventQuery,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Refused> {
     let last_event_id = match headers.get("last-event-id") {
         None => None,
         Some(v) => Some(
@@ -163,21 +376,21 @@ pub async fn events(
     };
     for (name, text) in [("type", &query.event_type), ("device", &query.device)] {
         if let Some(text) = text {
-            crate::input::check_query_text(name, text)?;
+            crate::input::check_query_text(name, text).map_err(ApiError::from)?;
         }
     }
     let sse = &state.clients;
-    let Ok(permit) = sse.slots.clone().try_acquire_owned() else {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too_many_sse_clients",
-            format!(
-                "too many event streams open: the limit is {} concurrent clients (--sse-max-clients / IDEM_SSE_MAX_CLIENTS); retry later",
-                sse.settings.max_clients
-            ),
-        ));
+    let (holder, admin) = Holder::of(caller.actor.as_ref(), caller.peer);
+    let slot = match sse
+        .slots
+        .try_take(holder.clone(), admin, state.metrics.sse_clients.clone())
+    {
+        Ok(slot) => slot,
+        Err(refusal) => {
+            state.metrics.sse_refused(refusal).increment(1);
+            return Err(Refused::Answered(refusal.answer(&sse.settings, &holder)));
+        }
     };
-    let slot = ClientSlot::new(permit, state.metrics.sse_clients.clone());
     let filter = EventFilter {
         run_id: query.run,
         event_type: query.event_type,
@@ -250,24 +463,18 @@ struct Queued {
     event: Event,
 }
 
-/// One of the `--sse-max-clients` slots, counted in `idem_sse_clients`.
+/// One of the `--sse-max-clients` slots, held by `holder`, counted in
+/// `idem_sse_clients`; released on drop.
 struct ClientSlot {
-    _permit: OwnedSemaphorePermit,
+    slots: Arc<Slots>,
+    holder: Holder,
+    admin: bool,
     gauge: Gauge,
-}
-
-impl ClientSlot {
-    fn new(permit: OwnedSemaphorePermit, gauge: Gauge) -> Self {
-        gauge.increment(1.0);
-        Self {
-            _permit: permit,
-            gauge,
-        }
-    }
 }
 
 impl Drop for ClientSlot {
     fn drop(&mut self) {
+        self.slots.release(&self.holder, self.admin);
         self.gauge.decrement(1.0);
     }
 }
@@ -358,6 +565,8 @@ mod tests {
     fn replay_pages_shrink_with_the_rate() {
         let settings = |replay_rate| SseSettings {
             max_clients: 1,
+            max_clients_per_token: 1,
+            admin_reserve: 0,
             client_buffer: 1,
             send_timeout: Duration::from_secs(1),
             replay_rate,
@@ -371,15 +580,17 @@ mod tests {
     async fn a_dropped_stream_ends_with_where_to_resume_and_discards_the_queue() {
         let (queue, receiver) = mpsc::channel(8);
         let (notice, dropped) = oneshot::channel();
-        let slots = Arc::new(Semaphore::new(1));
-        let permit = slots.clone().try_acquire_owned().unwrap();
+        let slots = test_slots(1, 1);
         let metrics = Metrics::new();
+        let slot = slots
+            .try_take(token("a"), true, metrics.sse_clients.clone())
+            .unwrap();
         let mut stream = ClientStream {
             receiver,
             dropped: Some(dropped),
             last_delivered: 10,
             done: false,
-            _slot: ClientSlot::new(permit, metrics.sse_clients.clone()),
+            _slot: slot,
         };
         for sequence in [11, 12] {
             queue
@@ -399,6 +610,66 @@ mod tests {
         assert_eq!(stream.last_delivered, 11);
         assert!(queue.is_closed());
         drop(stream);
-        assert_eq!(slots.available_permits(), 1);
+        assert_eq!(slots.taken.lock().unwrap().total, 0);
+        assert!(metrics.render().contains("idem_sse_clients 0"));
+    }
+
+    fn test_slots(max_clients: usize, max_clients_per_token: usize) -> Arc<Slots> {
+        let settings = SseSettings {
+            max_clients,
+            max_clients_per_token,
+            admin_reserve: admin_reserve(max_clients),
+            client_buffer: 1,
+            send_timeout: Duration::from_secs(1),
+            replay_rate: 1,
+        };
+        SseClients::new(settings, CancellationToken::new()).slots
+    }
+
+    fn token(name: &str) -> Holder {
+        Holder::Token(name.to_owned())
+    }
+
+    #[test]
+    fn the_admin_reserve_is_a_quarter_of_the_slots_and_never_all_of_them() {
+        assert_eq!(admin_reserve(1), 0);
+        assert_eq!(admin_reserve(2), 1);
+        assert_eq!(admin_reserve(8), 2);
+        assert_eq!(admin_reserve(64), 16);
+    }
+
+    #[test]
+    fn one_token_holds_at_most_its_share_and_a_released_slot_is_reusable() {
+        let slots = test_slots(8, 2);
+        let gauge = Metrics::new().sse_clients.clone();
+        let first = slots.try_take(token("v"), false, gauge.clone()).unwrap();
+        let _second = slots.try_take(token("v"), false, gauge.clone()).unwrap();
+        let third = slots.try_take(token("v"), false, gauge.clone());
+        assert_eq!(third.err(), Some(SseRefusal::PerToken));
+        assert!(slots.try_take(token("w"), false, gauge.clone()).is_ok());
+        drop(first);
+        assert!(slots.try_take(token("v"), false, gauge).is_ok());
+    }
+
+    #[test]
+    fn callers_that_are_not_admins_never_take_the_reserve() {
+        let slots = test_slots(8, 8);
+        let gauge = Metrics::new().sse_clients.clone();
+        let viewers: Vec<_> = (0..6)
+            .map(|i| slots.try_take(token(&format!("v{i}")), false, gauge.clone()))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let refused = slots.try_take(token("v9"), false, gauge.clone());
+        assert_eq!(refused.err(), Some(SseRefusal::AdminReserve));
+        let anonymous = slots.try_take(Holder::Anonymous(None), false, gauge.clone());
+        assert_eq!(anonymous.err(), Some(SseRefusal::AdminReserve));
+        let admins: Vec<_> = (0..2)
+            .map(|_| slots.try_take(token("root"), true, gauge.clone()))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let full = slots.try_take(token("root2"), true, gauge.clone());
+        assert_eq!(full.err(), Some(SseRefusal::MaxClients));
+        drop((viewers, admins));
+        assert_eq!(slots.taken.lock().unwrap().per_holder.len(), 0);
     }
 }
