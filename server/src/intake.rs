@@ -171,10 +171,9 @@ impl IntakeGauge {
         Backlog {
             messages: queue.items.len(),
             bytes: queue.bytes,
-            oldest: queue
-                .items
-                .front()
-                .map_or(Duration::ZERO, |(_, at, _)| now.saturating_duration_since(*at)),
+            oldest: queue.items.front().map_or(Duration::ZERO, |(_, at, _)| {
+                now.saturating_duration_since(*at)
+            }),
         }
     }
 

@@ -106,7 +106,10 @@ async fn a_backlog_longer_than_the_keepalive_keeps_the_session_and_every_last_re
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     while server.get("/readyz").await.unwrap().0 != 200 {
-        assert!(Instant::now() < deadline, "not ready again after the backlog");
+        assert!(
+            Instant::now() < deadline,
+            "not ready again after the backlog"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     pump.abort();
