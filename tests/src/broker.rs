@@ -2,8 +2,10 @@
 //! loopback port with its own config, logs and temporary directory, so fault
 //! tests can stop and restart it without touching anyone else's broker.
 //! [`PrivateMosquitto::builder`] adds a TLS listener (certificates made at
-//! start with rcgen: `certs.rs`), required client certificates and a
-//! password file (hashed with the system's `mosquitto_passwd`).
+//! start with rcgen: `certs.rs`), required client certificates, a password
+//! file (hashed with the system's `mosquitto_passwd`; with it, as in
+//! docs/OPERATIONS.md §9, `use_username_as_clientid true` binds every
+//! client id to its user name) and an ACL file.
 //!
 //! It owns exactly one child process and one temporary directory; it must
 //! never signal any other process, nor use the machine's broker on 1883.
@@ -57,6 +59,10 @@ pub struct MosquittoBuilder {
     require_client_cert: bool,
     /// `(user, password)` accounts of the password file.
     accounts: Vec<(String, String)>,
+    /// The text of an `acl_file`.
+    acl: Option<String>,
+    /// `max_queued_messages` / `max_inflight_messages`.
+    queue: QueueLimits,
     /// The dynamic-security plugin with this `(admin, password)` account.
     dynsec: Option<(String, String)>,
     /// This broker is an edge bridged to a core broker.
@@ -118,6 +124,23 @@ impl BridgeToCore {
     }
 }
 
+/// Mosquitto's per-client queue limits.
+#[derive(Debug, Clone, Copy)]
+struct QueueLimits {
+    max_queued_messages: u32,
+    /// 0 = no limit.
+    max_inflight_messages: u32,
+}
+
+impl Default for QueueLimits {
+    fn default() -> Self {
+        Self {
+            max_queued_messages: 100_000,
+            max_inflight_messages: 0,
+        }
+    }
+}
+
 impl MosquittoBuilder {
     /// Retained messages and persistent sessions survive `stop()` +
     /// `restart()` (see [`PrivateMosquitto::start_persistent`]).
@@ -145,13 +168,33 @@ impl MosquittoBuilder {
     }
 
     /// A password file with these accounts; anonymous clients are refused
-    /// (`allow_anonymous false`). Can be called again to add accounts.
+    /// (`allow_anonymous false`), and every client's user name is its
+    /// client id (`use_username_as_clientid true`: no account can take over
+    /// another's session). Can be called again to add accounts.
     pub fn password_file<U: AsRef<str>, P: AsRef<str>>(mut self, accounts: &[(U, P)]) -> Self {
         self.accounts.extend(
             accounts
                 .iter()
                 .map(|(u, p)| (u.as_ref().to_owned(), p.as_ref().to_owned())),
         );
+        self
+    }
+
+    /// Mosquitto's per-client queue limits (default: 100,000 queued, no
+    /// in-flight limit, as the fleet's configs size them). Small limits make
+    /// the broker drop QoS 1 messages for a client that does not keep up.
+    pub fn queue_limits(mut self, max_queued_messages: u32, max_inflight_messages: u32) -> Self {
+        self.queue = QueueLimits {
+            max_queued_messages,
+            max_inflight_messages,
+        };
+        self
+    }
+
+    /// An `acl_file` with this text (e.g. what `idem-server broker files`
+    /// writes: `idem_server::broker_accounts::static_acl_file`).
+    pub fn acl_file(mut self, text: impl Into<String>) -> Self {
+        self.acl = Some(text.into());
         self
     }
 
@@ -191,6 +234,8 @@ pub struct PrivateMosquitto {
     tls: Option<(TestCa, CertFiles)>,
     /// Written (hashed) at start when the settings have accounts.
     password_file: Option<PathBuf>,
+    /// Written at start when the settings have an ACL.
+    acl_file: Option<PathBuf>,
     /// The plugin library and its state file, with dynamic security.
     dynsec: Option<(PathBuf, PathBuf)>,
     binary: PathBuf,
@@ -248,6 +293,14 @@ impl PrivateMosquitto {
             write_password_file(&path, &settings.accounts)?;
             Some(path)
         };
+        let acl_file = match &settings.acl {
+            None => None,
+            Some(text) => {
+                let path = dir.path().join("acl");
+                fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+                Some(path)
+            }
+        };
         let dynsec = match &settings.dynsec {
             None => None,
             Some((admin, password)) => {
@@ -261,6 +314,7 @@ impl PrivateMosquitto {
             settings,
             tls,
             password_file,
+            acl_file,
             dynsec,
             binary,
             port: 0,
@@ -481,9 +535,18 @@ impl PrivateMosquitto {
         };
         let anonymous = !self.settings.authenticates();
         let mut passwords = match &self.password_file {
-            Some(path) => format!("password_file {}\n", path.display()),
+            // The client id is the user name, whatever the client sends: a
+            // device logged in with its own password cannot take another
+            // device's session, nor the server's.
+            Some(path) => format!(
+                "password_file {}\nuse_username_as_clientid true\n",
+                path.display()
+            ),
             None => String::new(),
         };
+        if let Some(path) = &self.acl_file {
+            passwords.push_str(&format!("acl_file {}\n", path.display()));
+        }
         if let Some((plugin, state)) = &self.dynsec {
             passwords.push_str(&format!(
                 "plugin {}\nplugin_opt_config_file {}\n",
@@ -505,8 +568,9 @@ impl PrivateMosquitto {
              allow_anonymous {anonymous}\n\
              {passwords}\
              {persistence}\
-             max_queued_messages 100000\n\
-             max_inflight_messages 0\n\
+             max_queued_messages {max_queued}\n\
+             max_inflight_messages {max_inflight}\n\
+             sys_interval 1\n\
              set_tcp_nodelay true\n\
              log_dest file {log}\n\
              log_type error\n\
@@ -518,6 +582,8 @@ impl PrivateMosquitto {
              {bridge}",
             port = self.port,
             log = self.log.display(),
+            max_queued = self.settings.queue.max_queued_messages,
+            max_inflight = self.settings.queue.max_inflight_messages,
         );
         fs::write(&self.config, config)
             .with_context(|| format!("writing Mosquitto config {}", self.config.display()))
@@ -568,7 +634,7 @@ const MISSING_DYNSEC: &str = "Mosquitto's dynamic-security plugin \
     `mosquitto` and `mosquitto-clients` packages, or run scripts/test, which installs them";
 
 /// Where Debian and other distributions put the plugin.
-fn dynsec_plugin() -> Result<PathBuf> {
+pub(crate) fn dynsec_plugin() -> Result<PathBuf> {
     let candidates = [
         "/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so",
         "/usr/lib/aarch64-linux-gnu/mosquitto_dynamic_security.so",
@@ -681,6 +747,7 @@ mod tests {
         for line in [
             "allow_anonymous false",
             "require_certificate false",
+            "use_username_as_clientid true",
             &format!("cafile {}", broker.ca_file().unwrap().display()),
         ] {
             assert!(
@@ -734,6 +801,7 @@ mod tests {
             settings: MosquittoBuilder::default(),
             tls: None,
             password_file: None,
+            acl_file: None,
             dynsec: None,
             binary: PathBuf::from("mosquitto"),
             port: 41234,

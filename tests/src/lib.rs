@@ -16,6 +16,7 @@ pub mod grafana;
 pub mod postgres;
 pub mod process_server;
 pub mod prometheus;
+pub mod recipe;
 pub mod scenario;
 pub mod secured;
 pub mod server;

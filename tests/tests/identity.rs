@@ -4,7 +4,10 @@
 //! by the server at registration. Each attack from the field — forged
 //! reports, desired messages, status and events, a stolen client id,
 //! anonymous and wrong-password logins — is refused by the broker and
-//! changes nothing in idem.
+//! changes nothing in idem. The same takeover attempts against a Mosquitto
+//! with a password file and the `acl_file` of `idem-server broker files`
+//! show what `use_username_as_clientid true` (docs/OPERATIONS.md §9)
+//! guards.
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -13,9 +16,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use idem_device_sim::{Credentials, DeviceBehaviour, SimDevice};
-use idem_protocol::{Channel, DeviceId};
+use idem_protocol::{Channel, DeviceId, TopicRoot};
 use idem_tests::secured::start_secured;
-use idem_tests::{PrivateMosquitto, ServerSettings};
+use idem_tests::{PrivateMosquitto, Scenario, ServerSettings};
 use rumqttc::{AsyncClient, ConnectReturnCode, Event, MqttOptions, Packet, QoS};
 use serde_json::{json, Value};
 
@@ -360,4 +363,181 @@ async fn the_500_device_demo_runs_over_tls_with_the_accounts_the_server_created(
         run.report.check.mismatches
     );
     assert_eq!(run.report.check.checked, 500);
+}
+
+/// Lines of the broker's log saying that a connection took over the
+/// session of `client_id` (Mosquitto: "Client X already connected, closing
+/// old connection.").
+fn takeovers_of(broker: &PrivateMosquitto, client_id: &str) -> Vec<String> {
+    let needle = format!("Client {client_id} already connected");
+    std::fs::read_to_string(broker.log_path())
+        .unwrap_or_default()
+        .lines()
+        .filter(|line| line.contains(&needle))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_password_file_broker_a_device_with_its_own_password_takes_neither_another_devices_session_nor_the_servers(
+) {
+    let unique = uuid::Uuid::new_v4().simple().to_string();
+    let root = TopicRoot::new(format!("idem-pwfile/{}", &unique[..12])).unwrap();
+    let password = |who: &str| format!("{who}-{unique}");
+    // The deployment of OPERATIONS §9 "Mosquitto with a password file":
+    // TLS, one account each, the ACL that `broker files` writes, and (the
+    // harness's default with a password file) `use_username_as_clientid`.
+    let broker = PrivateMosquitto::builder()
+        .tls()
+        .password_file(&[
+            ("idem-server", password("server")),
+            ("pf-1", password("pf-1")),
+            ("pf-2", password("pf-2")),
+        ])
+        .acl_file(idem_server::broker_accounts::static_acl_file(
+            &root,
+            "idem-server",
+        ))
+        .start()
+        .unwrap();
+    let settings = ServerSettings {
+        topic_root: Some(root.as_str().to_owned()),
+        mqtt_credentials: Some(("idem-server".to_owned(), password("server"))),
+        ..ServerSettings::default()
+    };
+    let scenario = Scenario::start_on(broker, settings).await.unwrap();
+    let server = &scenario.server;
+    let broker = &scenario.broker;
+    // With the setting, the server's session is its user name, not the
+    // `idem-server:{instance}` it asks for.
+    let log = std::fs::read_to_string(broker.log_path()).unwrap();
+    assert!(
+        log.contains(" as idem-server (") && log.contains("u'idem-server'"),
+        "the server's session is not named after its user:\n{log}"
+    );
+    let spec = json!({"fw": "1.0"});
+    let (status, answer) = server
+        .post(
+            "/v1/devices",
+            &json!([{"id": "pf-1", "spec": spec}, {"id": "pf-2", "spec": spec}]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let id = |name: &str| DeviceId::parse(name).unwrap();
+    let report = |seq: u64| json!({"seq": seq, "spec": spec}).to_string().into_bytes();
+    let stored_seq = async |device: &str| -> Value {
+        server
+            .get(&format!("/v1/devices/{device}"))
+            .await
+            .unwrap()
+            .1["reported"]["seq"]
+            .clone()
+    };
+
+    // pf-2 is online with its own session and has reported.
+    let (login, client) = try_login(broker, "pf-2", Some(("pf-2", &password("pf-2")))).await;
+    assert_eq!(login, Login::Accepted);
+    let (pf2, pf2_pump) = client.unwrap();
+    let pf2_seq = now_micros();
+    pf2.publish(
+        root.topic(&id("pf-2"), Channel::Reported),
+        QoS::AtLeastOnce,
+        false,
+        report(pf2_seq),
+    )
+    .await
+    .unwrap();
+    wait_until("pf-2's own report is stored", async || {
+        stored_seq("pf-2").await == pf2_seq
+    })
+    .await;
+
+    // pf-1, with its own password, asks for pf-2's client id. The broker
+    // lets it in under its own (client id = user name): pf-2 stays
+    // connected, and pf-1 may still publish only as pf-1.
+    let (login, client) = try_login(broker, "pf-2", Some(("pf-1", &password("pf-1")))).await;
+    assert_eq!(login, Login::Accepted, "pf-1's own login was refused");
+    let (attacker, _attacker_pump) = client.unwrap();
+    attacker
+        .publish(
+            root.topic(&id("pf-2"), Channel::Reported),
+            QoS::AtLeastOnce,
+            false,
+            report(pf2_seq + 10_000_000),
+        )
+        .await
+        .unwrap();
+    let own = now_micros();
+    attacker
+        .publish(
+            root.topic(&id("pf-1"), Channel::Reported),
+            QoS::AtLeastOnce,
+            false,
+            report(own),
+        )
+        .await
+        .unwrap();
+    wait_until("pf-1's own report is stored", async || {
+        stored_seq("pf-1").await == own
+    })
+    .await;
+    assert_eq!(
+        takeovers_of(broker, "pf-2"),
+        Vec::<String>::new(),
+        "pf-1 took over pf-2's session (is `use_username_as_clientid true` set?)\n{}",
+        broker.log_tail()
+    );
+    assert!(
+        !pf2_pump.is_finished(),
+        "pf-2 was disconnected when pf-1 connected with its client id\n{}",
+        broker.log_tail()
+    );
+    assert_eq!(
+        stored_seq("pf-2").await,
+        pf2_seq,
+        "a report pf-1 published on pf-2's topic reached idem"
+    );
+
+    // Nor the server's session: neither its own client id nor the one the
+    // broker gives it with `use_username_as_clientid` (its user name).
+    let mut seq = own;
+    for client_id in [
+        format!("idem-server:{}", server.instance),
+        "idem-server".to_owned(),
+    ] {
+        let (login, client) =
+            try_login(broker, &client_id, Some(("pf-1", &password("pf-1")))).await;
+        assert_eq!(login, Login::Accepted, "{client_id}");
+        let (attacker, _pump) = client.unwrap();
+        seq += 1;
+        attacker
+            .publish(
+                root.topic(&id("pf-1"), Channel::Reported),
+                QoS::AtLeastOnce,
+                false,
+                report(seq),
+            )
+            .await
+            .unwrap();
+        // Stored means the server's own session is still receiving.
+        wait_until("pf-1's report is stored", async || {
+            stored_seq("pf-1").await == seq
+        })
+        .await;
+        for session in [client_id.as_str(), "idem-server"] {
+            assert_eq!(
+                takeovers_of(broker, session),
+                Vec::<String>::new(),
+                "pf-1, asking for client id {client_id:?}, took over the server's session\n{}",
+                broker.log_tail()
+            );
+        }
+    }
+    assert_eq!(
+        server.metric("idem_mqtt_reconnects_total").await.unwrap(),
+        0.0,
+        "the server was kicked off the broker"
+    );
+    assert!(!pf2_pump.is_finished(), "pf-2 lost its connection");
 }

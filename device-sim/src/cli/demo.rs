@@ -4,6 +4,7 @@
 //! outcomes match the ground truth, 2 when they do not, 1 on errors.
 
 use std::io::IsTerminal as _;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -33,13 +34,19 @@ pub struct DemoArgs {
     pub server: String,
 
     /// Operator token for the API, sent as `Authorization: Bearer …`
-    /// (prefer the variable: a flag's value shows in the process list).
+    /// (prefer `--token-file`: a flag's value shows in the process list).
     #[arg(long, env = "IDEM_SIM_TOKEN", hide_env_values = true)]
     pub token: Option<SecretString>,
 
+    /// A file holding the operator token (mode 0600; a trailing newline is
+    /// ignored), instead of `--token`: the token stays off the command line
+    /// and out of the environment.
+    #[arg(long, env = "IDEM_SIM_TOKEN_FILE", conflicts_with = "token")]
+    pub token_file: Option<PathBuf>,
+
     /// PEM CA file for an `https://` server; without it, the system trust store.
     #[arg(long, env = "IDEM_SIM_API_CA_FILE")]
-    pub api_ca_file: Option<std::path::PathBuf>,
+    pub api_ca_file: Option<PathBuf>,
 
     /// Longest wait, in seconds, for the fleet to connect and report, and
     /// again for the run to complete.
@@ -70,6 +77,43 @@ pub struct DemoArgs {
     pub keep_running: bool,
 }
 
+impl DemoArgs {
+    /// The operator token: `--token`, or the content of `--token-file`
+    /// (one line, its trailing newline removed); `None` without either.
+    pub fn api_token(&self) -> anyhow::Result<Option<SecretString>> {
+        match (&self.token, &self.token_file) {
+            (Some(token), _) => Ok(Some(token.clone())),
+            (None, Some(path)) => read_token_file(path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// Reads a token file; the error names the file, never its content.
+fn read_token_file(path: &Path) -> anyhow::Result<SecretString> {
+    let text = std::fs::read_to_string(path).with_context(|| {
+        format!(
+            "cannot read the token file {} (--token-file / IDEM_SIM_TOKEN_FILE)",
+            path.display()
+        )
+    })?;
+    let token = text.trim_end_matches(['\n', '\r']);
+    if token.trim().is_empty() {
+        anyhow::bail!(
+            "the token file {} is empty: write the operator token into it \
+             (`idem-server token create … > FILE`)",
+            path.display()
+        );
+    }
+    if token.contains(['\n', '\r']) {
+        anyhow::bail!(
+            "the token file {} holds more than one line: it must hold only the operator token",
+            path.display()
+        );
+    }
+    Ok(SecretString::new(token))
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Output {
     Text,
@@ -98,7 +142,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     settings.timeout = Duration::from_secs(args.timeout.max(1));
     settings.register_chunk = args.register_chunk.max(1);
     settings.auth = ClientAuth {
-        token: args.token.clone(),
+        token: args.api_token()?,
         ca_file: args.api_ca_file.clone(),
     };
     settings.after_register = args.after_register.clone();
@@ -410,6 +454,101 @@ mod tests {
             },
             fleet: FleetStats::default(),
         }
+    }
+
+    /// A file in the system's temporary directory, removed when dropped.
+    struct TempFile(PathBuf);
+
+    impl TempFile {
+        fn with(name: &str, content: &str) -> Self {
+            let path = std::env::temp_dir().join(format!(
+                "device-sim-{}-{}-{name}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos()
+            ));
+            std::fs::write(&path, content).unwrap();
+            Self(path)
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn demo_args(extra: &[&str]) -> Result<DemoArgs, clap::Error> {
+        use clap::Parser as _;
+        let cli = super::super::Cli::try_parse_from(["device-sim", "demo"].iter().chain(extra))?;
+        match cli.command {
+            super::super::Command::Demo(args) => Ok(args),
+            super::super::Command::Run(_) => panic!("parsed as another subcommand"),
+        }
+    }
+
+    #[test]
+    fn the_token_file_is_read_without_its_trailing_newline_and_never_shown() {
+        let file = TempFile::with("token", "idem_0123abcd\n");
+        let path = file.0.to_str().unwrap();
+        let args = demo_args(&["--token-file", path]).unwrap();
+        let token = args.api_token().unwrap().unwrap();
+        assert_eq!(token.expose(), "idem_0123abcd");
+        assert!(!format!("{args:?}").contains("idem_0123abcd"));
+        let crlf = TempFile::with("token-crlf", "idem_0123abcd\r\n");
+        let args = demo_args(&["--token-file", crlf.0.to_str().unwrap()]).unwrap();
+        assert_eq!(args.api_token().unwrap().unwrap().expose(), "idem_0123abcd");
+        // Without either, no token; --token alone is used as given.
+        assert!(demo_args(&[]).unwrap().api_token().unwrap().is_none());
+        let args = demo_args(&["--token", "tok-1"]).unwrap();
+        assert_eq!(args.api_token().unwrap().unwrap().expose(), "tok-1");
+    }
+
+    #[test]
+    fn a_token_and_a_token_file_together_are_refused() {
+        let file = TempFile::with("token-both", "idem_x\n");
+        let err =
+            demo_args(&["--token", "tok-1", "--token-file", file.0.to_str().unwrap()]).unwrap_err();
+        assert_eq!(
+            err.kind(),
+            clap::error::ErrorKind::ArgumentConflict,
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn an_empty_missing_or_multi_line_token_file_is_an_error_naming_the_file() {
+        let empty = TempFile::with("token-empty", "\n");
+        let path = empty.0.to_str().unwrap();
+        let err = demo_args(&["--token-file", path])
+            .unwrap()
+            .api_token()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(path) && err.contains("is empty"), "{err}");
+
+        let missing = std::env::temp_dir().join("device-sim-no-such-token-file");
+        let missing = missing.to_str().unwrap();
+        let err = demo_args(&["--token-file", missing])
+            .unwrap()
+            .api_token()
+            .unwrap_err();
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("cannot read the token file") && text.contains(missing),
+            "{text}"
+        );
+
+        let two = TempFile::with("token-two", "idem_a\nidem_b\n");
+        let err = demo_args(&["--token-file", two.0.to_str().unwrap()])
+            .unwrap()
+            .api_token()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("more than one line"), "{err}");
+        assert!(!err.contains("idem_a"), "{err}");
     }
 
     #[test]

@@ -692,7 +692,9 @@ async fn main() -> Result<()> {
     );
 
     // The system under test: private broker, fresh database, server process.
-    // With --secure, every client has its own password account.
+    // With --secure, every client has its own password account, bound to its
+    // client id (the harness adds `use_username_as_clientid true` to every
+    // broker with a password file, as docs/OPERATIONS.md §9 does).
     let passwords = args.secure.then(|| {
         let secret = uuid::Uuid::new_v4().simple().to_string();
         let mut passwords: std::collections::HashMap<String, String> =
