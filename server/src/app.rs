@@ -172,6 +172,8 @@ fn engine_settings(c: &Config) -> EngineSettings {
         debounce: c.debounce,
         resync_interval: (!c.resync_interval.is_zero()).then_some(c.resync_interval),
         stale_after: c.stale_after,
+        missing_report_after: (!c.missing_report_after.is_zero()).then_some(c.missing_report_after),
+        recheck_rate: c.recheck_rate,
     }
 }
 
@@ -240,19 +242,33 @@ impl Workers {
         let relay_token = CancellationToken::new();
         let mqtt_token = CancellationToken::new();
         let config = &state.config;
+        let recheck = crate::recheck::RecheckSignal::new();
         let mqtt = tokio::spawn(mqtt::run_event_loop(
             eventloop,
-            client,
+            client.clone(),
             config.topic_root.clone(),
             config.budget,
             intake_tx,
             state.mqtt.clone(),
             state.metrics.clone(),
-            state
-                .dynsec
-                .clone()
-                .map(|d| d as Arc<dyn mqtt::ControlResponses>),
+            mqtt::EventLoopHooks {
+                control: state
+                    .dynsec
+                    .clone()
+                    .map(|d| d as Arc<dyn mqtt::ControlResponses>),
+                recheck: recheck.clone(),
+                sys_topics: config.config.broker_sys_topics,
+            },
             mqtt_token.clone(),
+        ));
+        let rechecks = tokio::spawn(crate::recheck::run(
+            recheck.clone(),
+            client,
+            config.topic_root.clone(),
+            state.fleet.clone(),
+            state.engine.clone(),
+            state.metrics.clone(),
+            intake_token.clone(),
         ));
         let engine = Engine::new(EngineContext {
             pool: state.pool.clone(),
@@ -278,9 +294,12 @@ impl Workers {
             auto_register: config.config.auto_register,
             device_writes: state.device_writes.clone(),
             stall: state.stalls.ingest.clone(),
+            recheck,
+            recheck_after_stall: config.config.recheck_after_stall,
         };
         let intake = vec![
             tokio::spawn(ingest.run(intake_rx, intake_token.clone())),
+            rechecks,
             tokio::spawn(metrics_upkeep(
                 state.metrics.clone(),
                 state.pool.clone(),

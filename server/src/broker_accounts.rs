@@ -98,6 +98,20 @@ pub fn server_acls(root: &TopicRoot) -> Vec<Value> {
         acl("publishClientSend", CONTROL_TOPIC.to_owned()),
         acl("subscribePattern", RESPONSE_TOPIC.to_owned()),
         acl("publishClientReceive", RESPONSE_TOPIC.to_owned()),
+        // The broker's counters, to notice dropped messages.
+        acl(
+            "subscribePattern",
+            crate::mqtt::SYS_DROPPED_TOPIC.to_owned(),
+        ),
+        acl(
+            "publishClientReceive",
+            crate::mqtt::SYS_DROPPED_TOPIC.to_owned(),
+        ),
+        acl("subscribePattern", crate::mqtt::SYS_STORED_TOPIC.to_owned()),
+        acl(
+            "publishClientReceive",
+            crate::mqtt::SYS_STORED_TOPIC.to_owned(),
+        ),
     ]
 }
 
@@ -367,7 +381,9 @@ pub fn static_acl_file(root: &TopicRoot, server_username: &str) -> String {
          topic write {r}/+/get\n\
          topic readwrite {r}/+/status\n\
          topic read {r}/+/reported\n\
-         topic write {r}/events/#\n"
+         topic write {r}/events/#\n\
+         topic read $SYS/broker/publish/messages/dropped\n\
+         topic read $SYS/broker/store/messages/count\n"
     )
 }
 

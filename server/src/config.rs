@@ -141,6 +141,33 @@ pub struct Config {
     #[arg(long, env = "IDEM_READY_MAX_INTAKE_AGE", default_value = "30s", value_parser = parse_duration)]
     pub ready_max_intake_age: Duration,
 
+    /// A device that comes online and sends no report for this long is
+    /// asked for one (its first report, or a newer one, may have been
+    /// dropped by the broker); `0` = never.
+    #[arg(long, env = "IDEM_MISSING_REPORT_AFTER", default_value = "5s", value_parser = parse_duration)]
+    pub missing_report_after: Duration,
+
+    /// Report requests per second when the server rechecks the fleet
+    /// because the broker may have dropped messages for it (its dropped
+    /// counter rose, the session came back empty or after a long absence,
+    /// or the ingest was held longer than `--recheck-after-stall`); `0` =
+    /// no rechecks.
+    #[arg(long, env = "IDEM_RECHECK_RATE", default_value_t = 1_000)]
+    pub recheck_rate: u32,
+
+    /// An ingest write held (by locks or failures) at least this long
+    /// starts a recheck once it commits: the broker may have dropped what
+    /// it could not deliver meanwhile.
+    #[arg(long, env = "IDEM_RECHECK_AFTER_STALL", default_value = "10s", value_parser = parse_duration)]
+    pub recheck_after_stall: Duration,
+
+    /// Subscribe to the broker's `$SYS` counters (Mosquitto: messages
+    /// dropped, messages stored), export them as metrics and recheck when
+    /// the dropped counter rises. The server's broker account needs read
+    /// access to them.
+    #[arg(long, env = "IDEM_BROKER_SYS_TOPICS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub broker_sys_topics: bool,
+
     /// Completed runs (with their per-device targets) older than this are
     /// pruned, e.g. `30d`.
     #[arg(long, env = "IDEM_RUN_RETENTION", default_value = "30d", value_parser = parse_duration)]

@@ -189,6 +189,10 @@ impl FleetView {
     pub fn ids_reported_before(&self, cutoff: DateTime<Utc>) -> Vec<DeviceId> {
         self.0.ids_reported_before(cutoff)
     }
+
+    pub fn ids_not_offline(&self) -> Vec<DeviceId> {
+        self.0.ids_not_offline()
+    }
 }
 
 /// Every registered device, by id.
@@ -318,6 +322,30 @@ impl Fleet {
             .filter(|e| e.value().reported_at.is_none_or(|at| at < cutoff))
             .map(|e| e.key().clone())
             .collect()
+    }
+
+    /// Ids of every device not known to be offline, sorted.
+    pub fn ids_not_offline(&self) -> Vec<DeviceId> {
+        let mut ids: Vec<DeviceId> = self
+            .devices
+            .iter()
+            .filter(|e| e.value().online != Some(false))
+            .map(|e| e.key().clone())
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Ids of every device not known to be online, sorted.
+    pub fn ids_not_online(&self) -> Vec<DeviceId> {
+        let mut ids: Vec<DeviceId> = self
+            .devices
+            .iter()
+            .filter(|e| e.value().online != Some(true))
+            .map(|e| e.key().clone())
+            .collect();
+        ids.sort_unstable();
+        ids
     }
 
     fn set_online(&self, id: &DeviceId, online: bool) {

@@ -9,6 +9,7 @@
 //! broker stops redelivering it) and the rest commit.
 
 use crate::intake::IntakeReceiver;
+use crate::recheck::RecheckSignal;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -172,6 +173,10 @@ pub struct Ingest {
     pub device_writes: DeviceWrites,
     /// Set while batches fail to commit (read by `/readyz`).
     pub stall: Arc<Stall>,
+    /// Raised when a write was held at least `recheck_after_stall`: the
+    /// broker may have dropped what it could not deliver meanwhile.
+    pub recheck: Arc<RecheckSignal>,
+    pub recheck_after_stall: std::time::Duration,
 }
 
 /// A batch's accepted work, latest report per device.
@@ -365,7 +370,13 @@ impl Ingest {
                     self.metrics
                         .db_batch_ingest
                         .record(started.elapsed().as_secs_f64());
-                    self.stall.progressed();
+                    if self
+                        .stall
+                        .progressed()
+                        .is_some_and(|waited| waited >= self.recheck_after_stall)
+                    {
+                        self.recheck.raise("ingest_stalled");
+                    }
                     online = &[];
                     backoff.reset();
                 }

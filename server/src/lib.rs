@@ -23,6 +23,7 @@ pub mod intake;
 pub mod metrics;
 pub mod mqtt;
 pub mod outbox;
+pub mod recheck;
 pub mod reconcile;
 pub mod relay;
 pub mod retention;

@@ -9,6 +9,8 @@
 use std::marker::PhantomData;
 
 use idem_protocol::{DeviceStatus, OutcomeCounts, OutcomeKind};
+
+use crate::reconcile::machine::AskReason;
 use metrics::{
     Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, SharedString, Unit,
 };
@@ -219,6 +221,12 @@ pub struct Metrics {
     pub db_batch_outcomes: Histogram,
     pub mqtt_connected: Gauge,
     pub mqtt_reconnects: Counter,
+    asked_to_report: [Counter; AskReason::ALL.len()],
+    /// Rechecks started, by what started them.
+    rechecks: [Counter; RECHECK_TRIGGERS.len()],
+    /// The broker's own counters (`$SYS`), as last read.
+    pub broker_messages_dropped: Gauge,
+    pub broker_messages_stored: Gauge,
     /// Times the intake queue reached its byte budget (the server then
     /// stopped reading the broker until the ingest caught up).
     pub intake_full: Counter,
@@ -324,6 +332,24 @@ const MQTT_CONNECTED: Family<Gauge> = Family::new(
 const MQTT_RECONNECTS: Family<Counter> = Family::new(
     "idem_mqtt_reconnects_total",
     "MQTT connections re-established after a loss",
+);
+const ASKED_TO_REPORT: Family<Counter> = Family::new(
+    "idem_devices_asked_to_report_total",
+    "Report requests sent to devices, by reason",
+);
+/// What can start a recheck (label values of `idem_rechecks_total`).
+pub const RECHECK_TRIGGERS: [&str; 3] = ["broker_dropped", "session_lost", "ingest_stalled"];
+const RECHECKS: Family<Counter> = Family::new(
+    "idem_rechecks_total",
+    "Fleet rechecks started because the broker may have dropped messages, by trigger",
+);
+const BROKER_DROPPED: Family<Gauge> = Family::new(
+    "idem_broker_messages_dropped",
+    "The broker's count of messages it dropped (Mosquitto $SYS/broker/publish/messages/dropped)",
+);
+const BROKER_STORED: Family<Gauge> = Family::new(
+    "idem_broker_messages_stored",
+    "Messages the broker holds (Mosquitto $SYS/broker/store/messages/count)",
 );
 const INTAKE_FULL: Family<Counter> = Family::new(
     "idem_mqtt_intake_full_total",
@@ -446,6 +472,11 @@ impl Metrics {
             mqtt_connected: MQTT_CONNECTED.register(r, &[]),
             mqtt_reconnects: MQTT_RECONNECTS.register(r, &[]),
             intake_full: INTAKE_FULL.register(r, &[]),
+            asked_to_report: AskReason::ALL
+                .map(|reason| ASKED_TO_REPORT.register(r, &[("reason", reason.as_str())])),
+            rechecks: RECHECK_TRIGGERS.map(|trigger| RECHECKS.register(r, &[("trigger", trigger)])),
+            broker_messages_dropped: BROKER_DROPPED.register(r, &[]),
+            broker_messages_stored: BROKER_STORED.register(r, &[]),
             intake_messages: INTAKE_MESSAGES.register(r, &[]),
             intake_bytes: INTAKE_BYTES.register(r, &[]),
             intake_oldest: INTAKE_OLDEST.register(r, &[]),
@@ -579,6 +610,20 @@ impl Metrics {
     pub fn reject_message(&self, reason: &str) {
         if let Some(i) = REJECT_REASONS.iter().position(|r| *r == reason) {
             self.rejects[i].increment(1);
+        }
+    }
+
+    /// Counts a report request sent to a device.
+    pub fn asked_to_report(&self, reason: AskReason) {
+        if let Some(i) = AskReason::ALL.iter().position(|r| *r == reason) {
+            self.asked_to_report[i].increment(1);
+        }
+    }
+
+    /// Counts a recheck started by `trigger` (one of [`RECHECK_TRIGGERS`]).
+    pub fn recheck_started(&self, trigger: &str) {
+        if let Some(i) = RECHECK_TRIGGERS.iter().position(|t| *t == trigger) {
+            self.rechecks[i].increment(1);
         }
     }
 

@@ -31,6 +31,7 @@ use crate::config::ValidConfig;
 use crate::intake::IntakeSender;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
+use crate::recheck::RecheckSignal;
 use crate::retry::Backoff;
 
 /// Requests the client may queue before `publish` waits for the event loop.
@@ -143,6 +144,52 @@ fn log_connection_error(
     }
 }
 
+/// Mosquitto's count of messages it dropped (for any client), and of the
+/// messages it holds: read when `--broker-sys-topics` is on.
+pub const SYS_DROPPED_TOPIC: &str = "$SYS/broker/publish/messages/dropped";
+pub const SYS_STORED_TOPIC: &str = "$SYS/broker/store/messages/count";
+
+/// What the event loop hands on besides reports and statuses.
+pub struct EventLoopHooks {
+    /// The dynamic-security answers, with `--broker-accounts dynsec`.
+    pub control: Option<Arc<dyn ControlResponses>>,
+    /// Raised on signs that the broker dropped messages for the server.
+    pub recheck: Arc<RecheckSignal>,
+    /// Subscribe to the broker's `$SYS` counters.
+    pub sys_topics: bool,
+}
+
+/// Reads one `$SYS` counter message: sets its gauge and raises a recheck
+/// when the dropped count rose since the last reading (the first reading
+/// is the baseline).
+fn on_sys_counter(
+    topic: &str,
+    payload: &[u8],
+    last_dropped: &mut Option<u64>,
+    metrics: &Metrics,
+    recheck: &RecheckSignal,
+) {
+    let Some(value) = std::str::from_utf8(payload)
+        .ok()
+        .and_then(|text| text.trim().parse::<u64>().ok())
+    else {
+        tracing::debug!(topic, "unreadable $SYS counter");
+        return;
+    };
+    match topic {
+        SYS_DROPPED_TOPIC => {
+            metrics.broker_messages_dropped.set(value as f64);
+            if last_dropped.is_some_and(|last| value > last) {
+                tracing::warn!(dropped = value, "the broker reports dropped messages");
+                recheck.raise("broker_dropped");
+            }
+            *last_dropped = Some(value);
+        }
+        SYS_STORED_TOPIC => metrics.broker_messages_stored.set(value as f64),
+        _ => {}
+    }
+}
+
 /// Takes the broker's answers on a control topic the server subscribes to
 /// (Mosquitto's dynamic-security responses), from the event loop.
 pub trait ControlResponses: Send + Sync {
@@ -161,9 +208,14 @@ pub async fn run_event_loop(
     intake: IntakeSender,
     status: Arc<MqttStatus>,
     metrics: Arc<Metrics>,
-    control: Option<Arc<dyn ControlResponses>>,
+    hooks: EventLoopHooks,
     token: CancellationToken,
 ) {
+    let EventLoopHooks {
+        control,
+        recheck,
+        sys_topics,
+    } = hooks;
     let (broker_host, broker_port) = eventloop.mqtt_options.broker_address();
     let mut filters = vec![
         SubscribeFilter::new(root.filter(Channel::Reported), QoS::AtLeastOnce),
@@ -173,6 +225,12 @@ pub async fn run_event_loop(
     if let Some(topic) = &control_topic {
         filters.push(SubscribeFilter::new(topic.clone(), QoS::AtLeastOnce));
     }
+    if sys_topics {
+        for topic in [SYS_DROPPED_TOPIC, SYS_STORED_TOPIC] {
+            filters.push(SubscribeFilter::new(topic.to_owned(), QoS::AtMostOnce));
+        }
+    }
+    let mut last_dropped = None;
     let mut ever_connected = false;
     // When the connection was lost, until the next ConnAck.
     let mut lost_at: Option<tokio::time::Instant> = None;
@@ -193,6 +251,18 @@ pub async fn run_event_loop(
                 }
                 if let Err(e) = client.try_ack(&publish) {
                     tracing::debug!(error = %e, "could not acknowledge a dynamic-security answer");
+                }
+            }
+            Ok(Event::Incoming(Packet::Publish(publish))) if publish.topic.starts_with("$SYS/") => {
+                on_sys_counter(
+                    &publish.topic,
+                    &publish.payload,
+                    &mut last_dropped,
+                    &metrics,
+                    &recheck,
+                );
+                if let Err(e) = client.try_ack(&publish) {
+                    tracing::debug!(error = %e, "could not acknowledge a $SYS message");
                 }
             }
             Ok(Event::Incoming(Packet::Publish(mut publish))) => {
@@ -218,11 +288,16 @@ pub async fn run_event_loop(
             }
             Ok(Event::Incoming(Packet::ConnAck(ack))) => {
                 match lost_at.take() {
-                    Some(at) => tracing::warn!(
-                        session_present = ack.session_present,
-                        away_ms = u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX),
-                        "reconnected to the MQTT broker"
-                    ),
+                    Some(at) => {
+                        tracing::warn!(
+                            session_present = ack.session_present,
+                            away_ms = u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX),
+                            "reconnected to the MQTT broker"
+                        );
+                        // While away, the broker queued for the session only
+                        // up to its limits (or kept nothing).
+                        recheck.raise("session_lost");
+                    }
                     None => tracing::info!(
                         session_present = ack.session_present,
                         "connected to MQTT broker"

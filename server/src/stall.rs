@@ -36,12 +36,14 @@ impl Stall {
         since.get_or_insert_with(Instant::now);
     }
 
-    /// A write committed: the worker is moving again.
-    pub fn progressed(&self) {
-        *self
-            .waiting_since
+    /// A write committed: the worker is moving again. Returns how long it
+    /// had waited for this commit.
+    pub fn progressed(&self) -> Option<Duration> {
+        self.waiting_since
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = None;
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .map(|since| since.elapsed())
     }
 
     /// How long the worker has waited for a commit, once that exceeds the

@@ -103,6 +103,24 @@ pub fn promtool_check_config(config: &Path) -> Result<PromtoolReport> {
     Ok(report(output))
 }
 
+/// `promtool check rules FILE`.
+pub fn promtool_check_rules(rules: &Path) -> Result<PromtoolReport> {
+    let promtool = promtool_binary()?;
+    let output = Command::new(&promtool)
+        .args(["check", "rules"])
+        .arg(rules)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| {
+            format!(
+                "running {} check rules {}",
+                promtool.display(),
+                rules.display()
+            )
+        })?;
+    Ok(report(output))
+}
+
 fn report(output: std::process::Output) -> PromtoolReport {
     let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
     text.push_str(&String::from_utf8_lossy(&output.stderr));

@@ -90,6 +90,8 @@ pub struct ServerSettings {
     pub mqtt_intake_buffer_bytes: usize,
     /// `--ready-max-intake-age`.
     pub ready_max_intake_age: Duration,
+    /// `--recheck-after-stall`.
+    pub recheck_after_stall: Duration,
     /// `--mqtt-ca-file`; `None` takes the broker's test CA when its
     /// listener is TLS.
     pub mqtt_ca_file: Option<PathBuf>,
@@ -135,6 +137,7 @@ impl Default for ServerSettings {
             mqtt_keep_alive: server.mqtt_keep_alive,
             mqtt_intake_buffer_bytes: server.mqtt_intake_buffer_bytes,
             ready_max_intake_age: server.ready_max_intake_age,
+            recheck_after_stall: server.recheck_after_stall,
             mqtt_ca_file: None,
             mqtt_client_cert: None,
             https: None,
@@ -190,6 +193,7 @@ impl TestServer {
         config.mqtt_keep_alive = settings.mqtt_keep_alive;
         config.mqtt_intake_buffer_bytes = settings.mqtt_intake_buffer_bytes;
         config.ready_max_intake_age = settings.ready_max_intake_age;
+        config.recheck_after_stall = settings.recheck_after_stall;
         if let Some((username, password)) = settings.mqtt_credentials {
             config.mqtt_username = Some(username);
             config.mqtt_password = Some(password.into());

@@ -38,6 +38,16 @@ fn shipped_dashboards() -> Vec<DashboardFile> {
 /// The bearer-token file the shipped scrape config names, relative to it.
 const TOKEN_FILE: &str = "idem-viewer.token";
 
+/// The alert rules the shipped scrape config loads, relative to it.
+const RULES_FILE: &str = "idem-alerts.yml";
+
+fn shipped_alert_rules() -> String {
+    let path = grafana::dashboards_dir()
+        .join("prometheus")
+        .join(RULES_FILE);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+}
+
 fn shipped_scrape_config() -> String {
     let path = grafana::dashboards_dir().join("prometheus/prometheus.yml");
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
@@ -120,6 +130,7 @@ fn the_shipped_scrape_config_and_the_tests_copy_of_it_pass_promtool() {
     let shipped = dir.path().join("shipped.yml");
     std::fs::write(&shipped, shipped_scrape_config()).unwrap();
     std::fs::write(dir.path().join(TOKEN_FILE), "idem_placeholder").unwrap();
+    std::fs::write(dir.path().join(RULES_FILE), shipped_alert_rules()).unwrap();
     let report = prometheus::promtool_check_config(&shipped).unwrap();
     assert!(report.passed(), "{}:\n{}", report.status, report.output);
 
@@ -138,6 +149,33 @@ fn the_shipped_scrape_config_and_the_tests_copy_of_it_pass_promtool() {
         report.status,
         report.output
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_alert_rules_pass_promtool_and_read_only_series_the_server_exposes() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join(RULES_FILE);
+    std::fs::write(&rules, shipped_alert_rules()).unwrap();
+    let report = prometheus::promtool_check_rules(&rules).unwrap();
+    assert!(report.passed(), "{}:\n{}", report.status, report.output);
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let exposed = prometheus::exposed_metric_names(&scenario.server.metrics().await.unwrap());
+    let text = shipped_alert_rules();
+    let exprs: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("expr:"))
+        .collect();
+    assert_eq!(exprs.len(), 3, "{text}");
+    for expr in exprs {
+        let names = grafana::idem_metric_names(expr);
+        assert!(!names.is_empty(), "{expr} reads no idem series");
+        for name in names {
+            assert!(
+                exposed.contains(&name),
+                "{expr} reads {name}, which /metrics does not expose"
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,10 +228,15 @@ async fn every_dashboard_panel_query_returns_data_from_a_real_prometheus_after_a
         .client_for_role("prometheus", "viewer")
         .await
         .unwrap();
-    let prom =
-        PrivatePrometheus::start_with_files(&config, &[(TOKEN_FILE, token.token().unwrap())])
-            .await
-            .unwrap();
+    let prom = PrivatePrometheus::start_with_files(
+        &config,
+        &[
+            (TOKEN_FILE, token.token().unwrap()),
+            (RULES_FILE, &shipped_alert_rules()),
+        ],
+    )
+    .await
+    .unwrap();
     // A baseline before the run, so rates over the window see the run's
     // increments.
     prom.wait_for_scrapes(JOB, SystemTime::now(), 2, Duration::from_secs(30))

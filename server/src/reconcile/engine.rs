@@ -150,9 +150,10 @@ impl Engine {
                             }
                         }
                     }
-                    Effect::AskForReport(device) => {
+                    Effect::AskForReport { device, reason } => {
                         self.ctx.publisher.ask_for_report(&device);
                         self.ctx.metrics.report_requests.increment(1);
+                        self.ctx.metrics.asked_to_report(reason);
                     }
                     Effect::StartRun { trigger, targets } => runs.push((trigger, targets)),
                     Effect::Record(record) => self.write(record).await,

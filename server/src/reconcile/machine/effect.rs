@@ -45,6 +45,41 @@ pub enum EngineCommand {
     DevicesRemoved(Vec<DeviceId>),
     /// Refresh every retained desired message that is behind (start-up).
     SyncRetained,
+    /// The broker may have dropped messages for the server: ask every
+    /// device not known to be offline for a report, paced.
+    Recheck,
+}
+
+/// Why a device is asked for a report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AskReason {
+    /// A run must decide it and it never reported.
+    Decide,
+    /// Its last report is older than `stale_after` (resync).
+    Stale,
+    /// It came online and did not report within `missing_report_after`.
+    Missing,
+    /// A recheck after the broker may have dropped messages.
+    Recheck,
+}
+
+impl AskReason {
+    /// The label value of `idem_devices_asked_to_report_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AskReason::Decide => "decide",
+            AskReason::Stale => "stale",
+            AskReason::Missing => "missing",
+            AskReason::Recheck => "recheck",
+        }
+    }
+
+    pub const ALL: [AskReason; 4] = [
+        AskReason::Decide,
+        AskReason::Stale,
+        AskReason::Missing,
+        AskReason::Recheck,
+    ];
 }
 
 /// Why desired state is published.
@@ -67,7 +102,7 @@ pub enum Effect {
         reason: PublishReason,
     },
     /// Send a `get` to the device.
-    AskForReport(DeviceId),
+    AskForReport { device: DeviceId, reason: AskReason },
     /// Commit a run the engine starts itself, then hand it back as
     /// [`EngineCommand::StartRun`] (or [`EngineCommand::RunNotStarted`]).
     StartRun {
@@ -95,6 +130,11 @@ pub struct EngineSettings {
     pub resync_interval: Option<Duration>,
     /// At resync, devices whose last report is older than this are asked for a new one.
     pub stale_after: Duration,
+    /// A device that came online and sent no report for this long is
+    /// asked for one; `None` = never.
+    pub missing_report_after: Option<Duration>,
+    /// Asks per second of a recheck; 0 = rechecks off.
+    pub recheck_rate: u32,
 }
 
 /// Live numbers for the API and metrics.

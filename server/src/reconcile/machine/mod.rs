@@ -10,6 +10,7 @@
 mod effect;
 mod ending;
 mod flight;
+mod gaps;
 pub mod record;
 #[cfg(test)]
 mod tests;
@@ -30,8 +31,11 @@ use super::policy::{gate, DeviceStatus};
 use super::run::{RunProgress, RunSpec, Trigger};
 use crate::fleet::{DeviceEntry, FleetView};
 pub use crate::reconcile::change::{DeviceChange, LastOutcome};
-pub use effect::{Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason};
+pub use effect::{
+    AskReason, Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason,
+};
 use flight::{InFlight, Phase};
+use gaps::Gaps;
 pub use record::{Record, Tally};
 
 /// Results are written at least this often while there are any.
@@ -63,6 +67,11 @@ pub struct Machine {
     debounced: HashMap<Trigger, Debounced>,
     next_scan: Instant,
     next_resync: Option<Instant>,
+    /// Devices that came online and owe a report; a recheck in progress.
+    gaps: Gaps,
+    /// When the latest recheck started: a device that reported since then
+    /// is not asked by it (its report carries everything it runs).
+    recheck_since: Option<chrono::DateTime<chrono::Utc>>,
     record: Record,
     last_write: Instant,
     rng: StdRng,
@@ -73,6 +82,7 @@ impl Machine {
     pub fn new(settings: EngineSettings, fleet: FleetView, now: Instant, seed: u64) -> Self {
         let pacer = PushPacer::new(settings.push_rate, now);
         let next_resync = settings.resync_interval.map(|i| now + i);
+        let gaps = Gaps::new(settings.missing_report_after, settings.recheck_rate);
         Self {
             settings,
             fleet,
@@ -85,6 +95,8 @@ impl Machine {
             debounced: HashMap::new(),
             next_scan: now + SCAN_INTERVAL,
             next_resync,
+            gaps,
+            recheck_since: None,
             record: Record::default(),
             last_write: now,
             rng: StdRng::seed_from_u64(seed),
@@ -104,8 +116,17 @@ impl Machine {
             EngineCommand::ReportsApplied(ids) => self.reports_applied(ids, now, &mut out),
             EngineCommand::Connectivity(changes) => {
                 for (id, online) in changes {
+                    if online {
+                        self.gaps.came_online(&id, now.at);
+                    } else {
+                        self.gaps.settled(&id);
+                    }
                     self.connectivity_changed(&id, online, now.at);
                 }
+            }
+            EngineCommand::Recheck => {
+                self.recheck_since = Some(now.wall);
+                self.gaps.recheck(self.fleet.ids_not_offline());
             }
             EngineCommand::ReconcileAll(trigger) => self.reconcile_all(trigger, &mut out),
             EngineCommand::DesiredChanged(ids) => {
@@ -152,6 +173,7 @@ impl Machine {
         let mut out = Vec::new();
         if now.at >= self.next_scan {
             self.scan(now, &mut out);
+            self.ask_for_missing(now.at, &mut out);
             self.next_scan = now.at + SCAN_INTERVAL;
         }
         if let (Some(at), Some(interval)) = (self.next_resync, self.settings.resync_interval) {
@@ -329,6 +351,7 @@ impl Machine {
 
     fn reports_applied(&mut self, ids: Vec<DeviceId>, now: Now, out: &mut Vec<Effect>) {
         for id in ids {
+            self.gaps.settled(&id);
             if self.in_flight.contains_key(&id) {
                 self.advance(&id, false, now, out);
             } else {
@@ -371,7 +394,10 @@ impl Machine {
             Decision::AskForReport => {
                 let deadline = now.at + self.settings.push_timeout;
                 self.set_phase(id, Phase::AwaitingReport { deadline });
-                out.push(Effect::AskForReport(id.clone()));
+                out.push(Effect::AskForReport {
+                    device: id.clone(),
+                    reason: AskReason::Decide,
+                });
             }
             Decision::Wait => {}
         }
@@ -448,6 +474,41 @@ impl Machine {
     }
 
     /// Expires deadlines and starts due retries.
+    /// Asks the devices that came online and stayed silent, and the next
+    /// paced slice of a recheck; a device an attempt already asks is left
+    /// to it.
+    fn ask_for_missing(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let silent = self
+            .gaps
+            .silent(now)
+            .into_iter()
+            .map(|id| (id, AskReason::Missing));
+        let rechecked = self
+            .gaps
+            .paced_recheck(now)
+            .into_iter()
+            .map(|id| (id, AskReason::Recheck));
+        for (device, reason) in silent.chain(rechecked).collect::<Vec<_>>() {
+            let Some(entry) = self.fleet.get(&device) else {
+                continue;
+            };
+            let wanted = match reason {
+                AskReason::Missing => entry.online == Some(true),
+                AskReason::Decide | AskReason::Stale => entry.online != Some(false),
+                AskReason::Recheck => {
+                    let heard_since = match (entry.reported_at, self.recheck_since) {
+                        (Some(at), Some(since)) => at >= since,
+                        (None, _) | (_, None) => false,
+                    };
+                    entry.online != Some(false) && !heard_since
+                }
+            };
+            if wanted && !self.in_flight.contains_key(&device) {
+                out.push(Effect::AskForReport { device, reason });
+            }
+        }
+    }
+
     fn scan(&mut self, now: Now, out: &mut Vec<Effect>) {
         let mut due: Vec<DeviceId> = Vec::new();
         for (id, flight) in &mut self.in_flight {

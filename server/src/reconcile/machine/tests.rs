@@ -32,6 +32,8 @@ fn settings() -> EngineSettings {
         debounce: Duration::from_millis(500),
         resync_interval: None,
         stale_after: Duration::from_secs(3_600),
+        missing_report_after: None,
+        recheck_rate: 0,
     }
 }
 
@@ -143,7 +145,7 @@ impl World {
                     reason,
                     ..
                 } => self.published.push((device, generation, reason)),
-                Effect::AskForReport(device) => self.asked.push(device),
+                Effect::AskForReport { device, .. } => self.asked.push(device),
                 Effect::StartRun { trigger, targets } => asked_for.push((trigger, targets)),
                 Effect::Record(record) => self.commit(record),
             }
@@ -722,6 +724,62 @@ impl World {
             Step::Wait(ms) => self.wait(Duration::from_millis(*ms)),
         }
     }
+}
+
+#[test]
+fn a_device_that_comes_online_and_stays_silent_is_asked_once_for_its_report() {
+    let mut world = World::new(EngineSettings {
+        missing_report_after: Some(Duration::from_secs(5)),
+        ..settings()
+    });
+    let silent = world.device("silent-1", None, None);
+    let talker = world.device("talker-1", None, None);
+    world.command(EngineCommand::Connectivity(vec![
+        (silent.clone(), true),
+        (talker.clone(), true),
+    ]));
+    world.reports(&talker, 1, None);
+    world.wait(Duration::from_secs(4));
+    assert!(
+        world.asked.is_empty(),
+        "asked before the grace period ended"
+    );
+    world.wait(Duration::from_secs(2));
+    assert_eq!(world.asked, std::slice::from_ref(&silent));
+    world.wait(Duration::from_secs(30));
+    assert_eq!(world.asked, [silent], "asked once");
+}
+
+#[test]
+fn a_recheck_asks_every_device_not_known_offline_and_not_heard_from_since_at_its_rate() {
+    let mut world = World::new(EngineSettings {
+        recheck_rate: 100,
+        ..settings()
+    });
+    let quiet: Vec<DeviceId> = (0..150)
+        .map(|i| world.device(&format!("q-{i:03}"), None, Some(1)))
+        .collect();
+    let offline = world.device("gone-1", None, Some(1));
+    world
+        .fleet
+        .apply([FleetChange::Online(offline.clone(), false)]);
+    let fresh = world.device("fresh-1", None, None);
+    world.command(EngineCommand::Recheck);
+    world.wall += chrono::Duration::milliseconds(1);
+    world.reports(&fresh, 1, None);
+    world.wait(Duration::from_secs(1));
+    let after_one_second = world.asked.len();
+    assert!(
+        (90..=110).contains(&after_one_second),
+        "{after_one_second} asked in the first second at 100/s"
+    );
+    world.wait(Duration::from_secs(2));
+    let mut asked = world.asked.clone();
+    asked.sort();
+    assert_eq!(
+        asked, quiet,
+        "each quiet device once; not the offline one, not the one that reported since"
+    );
 }
 
 proptest! {

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use idem_protocol::DeviceId;
 
+use super::AskReason;
 use super::{Debounced, Effect, Machine, Now};
 use crate::events::{DeviceDriftedData, EventDraft};
 use crate::reconcile::policy::DeviceStatus;
@@ -99,7 +100,10 @@ impl Machine {
         for id in stale {
             let online = self.fleet.get(&id).and_then(|e| e.online);
             if online != Some(false) && !self.in_flight.contains_key(&id) {
-                out.push(Effect::AskForReport(id));
+                out.push(Effect::AskForReport {
+                    device: id,
+                    reason: AskReason::Stale,
+                });
             }
         }
         self.reconcile_all(Trigger::Resync, out);
