@@ -92,6 +92,11 @@ pub async fn run(config: &ValidConfig, command: BrokerCommand) -> anyhow::Result
             let results = send_as_admin(config, &admin_username, &admin_password, commands).await?;
             refuse_failures(&results)?;
             eprintln!(
+                "size the broker's queues for the fleet: max_queued_messages >= devices x {} (at least {}), max_inflight_messages 0 (docs/OPERATIONS.md, \"Sizing the broker's queues\")",
+                crate::broker_sizing::MESSAGES_IN_FLIGHT_PER_DEVICE,
+                crate::broker_sizing::MIN_QUEUED_MESSAGES
+            );
+            eprintln!(
                 "broker ready for topic root {root}: role {} with account {server_username:?}{}",
                 accounts::SERVER_ROLE,
                 reader_username
@@ -199,17 +204,24 @@ async fn write_files(
         &out.join("acl_file"),
         &accounts::static_acl_file(&config.topic_root, server_username),
     )?;
+    // Not secret, but kept beside the others: include it from mosquitto.conf.
+    write_private(
+        &out.join("queues.conf"),
+        &crate::broker_sizing::mosquitto_queue_settings(devices.len() as u64),
+    )?;
     for id in &file.left_out {
         eprintln!(
             "left out device {id:?}: its id names a broker account that is not a device's (delete the device and register it under another id)"
         );
     }
     eprintln!(
-        "wrote {}/password_file ({} devices, {} other accounts and {server_username:?}) and {}/acl_file",
+        "wrote {}/password_file ({} devices, {} other accounts and {server_username:?}), {}/acl_file and {}/queues.conf (max_queued_messages {})",
         out.display(),
         file.devices,
         file.accounts,
-        out.display()
+        out.display(),
+        out.display(),
+        crate::broker_sizing::queued_messages_for(devices.len() as u64)
     );
     Ok(())
 }

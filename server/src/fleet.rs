@@ -326,22 +326,19 @@ impl Fleet {
 
     /// Ids of every device not known to be offline, sorted.
     pub fn ids_not_offline(&self) -> Vec<DeviceId> {
-        let mut ids: Vec<DeviceId> = self
-            .devices
-            .iter()
-            .filter(|e| e.value().online != Some(false))
-            .map(|e| e.key().clone())
-            .collect();
-        ids.sort_unstable();
-        ids
+        self.ids_whose_connection_is_not(false)
     }
 
     /// Ids of every device not known to be online, sorted.
     pub fn ids_not_online(&self) -> Vec<DeviceId> {
+        self.ids_whose_connection_is_not(true)
+    }
+
+    fn ids_whose_connection_is_not(&self, online: bool) -> Vec<DeviceId> {
         let mut ids: Vec<DeviceId> = self
             .devices
             .iter()
-            .filter(|e| e.value().online != Some(true))
+            .filter(|e| e.value().online != Some(online))
             .map(|e| e.key().clone())
             .collect();
         ids.sort_unstable();

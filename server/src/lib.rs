@@ -11,6 +11,7 @@ pub mod app;
 pub mod auth;
 pub mod broker_accounts;
 pub mod broker_cli;
+pub mod broker_sizing;
 pub mod cli;
 pub mod config;
 pub mod dynsec;

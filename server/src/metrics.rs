@@ -748,7 +748,7 @@ mod tests {
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .filter_map(|l| l.split(' ').next())
             .collect();
-        assert_eq!(typed.len(), 36, "{text}");
+        assert_eq!(typed.len(), 44, "{text}");
         for name in typed {
             assert!(
                 text.lines()

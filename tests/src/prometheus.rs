@@ -87,35 +87,27 @@ pub fn promtool_check_metrics(exposition: &str) -> Result<PromtoolReport> {
 
 /// `promtool check config FILE`.
 pub fn promtool_check_config(config: &Path) -> Result<PromtoolReport> {
-    let promtool = promtool_binary()?;
-    let output = Command::new(&promtool)
-        .args(["check", "config"])
-        .arg(config)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| {
-            format!(
-                "running {} check config {}",
-                promtool.display(),
-                config.display()
-            )
-        })?;
-    Ok(report(output))
+    promtool_check("config", config)
 }
 
 /// `promtool check rules FILE`.
 pub fn promtool_check_rules(rules: &Path) -> Result<PromtoolReport> {
+    promtool_check("rules", rules)
+}
+
+/// `promtool check WHAT FILE`.
+fn promtool_check(what: &str, file: &Path) -> Result<PromtoolReport> {
     let promtool = promtool_binary()?;
     let output = Command::new(&promtool)
-        .args(["check", "rules"])
-        .arg(rules)
+        .args(["check", what])
+        .arg(file)
         .stdin(Stdio::null())
         .output()
         .with_context(|| {
             format!(
-                "running {} check rules {}",
+                "running {} check {what} {}",
                 promtool.display(),
-                rules.display()
+                file.display()
             )
         })?;
     Ok(report(output))

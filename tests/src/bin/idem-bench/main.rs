@@ -710,13 +710,16 @@ async fn main() -> Result<()> {
         passwords.insert(COUNTER_USER.into(), format!("counter-{secret}"));
         passwords
     });
+    // The server's queue sized for the fleet, as docs/OPERATIONS.md says.
+    let queued = queued_messages(args.devices);
     let broker = match &passwords {
-        None => PrivateMosquitto::start(),
+        None => PrivateMosquitto::builder().queue_limits(queued, 0).start(),
         Some(passwords) => {
             let accounts: Vec<(&String, &String)> = passwords.iter().collect();
             PrivateMosquitto::builder()
                 .tls()
                 .password_file(&accounts)
+                .queue_limits(queued, 0)
                 .start()
         }
     }
@@ -842,6 +845,7 @@ fn start_edges(
                 .map(|d| d.id.to_string())
                 .collect();
             PrivateMosquitto::builder()
+                .queue_limits(queued_messages(args.devices), 0)
                 .bridge_to(BridgeToCore {
                     core_port: core.port(),
                     topic_root: root.as_str().to_owned(),
@@ -1626,4 +1630,11 @@ fn print_tables(targets: &[Target], steps: &[Step]) {
         );
     }
     println!();
+}
+
+/// `max_queued_messages` for a fleet of `devices` (the formula of
+/// `idem_server::broker_sizing`), as the broker's `u32` setting.
+fn queued_messages(devices: usize) -> u32 {
+    let queued = idem_server::broker_sizing::queued_messages_for(devices as u64);
+    u32::try_from(queued).unwrap_or(u32::MAX)
 }
