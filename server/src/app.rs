@@ -268,6 +268,7 @@ impl Workers {
             state.fleet.clone(),
             state.engine.clone(),
             state.metrics.clone(),
+            config.config.recheck_rate,
             intake_token.clone(),
         ));
         let engine = Engine::new(EngineContext {

@@ -326,19 +326,19 @@ impl Fleet {
 
     /// Ids of every device not known to be offline, sorted.
     pub fn ids_not_offline(&self) -> Vec<DeviceId> {
-        self.ids_whose_connection_is_not(false)
+        self.ids_where(|e| e.online != Some(false))
     }
 
     /// Ids of every device not known to be online, sorted.
     pub fn ids_not_online(&self) -> Vec<DeviceId> {
-        self.ids_whose_connection_is_not(true)
+        self.ids_where(|e| e.online != Some(true))
     }
 
-    fn ids_whose_connection_is_not(&self, online: bool) -> Vec<DeviceId> {
+    fn ids_where(&self, wanted: impl Fn(&DeviceEntry) -> bool) -> Vec<DeviceId> {
         let mut ids: Vec<DeviceId> = self
             .devices
             .iter()
-            .filter(|e| e.value().online != Some(online))
+            .filter(|e| wanted(e.value()))
             .map(|e| e.key().clone())
             .collect();
         ids.sort_unstable();

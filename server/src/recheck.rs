@@ -2,7 +2,8 @@
 //! broker drops QoS 1 messages for a client past its queue limits, after the
 //! publisher already has its PUBACK, so the server must notice on its own:
 //! it hears the signs here (the broker's `$SYS` dropped counter rising, a
-//! reconnect, an ingest write held longer than `--recheck-after-stall`) and,
+//! reconnect that found the session empty or after a long absence, an
+//! ingest write held longer than `--recheck-after-stall`) and,
 //! at most once per [`RECHECK_COOLDOWN`], tells the engine to ask every
 //! device not known to be offline and not heard from since for a report,
 //! paced, and re-reads the retained status of every device not known to be
@@ -58,10 +59,9 @@ impl RecheckSignal {
     }
 }
 
-/// Retained statuses re-read per step, and the pause between steps (so
-/// the broker's burst of retained messages stays within a small queue).
+/// Retained statuses re-read per step; steps are paced at the recheck's
+/// rate, so the broker's burst of retained messages stays within its queue.
 const STATUS_REREAD_CHUNK: usize = 100;
-const STATUS_REREAD_PAUSE: Duration = Duration::from_millis(100);
 
 /// Carries out raised rechecks until cancelled.
 pub async fn run(
@@ -71,8 +71,13 @@ pub async fn run(
     fleet: Arc<Fleet>,
     engine: mpsc::Sender<EngineCommand>,
     metrics: Arc<Metrics>,
+    rate: u32,
     token: CancellationToken,
 ) {
+    if rate == 0 {
+        return; // `--recheck-rate 0`: rechecks are off
+    }
+    let pause = Duration::from_secs_f64(STATUS_REREAD_CHUNK as f64 / f64::from(rate));
     loop {
         tokio::select! {
             () = token.cancelled() => return,
@@ -92,7 +97,7 @@ pub async fn run(
         let unknown = fleet.ids_not_online();
         tokio::select! {
             () = token.cancelled() => return,
-            () = reread_statuses(&client, &root, &unknown) => {}
+            () = reread_statuses(&client, &root, &unknown, pause) => {}
         }
         tokio::select! {
             () = token.cancelled() => return,
@@ -105,7 +110,12 @@ pub async fn run(
 /// time: the broker re-sends the retained status of each (a status message
 /// it dropped hid that the device is online). The wildcard subscription
 /// stays; a status arriving twice changes nothing.
-async fn reread_statuses(client: &AsyncClient, root: &TopicRoot, ids: &[DeviceId]) {
+async fn reread_statuses(
+    client: &AsyncClient,
+    root: &TopicRoot,
+    ids: &[DeviceId],
+    pause: Duration,
+) {
     for chunk in ids.chunks(STATUS_REREAD_CHUNK) {
         let topics: Vec<String> = chunk
             .iter()
@@ -118,7 +128,7 @@ async fn reread_statuses(client: &AsyncClient, root: &TopicRoot, ids: &[DeviceId
             tracing::warn!(error = %e, "could not re-read device statuses");
             return;
         }
-        tokio::time::sleep(STATUS_REREAD_PAUSE).await;
+        tokio::time::sleep(pause).await;
         for topic in topics {
             if client.unsubscribe(topic).await.is_err() {
                 return;

@@ -92,6 +92,8 @@ pub struct ServerSettings {
     pub ready_max_intake_age: Duration,
     /// `--recheck-after-stall`.
     pub recheck_after_stall: Duration,
+    /// `--recheck-rate`.
+    pub recheck_rate: u32,
     /// `--mqtt-ca-file`; `None` takes the broker's test CA when its
     /// listener is TLS.
     pub mqtt_ca_file: Option<PathBuf>,
@@ -138,6 +140,7 @@ impl Default for ServerSettings {
             mqtt_intake_buffer_bytes: server.mqtt_intake_buffer_bytes,
             ready_max_intake_age: server.ready_max_intake_age,
             recheck_after_stall: server.recheck_after_stall,
+            recheck_rate: server.recheck_rate,
             mqtt_ca_file: None,
             mqtt_client_cert: None,
             https: None,
@@ -194,6 +197,7 @@ impl TestServer {
         config.mqtt_intake_buffer_bytes = settings.mqtt_intake_buffer_bytes;
         config.ready_max_intake_age = settings.ready_max_intake_age;
         config.recheck_after_stall = settings.recheck_after_stall;
+        config.recheck_rate = settings.recheck_rate;
         if let Some((username, password)) = settings.mqtt_credentials {
             config.mqtt_username = Some(username);
             config.mqtt_password = Some(password.into());

@@ -46,7 +46,8 @@ pub enum EngineCommand {
     /// Refresh every retained desired message that is behind (start-up).
     SyncRetained,
     /// The broker may have dropped messages for the server: ask every
-    /// device not known to be offline for a report, paced.
+    /// device not known to be offline (its status may be the message that
+    /// was dropped) and not heard from since for a report, paced.
     Recheck,
 }
 

@@ -1,8 +1,8 @@
 //! Noticing what the broker may have dropped. A device that comes online and
 //! has not reported within `missing_report_after` is asked for a report; a
 //! recheck (the server saw signs that the broker dropped messages for it)
-//! asks every device not known to be offline, paced at `recheck_rate`, so
-//! a newer report that never arrived is sent again. Answers are ordinary
+//! asks every device not known to be offline and not heard from since, paced at
+//! `recheck_rate`, so a newer report that never arrived is sent again. Answers are ordinary
 //! reports, judged by `seq` like any other.
 //!
 //! Pure bookkeeping over ids and instants: the machine decides what an ask
