@@ -262,13 +262,15 @@ impl Workers {
             mqtt_token.clone(),
         ));
         let rechecks = tokio::spawn(crate::recheck::run(
-            recheck.clone(),
-            client,
-            config.topic_root.clone(),
-            state.fleet.clone(),
-            state.engine.clone(),
-            state.metrics.clone(),
-            config.config.recheck_rate,
+            crate::recheck::Rechecker {
+                signal: recheck.clone(),
+                client,
+                root: config.topic_root.clone(),
+                fleet: state.fleet.clone(),
+                engine: state.engine.clone(),
+                metrics: state.metrics.clone(),
+                rate: config.config.recheck_rate,
+            },
             intake_token.clone(),
         ));
         let engine = Engine::new(EngineContext {

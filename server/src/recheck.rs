@@ -63,17 +63,30 @@ impl RecheckSignal {
 /// rate, so the broker's burst of retained messages stays within its queue.
 const STATUS_REREAD_CHUNK: usize = 100;
 
+/// What carries out rechecks.
+pub struct Rechecker {
+    pub signal: Arc<RecheckSignal>,
+    /// For the status re-reads.
+    pub client: AsyncClient,
+    pub root: TopicRoot,
+    pub fleet: Arc<Fleet>,
+    pub engine: mpsc::Sender<EngineCommand>,
+    pub metrics: Arc<Metrics>,
+    /// `--recheck-rate`: requests and status re-reads per second.
+    pub rate: u32,
+}
+
 /// Carries out raised rechecks until cancelled.
-pub async fn run(
-    signal: Arc<RecheckSignal>,
-    client: AsyncClient,
-    root: TopicRoot,
-    fleet: Arc<Fleet>,
-    engine: mpsc::Sender<EngineCommand>,
-    metrics: Arc<Metrics>,
-    rate: u32,
-    token: CancellationToken,
-) {
+pub async fn run(rechecker: Rechecker, token: CancellationToken) {
+    let Rechecker {
+        signal,
+        client,
+        root,
+        fleet,
+        engine,
+        metrics,
+        rate,
+    } = rechecker;
     if rate == 0 {
         return; // `--recheck-rate 0`: rechecks are off
     }
