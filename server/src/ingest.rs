@@ -9,7 +9,7 @@
 //! broker stops redelivering it) and the rest commit.
 
 use crate::intake::IntakeReceiver;
-use crate::recheck::RecheckSignal;
+use crate::recheck::{RecheckSignal, RecheckTrigger};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -375,7 +375,7 @@ impl Ingest {
                         .progressed()
                         .is_some_and(|waited| waited >= self.recheck_after_stall)
                     {
-                        self.recheck.raise("ingest_stalled");
+                        self.recheck.raise(RecheckTrigger::IngestStalled);
                     }
                     online = &[];
                     backoff.reset();

@@ -176,10 +176,6 @@ impl IntakeGauge {
             }),
         }
     }
-
-    pub fn budget_bytes(&self) -> usize {
-        self.shared.budget_bytes
-    }
 }
 
 #[cfg(test)]

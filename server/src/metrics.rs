@@ -10,6 +10,7 @@ use std::marker::PhantomData;
 
 use idem_protocol::{DeviceStatus, OutcomeCounts, OutcomeKind};
 
+use crate::recheck::RecheckTrigger;
 use crate::reconcile::machine::AskReason;
 use metrics::{
     Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, SharedString, Unit,
@@ -223,7 +224,7 @@ pub struct Metrics {
     pub mqtt_reconnects: Counter,
     asked_to_report: [Counter; AskReason::ALL.len()],
     /// Rechecks started, by what started them.
-    rechecks: [Counter; RECHECK_TRIGGERS.len()],
+    rechecks: [Counter; RecheckTrigger::ALL.len()],
     /// The broker's own counters (`$SYS`), as last read.
     pub broker_messages_dropped: Gauge,
     pub broker_messages_stored: Gauge,
@@ -337,8 +338,6 @@ const ASKED_TO_REPORT: Family<Counter> = Family::new(
     "idem_devices_asked_to_report_total",
     "Report requests sent to devices, by reason",
 );
-/// What can start a recheck (label values of `idem_rechecks_total`).
-pub const RECHECK_TRIGGERS: [&str; 3] = ["broker_dropped", "session_lost", "ingest_stalled"];
 const RECHECKS: Family<Counter> = Family::new(
     "idem_rechecks_total",
     "Fleet rechecks started because the broker may have dropped messages, by trigger",
@@ -474,7 +473,8 @@ impl Metrics {
             intake_full: INTAKE_FULL.register(r, &[]),
             asked_to_report: AskReason::ALL
                 .map(|reason| ASKED_TO_REPORT.register(r, &[("reason", reason.as_str())])),
-            rechecks: RECHECK_TRIGGERS.map(|trigger| RECHECKS.register(r, &[("trigger", trigger)])),
+            rechecks: RecheckTrigger::ALL
+                .map(|trigger| RECHECKS.register(r, &[("trigger", trigger.as_str())])),
             broker_messages_dropped: BROKER_DROPPED.register(r, &[]),
             broker_messages_stored: BROKER_STORED.register(r, &[]),
             intake_messages: INTAKE_MESSAGES.register(r, &[]),
@@ -620,9 +620,9 @@ impl Metrics {
         }
     }
 
-    /// Counts a recheck started by `trigger` (one of [`RECHECK_TRIGGERS`]).
-    pub fn recheck_started(&self, trigger: &str) {
-        if let Some(i) = RECHECK_TRIGGERS.iter().position(|t| *t == trigger) {
+    /// Counts a recheck started by `trigger`.
+    pub fn recheck_started(&self, trigger: RecheckTrigger) {
+        if let Some(i) = RecheckTrigger::ALL.iter().position(|t| *t == trigger) {
             self.rechecks[i].increment(1);
         }
     }

@@ -31,7 +31,7 @@ use crate::config::ValidConfig;
 use crate::intake::IntakeSender;
 use crate::metrics::Metrics;
 use crate::outbox::Outbox;
-use crate::recheck::RecheckSignal;
+use crate::recheck::{RecheckSignal, RecheckTrigger};
 use crate::retry::Backoff;
 
 /// Requests the client may queue before `publish` waits for the event loop.
@@ -185,7 +185,7 @@ fn on_sys_counter(
             metrics.broker_messages_dropped.set(value as f64);
             if last_dropped.is_some_and(|last| value > last) {
                 tracing::warn!(dropped = value, "the broker reports dropped messages");
-                recheck.raise("broker_dropped");
+                recheck.raise(RecheckTrigger::BrokerDropped);
             }
             *last_dropped = Some(value);
         }
@@ -303,7 +303,7 @@ pub async fn run_event_loop(
                         // absence may have filled its queue. (Drops during a
                         // short one show in the broker's dropped counter.)
                         if !ack.session_present || away >= LONG_ABSENCE {
-                            recheck.raise("session_lost");
+                            recheck.raise(RecheckTrigger::SessionLost);
                         }
                     }
                     None => tracing::info!(

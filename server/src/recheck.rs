@@ -28,11 +28,39 @@ use crate::reconcile::engine::EngineCommand;
 /// (which asks only the devices not heard from since it began).
 pub const RECHECK_COOLDOWN: Duration = Duration::from_secs(5);
 
+/// What made the server suspect that the broker dropped messages for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecheckTrigger {
+    /// The broker's `$SYS` dropped counter rose.
+    BrokerDropped,
+    /// The session came back empty, or after a long absence.
+    SessionLost,
+    /// An ingest write was held longer than `--recheck-after-stall`.
+    IngestStalled,
+}
+
+impl RecheckTrigger {
+    pub const ALL: [RecheckTrigger; 3] = [
+        RecheckTrigger::BrokerDropped,
+        RecheckTrigger::SessionLost,
+        RecheckTrigger::IngestStalled,
+    ];
+
+    /// The label value of `idem_rechecks_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecheckTrigger::BrokerDropped => "broker_dropped",
+            RecheckTrigger::SessionLost => "session_lost",
+            RecheckTrigger::IngestStalled => "ingest_stalled",
+        }
+    }
+}
+
 /// The signs, raised from anywhere without waiting.
 #[derive(Debug, Default)]
 pub struct RecheckSignal {
     /// The first trigger raised since the last recheck started.
-    pending: Mutex<Option<&'static str>>,
+    pending: Mutex<Option<RecheckTrigger>>,
     raised: Notify,
 }
 
@@ -41,9 +69,8 @@ impl RecheckSignal {
         Arc::new(Self::default())
     }
 
-    /// Asks for a recheck because of `trigger` (one of
-    /// `metrics::RECHECK_TRIGGERS`); never blocks.
-    pub fn raise(&self, trigger: &'static str) {
+    /// Asks for a recheck because of `trigger`; never blocks.
+    pub fn raise(&self, trigger: RecheckTrigger) {
         self.pending
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -51,7 +78,7 @@ impl RecheckSignal {
         self.raised.notify_one();
     }
 
-    fn take(&self) -> Option<&'static str> {
+    fn take(&self) -> Option<RecheckTrigger> {
         self.pending
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -101,7 +128,7 @@ pub async fn run(rechecker: Rechecker, token: CancellationToken) {
         };
         metrics.recheck_started(trigger);
         tracing::warn!(
-            trigger,
+            trigger = trigger.as_str(),
             "the broker may have dropped messages for the server: asking devices for reports and re-reading the statuses not known online"
         );
         if engine.send(EngineCommand::Recheck).await.is_err() {
@@ -157,9 +184,9 @@ mod tests {
     #[test]
     fn signs_raised_before_a_recheck_starts_make_one_with_the_first_trigger() {
         let signal = RecheckSignal::default();
-        signal.raise("ingest_stalled");
-        signal.raise("broker_dropped");
-        assert_eq!(signal.take(), Some("ingest_stalled"));
+        signal.raise(RecheckTrigger::IngestStalled);
+        signal.raise(RecheckTrigger::BrokerDropped);
+        assert_eq!(signal.take(), Some(RecheckTrigger::IngestStalled));
         assert_eq!(signal.take(), None);
     }
 }

@@ -52,7 +52,7 @@ pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     let database = matches!(ping, Ok(Ok(())));
     let mqtt = state.mqtt.is_ready();
     let now = std::time::Instant::now();
-    let stuck: BTreeMap<String, String> = [
+    let mut stuck: BTreeMap<String, String> = [
         ("ingest", state.stalls.ingest.stuck_for(now)),
         ("engine", state.stalls.engine.stuck_for(now)),
     ]
@@ -69,7 +69,6 @@ pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         })
     })
     .collect();
-    let mut stuck = stuck;
     let backlog = state.intake.backlog(now);
     if backlog.oldest > state.config.config.ready_max_intake_age {
         stuck.insert(
