@@ -165,7 +165,7 @@ impl DeviceTask {
                     SessionEnd::Restart => {
                         tokio::select! {
                             _ = self.token.cancelled() => return,
-                            _ = sleep(self.backoff.initial) => {}
+                            _ = sleep(self.backoff.start()) => {}
                         }
                     }
                 }
@@ -496,15 +496,16 @@ fn far_or(deadline: Option<Instant>) -> Instant {
 async fn poll_loop(
     mut eventloop: EventLoop,
     wire: mpsc::Sender<Wire>,
-    backoff: Backoff,
+    mut backoff: Backoff,
     counters: Arc<FleetCounters>,
     id: DeviceId,
 ) {
-    let mut failures: u32 = 0;
+    // Every session counts its consecutive failures from none.
+    backoff.reset();
     loop {
         let event = match eventloop.poll().await {
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
-                failures = 0;
+                backoff.reset();
                 Some(Wire::Connected)
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => Some(Wire::Message(Box::new(publish))),
@@ -515,7 +516,6 @@ async fn poll_loop(
             }
             Ok(Event::Incoming(_) | Event::Outgoing(_)) => None,
             Err(error) => {
-                failures = failures.saturating_add(1);
                 FleetCounters::bump(&counters.connection_errors);
                 if wire
                     .send(Wire::Disconnected(error.to_string()))
@@ -524,7 +524,9 @@ async fn poll_loop(
                 {
                     return;
                 }
-                let delay = backoff.delay(failures, rand::rng().random::<f64>());
+                let jitter = rand::rng().random_range(Backoff::JITTER_FACTORS);
+                let delay = backoff.next_jittered_delay(jitter);
+                let failures = backoff.failures();
                 tracing::trace!(device = %id, ?delay, failures, "reconnecting after backoff");
                 sleep(delay).await;
                 continue;

@@ -4,13 +4,20 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use idem_protocol::{DeviceId, InvalidDeviceId};
+use idem_protocol::{DeviceId, InvalidDeviceId, MqttUrlError};
 
 /// Why a fleet could not be started or controlled.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
-    #[error("invalid broker URL {url:?}: {reason} (expected e.g. mqtt://127.0.0.1:1883)")]
-    InvalidBrokerUrl { url: String, reason: String },
+    #[error(
+        "broker URL {url:?} {reason}{} (expected e.g. mqtt://127.0.0.1:1883)",
+        crate::config::broker::hint(.reason)
+    )]
+    InvalidBrokerUrl {
+        /// Redacted: a password typed into the URL is never echoed.
+        url: String,
+        reason: MqttUrlError,
+    },
     #[error("device {0} appears more than once in the fleet; device ids must be unique")]
     DuplicateDevice(DeviceId),
     #[error("no device {0} in this fleet")]

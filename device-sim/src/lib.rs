@@ -15,12 +15,12 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), idem_device_sim::SimError> {
 //! use std::time::Duration;
-//! use idem_device_sim::{BrokerAddr, Fleet, FleetConfig, FleetPlan};
+//! use idem_device_sim::{parse_broker_url, Fleet, FleetConfig, FleetPlan};
 //! use idem_protocol::TopicRoot;
 //!
 //! let plan = FleetPlan::new("sim-", 50).drifted(4).seed(1).build()?;
 //! let config = FleetConfig::new(
-//!     BrokerAddr::parse("mqtt://127.0.0.1:1883")?,
+//!     parse_broker_url("mqtt://127.0.0.1:1883")?,
 //!     TopicRoot::new("test-1/idem/v1").expect("valid root"),
 //!     plan.devices.clone(),
 //! );
@@ -46,8 +46,8 @@ pub use api::{ApiError, ClientAuth, OutcomeRow, RunView, ServerClient};
 pub use behaviour::{respond_to_desired, seq_base_now, DeviceBehaviour, DeviceState};
 pub use check::{check_outcomes, GroundTruthCheck, Mismatch};
 pub use config::{
-    Backoff, BrokerAddr, Credentials, FleetConfig, OfflineMode, SecretString, SimDevice, SimTls,
-    DEFAULT_MAX_CONNECTING, DEFAULT_MQTTS_PORT, DEFAULT_MQTT_PORT,
+    parse_broker_url, Backoff, BrokerAddr, Credentials, FleetConfig, OfflineMode, SecretString,
+    SimDevice, SimTls, DEFAULT_MAX_CONNECTING, DEFAULT_MQTTS_PORT, DEFAULT_MQTT_PORT,
 };
 pub use demo::{run_demo, DemoError, DemoObserver, DemoPhase, DemoReport, DemoRun, DemoSettings};
 pub use error::{PlanError, SimError};

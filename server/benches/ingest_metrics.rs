@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use idem_protocol::{Reported, SpecBudget, TopicRoot, MAX_COUNTER};
 use idem_server::ingest::{classify, seq_verdict, Inbound, IngestRules};
-use idem_server::metrics::Metrics;
+use idem_server::ops::metrics::Metrics;
 use serde_json::json;
 
 const MESSAGES: usize = 200_000;

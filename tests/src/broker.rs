@@ -192,7 +192,7 @@ impl MosquittoBuilder {
     }
 
     /// An `acl_file` with this text (e.g. what `idem-server broker files`
-    /// writes: `idem_server::broker_accounts::static_acl_file`).
+    /// writes: `idem_server::broker::accounts::static_acl_file`).
     pub fn acl_file(mut self, text: impl Into<String>) -> Self {
         self.acl = Some(text.into());
         self

@@ -25,8 +25,8 @@ pub struct CertFiles {
 
 impl CertFiles {
     /// The same pair as the server's configuration type.
-    pub fn to_server_files(&self) -> idem_server::tls::CertKeyFiles {
-        idem_server::tls::CertKeyFiles {
+    pub fn to_server_files(&self) -> idem_server::security::tls::CertKeyFiles {
+        idem_server::security::tls::CertKeyFiles {
             cert: self.cert.clone(),
             key: self.key.clone(),
         }
@@ -121,7 +121,7 @@ impl TestCa {
     /// when given.
     pub fn client_config(&self, client: Option<&CertFiles>) -> Result<Arc<rustls::ClientConfig>> {
         let files = client.map(CertFiles::to_server_files);
-        idem_server::tls::client_config(Some(&self.ca_file), files.as_ref())
+        idem_server::security::tls::client_config(Some(&self.ca_file), files.as_ref())
             .context("building a TLS client configuration for the test CA")
     }
 
@@ -153,7 +153,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ca = TestCa::create(dir.path(), "idem test CA").unwrap();
         let server = ca.issue_server("server").unwrap();
-        idem_server::tls::server_config(&server.to_server_files()).unwrap();
+        idem_server::security::tls::server_config(&server.to_server_files()).unwrap();
         let client = ca.issue_client("device/1").unwrap();
         assert!(client.cert.ends_with("client-device_1.crt"));
         ca.client_config(Some(&client)).unwrap();

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use idem_server::broker_cli::BrokerCommand;
+use idem_server::cli::broker::BrokerCommand;
 use idem_server::config::BrokerAccounts;
 
 use crate::broker::PrivateMosquitto;
@@ -88,7 +88,7 @@ pub async fn broker_init(
     };
     tokio::time::timeout(
         Duration::from_secs(30),
-        idem_server::broker_cli::run(&valid, command),
+        idem_server::cli::broker::run(&valid, command),
     )
     .await
     .context("broker init took more than 30 s")?

@@ -272,7 +272,7 @@ impl TestServer {
 /// Creates an operator token directly in the database (as
 /// `idem-server token create` does) and returns its secret.
 pub async fn create_token(pool: &sqlx::PgPool, name: &str, role: &str) -> Result<String> {
-    let token = idem_server::auth::generate_token();
+    let token = idem_server::http::auth::generate_token();
     idem_server::store::access::create_token(
         pool,
         &idem_server::store::access::NewToken {

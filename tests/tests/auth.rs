@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use idem_protocol::event::RunStartedData;
-use idem_server::auth::{Access, Role, ROUTES};
+use idem_server::http::auth::{Access, Role, ROUTES};
 use idem_tests::{ApiClient, Scenario, ServerSettings};
 use serde_json::{json, Value};
 

@@ -394,7 +394,7 @@ async fn on_a_password_file_broker_a_device_with_its_own_password_takes_neither_
             ("pf-1", password("pf-1")),
             ("pf-2", password("pf-2")),
         ])
-        .acl_file(idem_server::broker_accounts::static_acl_file(
+        .acl_file(idem_server::broker::accounts::static_acl_file(
             &root,
             "idem-server",
         ))

@@ -1,10 +1,10 @@
 //! End to end: `GET /v1/openapi.json` serves an OpenAPI 3.1 document that
-//! describes every route of the route table (`idem_server::auth::ROUTES`).
+//! describes every route of the route table (`idem_server::http::auth::ROUTES`).
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use idem_server::auth::ROUTES;
+use idem_server::http::auth::ROUTES;
 use idem_tests::{Scenario, ServerSettings};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

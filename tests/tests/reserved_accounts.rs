@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use idem_device_sim::{Credentials, DeviceBehaviour, SimDevice};
 use idem_protocol::DeviceId;
-use idem_server::broker_accounts;
-use idem_server::broker_cli::BrokerCommand;
+use idem_server::broker::accounts;
+use idem_server::cli::broker::BrokerCommand;
 use idem_server::config::BrokerAccounts;
 use idem_tests::secured::start_secured;
 use idem_tests::{PrivateMosquitto, Scenario, ServerSettings, TestServer};
@@ -65,7 +65,7 @@ async fn registering_a_device_named_like_a_broker_account_is_refused_and_every_a
         config.mqtt_ca_file = scenario.broker.ca_file().map(std::path::Path::to_path_buf);
         config.validate().unwrap()
     };
-    let made = idem_server::broker_cli::send_as_admin(
+    let made = idem_server::cli::broker::send_as_admin(
         &admin_config,
         &accounts.admin.0,
         &accounts.admin.1,
@@ -223,8 +223,8 @@ async fn in_password_file_mode_reserved_and_listed_accounts_are_refused_and_brok
         &accounts_file,
         format!(
             "dashboards:{}\nops-bot:{}\n",
-            broker_accounts::mosquitto_hash(reader_password),
-            broker_accounts::mosquitto_hash(bot_password)
+            accounts::mosquitto_hash(reader_password),
+            accounts::mosquitto_hash(bot_password)
         ),
     )
     .unwrap();
@@ -252,7 +252,7 @@ async fn in_password_file_mode_reserved_and_listed_accounts_are_refused_and_brok
         .to_owned();
     // A row written before names were checked, with an operator's hash.
     sqlx::query("INSERT INTO devices (id, broker_password_hash) VALUES ('idem-server', $1), ('ops-bot', $1)")
-        .bind(broker_accounts::mosquitto_hash(OPERATORS_PASSWORD))
+        .bind(accounts::mosquitto_hash(OPERATORS_PASSWORD))
         .execute(scenario.db.pool())
         .await
         .unwrap();
@@ -268,7 +268,7 @@ async fn in_password_file_mode_reserved_and_listed_accounts_are_refused_and_brok
         server_username: "idem-server".into(),
         server_password_file,
     };
-    idem_server::broker_cli::run(&config.validate().unwrap(), command)
+    idem_server::cli::broker::run(&config.validate().unwrap(), command)
         .await
         .unwrap();
     let written = std::fs::read_to_string(out.join("password_file")).unwrap();
@@ -288,11 +288,11 @@ async fn in_password_file_mode_reserved_and_listed_accounts_are_refused_and_brok
         ("pump-1", pump_password.as_str()),
     ] {
         assert!(
-            broker_accounts::verify_mosquitto_hash(own, hash(user)),
+            accounts::verify_mosquitto_hash(own, hash(user)),
             "{user}"
         );
         assert!(
-            !broker_accounts::verify_mosquitto_hash(OPERATORS_PASSWORD, hash(user)),
+            !accounts::verify_mosquitto_hash(OPERATORS_PASSWORD, hash(user)),
             "{user} takes the operator's password"
         );
     }

@@ -84,7 +84,12 @@ pub struct FleetArgs {
 
     /// MQTT broker: `mqtt://host:port` (plain TCP) or `mqtts://host:port`
     /// (TLS, default port 8883).
-    #[arg(long, env = "IDEM_SIM_BROKER", default_value = "mqtt://127.0.0.1:1883")]
+    #[arg(
+        long,
+        env = "IDEM_SIM_BROKER",
+        default_value = "mqtt://127.0.0.1:1883",
+        value_parser = idem_device_sim::parse_broker_url
+    )]
     pub broker: BrokerAddr,
 
     /// PEM CA file the broker's certificate must chain to (`mqtts://`);

@@ -4,12 +4,10 @@
 
 pub mod change;
 pub mod decide;
-pub mod engine;
 pub mod machine;
 pub mod outcome;
 pub mod pacer;
 pub mod policy;
 pub mod run;
-pub mod runs;
 
 pub use outcome::{FailureReason, Outcome, OutcomeCounts, OutcomeKind, SkipReason};

@@ -145,3 +145,31 @@ pub struct MachineStats {
     pub pushes_in_flight: usize,
     pub attempts_in_flight: usize,
 }
+
+/// What made the server suspect that the broker dropped messages for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecheckTrigger {
+    /// The broker's `$SYS` dropped counter rose.
+    BrokerDropped,
+    /// The session came back empty, or after a long absence.
+    SessionLost,
+    /// An ingest write was held longer than `--recheck-after-stall`.
+    IngestStalled,
+}
+
+impl RecheckTrigger {
+    pub const ALL: [RecheckTrigger; 3] = [
+        RecheckTrigger::BrokerDropped,
+        RecheckTrigger::SessionLost,
+        RecheckTrigger::IngestStalled,
+    ];
+
+    /// The label value of `idem_rechecks_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecheckTrigger::BrokerDropped => "broker_dropped",
+            RecheckTrigger::SessionLost => "session_lost",
+            RecheckTrigger::IngestStalled => "ingest_stalled",
+        }
+    }
+}

@@ -8,9 +8,9 @@ use uuid::Uuid;
 
 use super::{Effect, LastOutcome, Machine, Now, Phase};
 use crate::events::{DeviceOutcomeData, DeviceQuarantinedData, EventDraft};
-use crate::fleet::DeviceEntry;
 use crate::reconcile::outcome::Outcome;
 use crate::reconcile::policy::{status_after, AfterFailure, DeviceStatus};
+use crate::store::cache::DeviceEntry;
 use crate::store::devices::AttemptRow;
 use crate::store::runs::OutcomeRow;
 

@@ -29,10 +29,11 @@ use super::outcome::{Outcome, SkipReason};
 use super::pacer::PushPacer;
 use super::policy::{gate, DeviceStatus};
 use super::run::{RunProgress, RunSpec, Trigger};
-use crate::fleet::{DeviceEntry, FleetView};
 pub use crate::reconcile::change::{DeviceChange, LastOutcome};
+use crate::store::cache::{DeviceEntry, FleetView};
 pub use effect::{
     AskReason, Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason,
+    RecheckTrigger,
 };
 use flight::{InFlight, Phase};
 use gaps::Gaps;

@@ -12,10 +12,10 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::events::EventType;
-use crate::fleet::{DesiredState, Fleet, FleetChange};
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::policy::RetryPolicy;
+use crate::store::cache::{DesiredState, Fleet, FleetChange};
 
 const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
 

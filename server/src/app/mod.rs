@@ -1,0 +1,418 @@
+//! Wiring: builds the shared state, starts the MQTT loop, the ingest, the
+//! engine and the HTTP server (`http.rs`), and shuts them down in order when the token is
+//! cancelled. Takes an injected listener, pool and token so tests can run the
+//! whole server in-process on port 0.
+
+pub mod state;
+
+use std::sync::Arc;
+
+use idem_protocol::DeviceId;
+use rumqttc::QoS;
+use sqlx::PgPool;
+use tokio::net::TcpListener;
+use tokio::sync::{broadcast, mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+
+use crate::app::state::{AppState, Stalls};
+use crate::config::{Config, ValidConfig};
+use crate::engine::new_run::Trigger;
+use crate::engine::{Engine, EngineCommand, EngineContext, EngineSettings, EngineStats};
+use crate::events::relay::{EventRelay, Retention};
+use crate::http::connections::HttpLimits;
+use crate::http::sse::{SseClients, SseSettings};
+use crate::ingest::intake::{intake, IntakeGauge, IntakeReceiver, IntakeSender};
+use crate::ingest::Ingest;
+use crate::mqtt::{self, MqttStatus, Publisher};
+use crate::ops::metrics::Metrics;
+use crate::reconcile::policy::RetryPolicy;
+use crate::reconcile::run::RunSpec;
+use crate::store::cache::Fleet;
+use crate::store::events::StoredEvent;
+use crate::store::{self, DeviceWrites, StoreError};
+
+const ENGINE_CAPACITY: usize = 1_024;
+/// Live events buffered per SSE subscriber before it must catch up from the log.
+const LIVE_EVENTS_CAPACITY: usize = 16_384;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Runs the server until `token` is cancelled: migrations, cache load,
+/// resumption of unfinished runs, then serving. Returns after a graceful stop.
+pub async fn run(
+    config: ValidConfig,
+    listener: TcpListener,
+    pool: PgPool,
+    token: CancellationToken,
+) -> Result<(), ServerError> {
+    store::migrate(&pool).await?;
+    let rows = store::devices::load_all(&pool).await?;
+    let fleet = Arc::new(Fleet::from_rows(&rows));
+    drop(rows);
+    tracing::info!(devices = fleet.len(), "device cache loaded");
+
+    let (client, eventloop) = mqtt::connect(&config);
+    let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
+    let (intake_tx, intake_rx, intake_gauge) = intake(config.config.mqtt_intake_buffer_bytes);
+    let state = Arc::new(shared_state(
+        config,
+        pool,
+        fleet,
+        &client,
+        engine_tx,
+        intake_gauge,
+        &token,
+    ));
+    let workers = Workers::start(
+        &state,
+        (client, eventloop),
+        (intake_tx, intake_rx),
+        engine_rx,
+        &token,
+    );
+
+    resume_unfinished_runs(&state.pool, &state.engine).await?;
+    // Retained desired messages left behind by an earlier process (it
+    // stopped between a desired change and its refresh) are refreshed now.
+    let _ = state.engine.send(EngineCommand::SyncRetained).await;
+    if state.config.config.startup_reconcile {
+        // Nothing to do for an empty fleet; the engine skips it then.
+        let _ = state
+            .engine
+            .send(EngineCommand::ReconcileAll(Trigger::Startup))
+            .await;
+    }
+
+    // Body size is limited (with our own 413) by the HTTP layer, not by
+    // axum's 2 MB default.
+    let app =
+        crate::http::api::router(state.clone()).layer(axum::extract::DefaultBodyLimit::disable());
+    crate::http::connections::serve(
+        listener,
+        app,
+        HttpLimits::from_config(&state.config.config),
+        state.config.http_tls.as_ref().map(|tls| tls.config.clone()),
+        state.metrics.clone(),
+        token.clone(),
+    )
+    .await;
+
+    workers.stop(&state.publisher).await;
+    drop(state);
+    Ok(())
+}
+
+/// What every handler and task shares.
+fn shared_state(
+    config: ValidConfig,
+    pool: PgPool,
+    fleet: Arc<Fleet>,
+    client: &rumqttc::AsyncClient,
+    engine: mpsc::Sender<EngineCommand>,
+    intake: IntakeGauge,
+    token: &CancellationToken,
+) -> AppState {
+    let metrics = Arc::new(Metrics::new());
+    let publisher = Publisher::new(
+        client.clone(),
+        config.topic_root.clone(),
+        config.budget,
+        metrics.clone(),
+        token.child_token(),
+    );
+    let dynsec = match config.config.broker_accounts {
+        crate::config::BrokerAccounts::Dynsec => {
+            Some(crate::broker::dynsec::Dynsec::new(publisher.clone()))
+        }
+        crate::config::BrokerAccounts::None | crate::config::BrokerAccounts::PasswordFile => None,
+    };
+    let auth = crate::http::auth::AuthSettings {
+        disabled: config.config.insecure_no_auth,
+        open_metrics: config.config.open_metrics,
+        open_events: config.config.open_events,
+    };
+    if auth.disabled {
+        tracing::warn!("--insecure-no-auth: the API answers everyone as an admin, without a token");
+    }
+    let (live_events, _) = broadcast::channel(LIVE_EVENTS_CAPACITY);
+    AppState {
+        pool,
+        fleet,
+        metrics,
+        engine,
+        live_events,
+        events_wake: Arc::new(Notify::new()),
+        mqtt: Arc::new(MqttStatus::default()),
+        publisher,
+        engine_stats: Arc::new(EngineStats::default()),
+        device_writes: DeviceWrites::default(),
+        event_source: format!("/idem/{}", config.config.instance),
+        sse: SseClients::new(SseSettings::from_config(&config.config), token.clone()),
+        stalls: Stalls::new(config.config.stuck_after),
+        intake,
+        config,
+        manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
+        auth,
+        dynsec,
+    }
+}
+
+/// The engine's tunables, from the configuration.
+fn engine_settings(c: &Config) -> EngineSettings {
+    EngineSettings {
+        push_timeout: c.push_timeout,
+        retry: RetryPolicy {
+            max_attempts: c.max_attempts,
+            base: c.retry_backoff,
+            cap: c.retry_backoff_max,
+        },
+        push_rate: (c.push_rate > 0).then_some(c.push_rate),
+        max_in_flight: c.max_in_flight,
+        debounce: c.debounce,
+        resync_interval: (!c.resync_interval.is_zero()).then_some(c.resync_interval),
+        stale_after: c.stale_after,
+        missing_report_after: (!c.missing_report_after.is_zero()).then_some(c.missing_report_after),
+        recheck_rate: c.recheck_rate,
+    }
+}
+
+fn event_relay(
+    c: &Config,
+    pool: &PgPool,
+    publisher: &Publisher,
+    live: &broadcast::Sender<Arc<StoredEvent>>,
+    wake: &Arc<Notify>,
+    metrics: &Arc<Metrics>,
+) -> EventRelay {
+    let qos = if c.mqtt_events_qos == 0 {
+        QoS::AtMostOnce
+    } else {
+        QoS::AtLeastOnce
+    };
+    EventRelay {
+        pool: pool.clone(),
+        mqtt: c.mqtt_events.then(|| (publisher.clone(), qos)),
+        live: live.clone(),
+        wake: wake.clone(),
+        metrics: metrics.clone(),
+        retention: Retention {
+            max_age: c.event_retention,
+            max_count: c.event_retention_count,
+        },
+    }
+}
+
+fn run_retention(c: &Config) -> crate::ops::retention::RunRetention {
+    crate::ops::retention::RunRetention {
+        max_age: c.run_retention,
+        max_targets: c.run_retention_targets,
+        attempts_max_age: c.attempt_retention,
+        attempts_max_count: c.attempt_retention_count,
+        audit_max_age: c.audit_retention,
+    }
+}
+
+/// The server's tasks and the tokens that stop them.
+struct Workers {
+    intake_token: CancellationToken,
+    engine_token: CancellationToken,
+    relay_token: CancellationToken,
+    mqtt_token: CancellationToken,
+    /// The ingest and the periodic jobs.
+    intake: Vec<tokio::task::JoinHandle<()>>,
+    engine: tokio::task::JoinHandle<()>,
+    relay: tokio::task::JoinHandle<()>,
+    mqtt: tokio::task::JoinHandle<()>,
+}
+
+impl Workers {
+    /// Starts the MQTT event loop, the engine, the ingest, the relay and
+    /// the periodic jobs.
+    fn start(
+        state: &AppState,
+        (client, eventloop): (rumqttc::AsyncClient, rumqttc::EventLoop),
+        (intake_tx, intake_rx): (IntakeSender, IntakeReceiver),
+        engine_rx: mpsc::Receiver<EngineCommand>,
+        token: &CancellationToken,
+    ) -> Self {
+        // Stop order: HTTP and intake first, then the engine writes, then MQTT.
+        let intake_token = token.child_token();
+        let engine_token = CancellationToken::new();
+        let relay_token = CancellationToken::new();
+        let mqtt_token = CancellationToken::new();
+        let config = &state.config;
+        let recheck = crate::engine::recheck::RecheckSignal::new();
+        let mqtt = tokio::spawn(mqtt::run_event_loop(
+            eventloop,
+            client.clone(),
+            config.topic_root.clone(),
+            config.budget,
+            intake_tx,
+            state.mqtt.clone(),
+            state.metrics.clone(),
+            mqtt::EventLoopHooks {
+                control: state
+                    .dynsec
+                    .clone()
+                    .map(|d| d as Arc<dyn mqtt::ControlResponses>),
+                recheck: recheck.clone(),
+                sys_topics: config.config.broker_sys_topics,
+            },
+            mqtt_token.clone(),
+        ));
+        let rechecks = tokio::spawn(crate::engine::recheck::run(
+            crate::engine::recheck::Rechecker {
+                signal: recheck.clone(),
+                client,
+                root: config.topic_root.clone(),
+                fleet: state.fleet.clone(),
+                engine: state.engine.clone(),
+                metrics: state.metrics.clone(),
+                rate: config.config.recheck_rate,
+            },
+            intake_token.clone(),
+        ));
+        let engine = Engine::new(EngineContext {
+            pool: state.pool.clone(),
+            fleet: state.fleet.clone(),
+            metrics: state.metrics.clone(),
+            publisher: state.publisher.clone(),
+            events_wake: state.events_wake.clone(),
+            stats: state.engine_stats.clone(),
+            event_source: state.event_source.clone(),
+            settings: engine_settings(&config.config),
+            device_writes: state.device_writes.clone(),
+            stall: state.stalls.engine.clone(),
+        });
+        let engine = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
+        let ingest = Ingest {
+            pool: state.pool.clone(),
+            fleet: state.fleet.clone(),
+            metrics: state.metrics.clone(),
+            publisher: state.publisher.clone(),
+            engine: state.engine.clone(),
+            root: config.topic_root.clone(),
+            budget: config.budget,
+            auto_register: config.config.auto_register,
+            device_writes: state.device_writes.clone(),
+            stall: state.stalls.ingest.clone(),
+            recheck,
+            recheck_after_stall: config.config.recheck_after_stall,
+        };
+        let intake = vec![
+            tokio::spawn(ingest.run(intake_rx, intake_token.clone())),
+            rechecks,
+            tokio::spawn(metrics_upkeep(
+                state.metrics.clone(),
+                state.pool.clone(),
+                state.fleet.clone(),
+                state.intake.clone(),
+                intake_token.clone(),
+            )),
+            tokio::spawn(crate::ops::retention::run(
+                state.pool.clone(),
+                run_retention(&config.config),
+                intake_token.clone(),
+            )),
+        ];
+        let relay = event_relay(
+            &config.config,
+            &state.pool,
+            &state.publisher,
+            &state.live_events,
+            &state.events_wake,
+            &state.metrics,
+        );
+        let relay = tokio::spawn(relay.run(relay_token.clone()));
+        Self {
+            intake_token,
+            engine_token,
+            relay_token,
+            mqtt_token,
+            intake,
+            engine,
+            relay,
+            mqtt,
+        }
+    }
+
+    /// Stops in order: intake first, then the engine writes what it holds,
+    /// the relay passes on what was committed, and MQTT disconnects last.
+    async fn stop(self, publisher: &Publisher) {
+        self.intake_token.cancel();
+        for task in self.intake {
+            let _ = task.await;
+        }
+        self.engine_token.cancel();
+        let _ = self.engine.await;
+        // Let the relay pass on what the engine's last write committed.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        self.relay_token.cancel();
+        let _ = self.relay.await;
+        publisher.disconnect().await;
+        // Give the event loop a moment to send DISCONNECT before it stops.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        self.mqtt_token.cancel();
+        let _ = self.mqtt.await;
+    }
+}
+
+/// Runs left `running` by an earlier process continue with their undecided
+/// targets.
+async fn resume_unfinished_runs(
+    pool: &PgPool,
+    engine: &mpsc::Sender<EngineCommand>,
+) -> Result<(), ServerError> {
+    for run in store::runs::unfinished(pool).await? {
+        let undecided = store::runs::undecided_targets(pool, run.id).await?;
+        let targets: Vec<DeviceId> = undecided
+            .iter()
+            .filter_map(|id| DeviceId::parse(id).ok())
+            .collect();
+        tracing::info!(run_id = %run.id, undecided = targets.len(), "resuming unfinished run");
+        let target_count = usize::try_from(run.target_count).unwrap_or(0);
+        let spec = RunSpec::resumed(run.id, &run.trigger, run.force, target_count, targets);
+        let command = EngineCommand::StartRun(spec);
+        if engine.send(command).await.is_err() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Periodic metric work: histogram upkeep, the devices-by-status gauges
+/// (one grouped count, not a per-device label) and the fleet cache's size.
+async fn metrics_upkeep(
+    metrics: Arc<Metrics>,
+    pool: PgPool,
+    fleet: Arc<Fleet>,
+    intake: IntakeGauge,
+    token: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            () = token.cancelled() => break,
+            _ = tick.tick() => {
+                metrics.run_upkeep();
+                metrics.fleet_cache_bytes.set(fleet.footprint_bytes() as f64);
+                let backlog = intake.backlog(std::time::Instant::now());
+                metrics.intake_messages.set(backlog.messages as f64);
+                metrics.intake_bytes.set(backlog.bytes as f64);
+                metrics.intake_oldest.set(backlog.oldest.as_secs_f64());
+                match store::devices::count_by_status(&pool).await {
+                    Ok(counts) => metrics.set_devices_by_status(&counts),
+                    Err(e) => tracing::debug!(error = %e, "devices-by-status gauge not refreshed"),
+                }
+                match store::devices::count_unhealthy_converged(&pool).await {
+                    Ok(n) => metrics.unhealthy_converged.set(n as f64),
+                    Err(e) => tracing::debug!(error = %e, "unhealthy gauge not refreshed"),
+                }
+            }
+        }
+    }
+}

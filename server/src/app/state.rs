@@ -1,0 +1,68 @@
+//! `AppState`: what the HTTP handlers and the server's tasks share (pool,
+//! fleet cache, engine channel, publisher, settings). It names the types it
+//! holds and imports no handler, middleware or HTTP code, so `api`, `auth`,
+//! `sse` and `app` can all depend on it without a cycle.
+
+use std::sync::Arc;
+
+use sqlx::PgPool;
+use tokio::sync::{broadcast, mpsc, Notify};
+
+use crate::config::ValidConfig;
+use crate::engine::{EngineCommand, EngineStats};
+use crate::http::sse::SseClients;
+use crate::mqtt::{MqttStatus, Publisher};
+use crate::ops::metrics::Metrics;
+use crate::ops::stall::Stall;
+use crate::store::cache::Fleet;
+use crate::store::events::StoredEvent;
+use crate::store::DeviceWrites;
+
+/// What every handler and task shares.
+pub struct AppState {
+    pub pool: PgPool,
+    pub fleet: Arc<Fleet>,
+    pub metrics: Arc<Metrics>,
+    pub engine: mpsc::Sender<EngineCommand>,
+    /// Committed events, in sequence order, from the relay (for SSE).
+    pub live_events: broadcast::Sender<Arc<StoredEvent>>,
+    /// Wakes the relay after a commit that wrote events.
+    pub events_wake: Arc<Notify>,
+    pub mqtt: Arc<MqttStatus>,
+    /// For clearing a deleted device's retained messages.
+    pub publisher: Publisher,
+    pub engine_stats: Arc<EngineStats>,
+    pub device_writes: DeviceWrites,
+    pub event_source: String,
+    /// The SSE client cap and settings (`GET /v1/events`).
+    pub sse: SseClients,
+    pub config: ValidConfig,
+    /// Failing-write marks of the ingest and the engine, for `/readyz`.
+    pub stalls: Stalls,
+    /// What waits between the MQTT event loop and the ingest, for `/readyz`.
+    pub intake: crate::ingest::intake::IntakeGauge,
+    /// How the API decides access.
+    pub auth: crate::http::auth::AuthSettings,
+    /// Creates and removes device accounts on the broker (`--broker-accounts dynsec`).
+    pub dynsec: Option<Arc<crate::broker::dynsec::Dynsec>>,
+    /// Manual runs by (digest of their sorted target ids, force), so an
+    /// identical re-check while one is in progress joins it.
+    pub manual_runs:
+        std::sync::Mutex<std::collections::HashMap<(idem_protocol::SpecDigest, bool), uuid::Uuid>>,
+}
+
+/// The workers whose stuck writes make the server not ready.
+#[derive(Debug, Clone)]
+pub struct Stalls {
+    pub ingest: Arc<Stall>,
+    pub engine: Arc<Stall>,
+}
+
+impl Stalls {
+    pub(crate) fn new(threshold: std::time::Duration) -> Self {
+        Self {
+            ingest: Arc::new(Stall::new(threshold)),
+            engine: Arc::new(Stall::new(threshold)),
+        }
+    }
+}

@@ -1,0 +1,369 @@
+//! The engine loop: feeds commands and the time into the state machine
+//! (`machine`) and carries its effects out — publishes through the MQTT
+//! client, commits the runs it asks for, and writes each record of
+//! outcomes, device changes, attempt history and events in one
+//! transaction, then mirrors the device changes in the fleet cache.
+//!
+//! It decides nothing itself: that is `machine`, `decide` and `policy`.
+
+pub mod new_run;
+pub mod recheck;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use idem_protocol::DeviceId;
+use sqlx::PgPool;
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::events::{self, EventDraft};
+use crate::mqtt::Publisher;
+use crate::ops::metrics::Metrics;
+use crate::ops::retry::Backoff;
+use crate::reconcile::machine::{Effect, Machine, Now, PublishReason, Record};
+use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
+use crate::reconcile::run::Trigger;
+use crate::store::cache::{Fleet, FleetChange, FleetView};
+use crate::store::devices::DeviceChangeRow;
+use crate::store::{self, Context, DeviceWrites, StoreError};
+use new_run::{commit_run, NewRun};
+
+pub use crate::reconcile::machine::{EngineCommand, EngineSettings};
+pub use crate::reconcile::run::COMPLETED_EVENT_OUTCOME_CAP;
+
+/// Most commands handled before the machine's effects are carried out.
+const MAX_COMMANDS_PER_BATCH: usize = 256;
+
+/// Live numbers the API and metrics show.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub queued_pushes: AtomicU64,
+    pub pushes_in_flight: AtomicU64,
+    pub attempts_in_flight: AtomicU64,
+}
+
+/// What the engine works with, shared with the rest of the server.
+pub struct EngineContext {
+    pub pool: PgPool,
+    pub fleet: Arc<Fleet>,
+    pub metrics: Arc<Metrics>,
+    pub publisher: Publisher,
+    /// Woken after every commit that wrote events (the relay waits on it).
+    pub events_wake: Arc<Notify>,
+    pub stats: Arc<EngineStats>,
+    /// CloudEvents `source`.
+    pub event_source: String,
+    pub settings: EngineSettings,
+    pub device_writes: DeviceWrites,
+    /// Set while outcome writes fail (read by `/readyz`).
+    pub stall: Arc<crate::ops::stall::Stall>,
+}
+
+pub struct Engine {
+    ctx: EngineContext,
+    machine: Machine,
+    /// Cancelled at shutdown; a write retrying against a dead database gives up then.
+    shutdown: CancellationToken,
+}
+
+fn now() -> Now {
+    Now {
+        at: Instant::now(),
+        wall: chrono::Utc::now(),
+    }
+}
+
+impl Engine {
+    pub fn new(ctx: EngineContext) -> Self {
+        let machine = Machine::new(
+            ctx.settings.clone(),
+            FleetView::new(ctx.fleet.clone()),
+            Instant::now(),
+            rand::random(),
+        );
+        Self {
+            ctx,
+            machine,
+            shutdown: CancellationToken::new(),
+        }
+    }
+
+    /// Runs until `token` is cancelled, then writes what is pending.
+    pub async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<EngineCommand>,
+        token: CancellationToken,
+    ) {
+        self.shutdown = token.clone();
+        loop {
+            let wake = self.machine.next_wake();
+            tokio::select! {
+                biased;
+                () = token.cancelled() => break,
+                command = commands.recv() => {
+                    let Some(command) = command else { break };
+                    self.handle(command).await;
+                    let mut handled = 1;
+                    while handled < MAX_COMMANDS_PER_BATCH {
+                        let Ok(command) = commands.try_recv() else { break };
+                        self.handle(command).await;
+                        handled += 1;
+                    }
+                }
+                () = tokio::time::sleep_until(wake.into()) => {}
+            }
+            let effects = self.machine.on_tick(now());
+            self.carry(effects).await;
+            self.publish_stats();
+        }
+        if let Some(record) = self.machine.take_record() {
+            self.write(record).await;
+        }
+    }
+
+    async fn handle(&mut self, command: EngineCommand) {
+        self.count_started(&command);
+        let effects = self.machine.on_command(command, now());
+        self.carry(effects).await;
+    }
+
+    /// Carries effects out in order. Runs the machine asked for are
+    /// committed after the batch's record, and what the machine does with
+    /// them is carried out next.
+    async fn carry(&mut self, effects: Vec<Effect>) {
+        let mut batches = std::collections::VecDeque::from([effects]);
+        while let Some(batch) = batches.pop_front() {
+            let mut runs = Vec::new();
+            for effect in batch {
+                match effect {
+                    Effect::Publish {
+                        device,
+                        generation,
+                        spec,
+                        reason,
+                    } => {
+                        self.ctx.publisher.push(&device, generation, &spec);
+                        match reason {
+                            PublishReason::Attempt => self.ctx.metrics.pushes.increment(1),
+                            PublishReason::RefreshRetained => {
+                                self.ctx.metrics.retained_updates.increment(1)
+                            }
+                        }
+                    }
+                    Effect::AskForReport { device, reason } => {
+                        self.ctx.publisher.ask_for_report(&device);
+                        self.ctx.metrics.report_requests.increment(1);
+                        self.ctx.metrics.asked_to_report(reason);
+                    }
+                    Effect::StartRun { trigger, targets } => runs.push((trigger, targets)),
+                    Effect::Record(record) => self.write(record).await,
+                }
+            }
+            for (trigger, targets) in runs {
+                let command = self.start_own_run(trigger, targets).await;
+                self.count_started(&command);
+                batches.push_back(self.machine.on_command(command, now()));
+            }
+        }
+    }
+
+    /// Counts a started run, and the outcomes and events its creation
+    /// already committed for converged targets.
+    fn count_started(&self, command: &EngineCommand) {
+        if let EngineCommand::StartRun(run) = command {
+            let metrics = &self.ctx.metrics;
+            metrics.runs_started.increment(1);
+            let converged = run.converged.len() as u64;
+            metrics
+                .outcome(OutcomeKind::AlreadyConverged)
+                .increment(converged);
+            metrics.events_committed.increment(converged);
+        }
+    }
+
+    /// Commits a run the engine starts itself; if the commit fails
+    /// (database down), the machine tries again a debounce window later.
+    async fn start_own_run(&self, trigger: Trigger, targets: Vec<DeviceId>) -> EngineCommand {
+        let run = NewRun::new(targets.clone(), trigger);
+        let committed = commit_run(
+            &self.ctx.pool,
+            &self.ctx.device_writes,
+            &self.ctx.fleet,
+            &self.ctx.event_source,
+            run,
+        )
+        .await;
+        match committed {
+            Ok(run) => {
+                self.ctx.events_wake.notify_one();
+                self.ctx.metrics.events_committed.increment(1);
+                tracing::info!(run_id = %run.id, trigger = run.trigger.as_str(), targets = run.targets.len(), "run started");
+                EngineCommand::StartRun(run)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, trigger = trigger.as_str(), "could not start a run; will retry");
+                EngineCommand::RunNotStarted { trigger, targets }
+            }
+        }
+    }
+
+    fn publish_stats(&self) {
+        let stats = self.machine.stats();
+        let as_u64 = |n: usize| n as u64;
+        let shared = &self.ctx.stats;
+        shared
+            .queued_pushes
+            .store(as_u64(stats.queued_pushes), Ordering::Relaxed);
+        shared
+            .pushes_in_flight
+            .store(as_u64(stats.pushes_in_flight), Ordering::Relaxed);
+        shared
+            .attempts_in_flight
+            .store(as_u64(stats.attempts_in_flight), Ordering::Relaxed);
+        let metrics = &self.ctx.metrics;
+        metrics.push_queue_depth.set(stats.queued_pushes as f64);
+        metrics.pushes_in_flight.set(stats.pushes_in_flight as f64);
+        metrics
+            .attempts_in_flight
+            .set(stats.attempts_in_flight as f64);
+    }
+
+    /// Writes `record` in one transaction, retrying until it commits or the
+    /// engine is cancelled; then mirrors it in the cache and the metrics.
+    async fn write(&mut self, mut record: Record) {
+        let token = self.shutdown.clone();
+        let mut backoff = Backoff::store_and_broker();
+        loop {
+            let started = Instant::now();
+            self.ctx.stall.writing();
+            match self.try_write(&record).await {
+                Ok(committed) => {
+                    self.ctx.stall.progressed();
+                    self.ctx
+                        .metrics
+                        .db_batch_outcomes
+                        .record(started.elapsed().as_secs_f64());
+                    let devices = std::mem::take(&mut record.devices);
+                    self.ctx.fleet.apply(
+                        devices
+                            .into_iter()
+                            .map(|(id, change)| FleetChange::Engine(id, change)),
+                    );
+                    self.after_commit(&record, committed);
+                    self.machine.record_written(Instant::now());
+                    return;
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::error!(error = %e, "writing outcomes failed; retrying in {delay:?}");
+                    tokio::select! {
+                        () = token.cancelled() => {
+                            tracing::error!(
+                                "shutting down with {} unwritten outcomes; their runs resume at next start",
+                                record.outcomes.len()
+                            );
+                            return;
+                        }
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    async fn try_write(&self, record: &Record) -> Result<Committed, WriteError> {
+        let _one_writer = self.ctx.device_writes.lock().await;
+        let mut tx = self
+            .ctx
+            .pool
+            .begin()
+            .await
+            .context("starting a transaction")?;
+        let devices: Vec<DeviceChangeRow<'_>> = record
+            .devices
+            .iter()
+            .map(|(id, c)| DeviceChangeRow {
+                id: id.as_str(),
+                status: c.status.map(|s| s.as_str()),
+                failures: c.failures,
+                last_error: c.last_error.as_deref(),
+                last_outcome: c
+                    .last_outcome
+                    .as_ref()
+                    .map(|o| (o.run_id, o.kind.as_str(), o.reason.as_deref())),
+                retained_generation: c.retained,
+            })
+            .collect();
+        store::devices::apply_changes(&mut tx, &devices).await?;
+        store::devices::record_attempts(&mut tx, &record.attempts).await?;
+        let per_run: Vec<(Uuid, OutcomeCounts)> =
+            record.per_run.iter().map(|(k, v)| (*k, *v)).collect();
+        store::runs::record_outcomes(&mut tx, &record.outcomes, &per_run).await?;
+        let ids: Vec<Uuid> = record.completed.iter().map(|p| p.id).collect();
+        let completed = store::runs::complete(&mut tx, &ids).await?;
+        let mut drafts: Vec<EventDraft> = record.drafts.clone();
+        let now = Instant::now();
+        for run in &completed {
+            if let Some(progress) = record.completed.iter().find(|p| p.id == run.id) {
+                drafts.push(progress.completed_event(run.target_count, &run.counts(), now));
+            }
+        }
+        let first = store::events::reserve_sequences(&mut tx, drafts.len()).await?;
+        let rows = events::finalize(drafts, first, &self.ctx.event_source, chrono::Utc::now())?;
+        store::events::insert(&mut tx, &rows).await?;
+        tx.commit().await.context("committing outcomes")?;
+        Ok(Committed {
+            completed: completed.into_iter().map(|r| (r.id, r.counts())).collect(),
+            events: rows.len(),
+        })
+    }
+
+    fn after_commit(&self, record: &Record, committed: Committed) {
+        let metrics = &self.ctx.metrics;
+        for row in &record.outcomes {
+            metrics.outcome(row.kind).increment(1);
+        }
+        for latency in &record.tally.convergence {
+            metrics.convergence_latency.record(latency.as_secs_f64());
+        }
+        metrics.retries.increment(record.tally.retries);
+        metrics.quarantined.increment(record.tally.quarantines);
+        metrics.drifts.increment(record.tally.drifts);
+        let now = Instant::now();
+        for (run_id, counts) in committed.completed {
+            let progress = record.completed.iter().find(|p| p.id == run_id);
+            if let Some(p) = progress {
+                metrics.run_duration.record(p.elapsed(now).as_secs_f64());
+            }
+            metrics.runs_completed.increment(1);
+            metrics.set_last_run(&counts);
+            tracing::info!(
+                %run_id,
+                trigger = progress.map(|p| p.trigger.as_str()).unwrap_or("resumed"),
+                elapsed_ms = progress.map(|p| p.elapsed(now).as_millis() as u64),
+                "run completed: {}",
+                counts.summary()
+            );
+        }
+        if committed.events > 0 {
+            metrics.events_committed.increment(committed.events as u64);
+            self.ctx.events_wake.notify_one();
+        }
+    }
+}
+
+struct Committed {
+    completed: Vec<(Uuid, OutcomeCounts)>,
+    events: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum WriteError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Event(#[from] events::EventError),
+}

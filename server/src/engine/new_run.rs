@@ -1,0 +1,316 @@
+//! Starting a run: commits the desired change (if any), the run, its targets
+//! and the `run.started` event in one transaction, then mirrors the desired
+//! change in the fleet cache. Shared by the API and the engine's own triggers.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
+use serde_json::Value;
+use sqlx::{PgPool, Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedData};
+use crate::reconcile::change::DeviceChange;
+use crate::reconcile::decide::Desired;
+use crate::reconcile::policy::converged_at_creation;
+use crate::reconcile::run::RunSpec;
+pub use crate::reconcile::run::Trigger;
+use crate::store::access::AuditRecord;
+use crate::store::cache::{DesiredState, Fleet, FleetChange};
+use crate::store::devices::DeviceChangeRow;
+use crate::store::runs::ConvergedTarget;
+use crate::store::{self, Context, DeviceWrites, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommitRunError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Event(#[from] EventError),
+    /// A run that releases quarantined targets found none quarantined.
+    #[error("none of the targets is quarantined")]
+    NothingQuarantined,
+}
+
+/// A run to commit.
+#[derive(Debug)]
+pub struct NewRun {
+    pub targets: Vec<DeviceId>,
+    pub trigger: Trigger,
+    pub force: bool,
+    /// New desired spec for every target, if this run changes desired state.
+    pub spec: Option<Value>,
+    /// The operator token that started it (`None`: the server itself).
+    pub started_by: Option<String>,
+    /// The audit record of the API call that started it, written in the
+    /// run's transaction with the run id (and, for a desired change of one
+    /// device, its new generation) filled in.
+    pub audit: Option<AuditRecord>,
+    /// Release the targets from quarantine first, in the run's
+    /// transaction; the run targets only those that were quarantined.
+    pub release_quarantined: bool,
+}
+
+impl NewRun {
+    /// A run over `targets` with nothing else to do: no change, no
+    /// release, started by the server itself.
+    pub fn new(targets: Vec<DeviceId>, trigger: Trigger) -> Self {
+        Self {
+            targets,
+            trigger,
+            force: false,
+            spec: None,
+            started_by: None,
+            audit: None,
+            release_quarantined: false,
+        }
+    }
+
+    /// Push even to targets whose report already matches.
+    pub fn forced(mut self, force: bool) -> Self {
+        self.force = force;
+        self
+    }
+
+    /// Sets `spec` as every target's desired state.
+    pub fn changing_desired_to(mut self, spec: Value) -> Self {
+        self.spec = Some(spec);
+        self
+    }
+
+    /// Releases quarantined targets first and runs only those.
+    pub fn releasing_quarantine(mut self) -> Self {
+        self.release_quarantined = true;
+        self
+    }
+}
+
+/// Commits `run`; the caller hands the result to the engine. Targets
+/// already converged (`policy::converged_at_creation`) get their outcome,
+/// event and any device change in this same transaction; the engine only
+/// carries the rest.
+pub async fn commit_run(
+    pool: &PgPool,
+    device_writes: &DeviceWrites,
+    fleet: &Fleet,
+    event_source: &str,
+    run: NewRun,
+) -> Result<RunSpec, CommitRunError> {
+    let run_id = Uuid::now_v7();
+    let mut targets = run.targets;
+    // Only a desired change or a release updates device rows here.
+    let _one_writer = if run.spec.is_some() || run.release_quarantined {
+        Some(device_writes.lock().await)
+    } else {
+        None
+    };
+    let mut tx = pool.begin().await.context("starting a transaction")?;
+    let mut released = Vec::new();
+    if run.release_quarantined {
+        let ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
+        let quarantined: HashSet<String> = store::devices::release_quarantine(&mut tx, &ids)
+            .await?
+            .into_iter()
+            .collect();
+        targets.retain(|id| quarantined.contains(id.as_str()));
+        if targets.is_empty() {
+            return Err(CommitRunError::NothingQuarantined);
+        }
+        released.clone_from(&targets);
+    }
+    let target_ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
+    let digest_and_spec = run.spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
+    let mut desired_changes = Vec::new();
+    if let Some((digest, spec)) = &digest_and_spec {
+        desired_changes =
+            store::devices::set_desired(&mut tx, &target_ids, spec, &digest.to_string()).await?;
+    }
+    let new_generations: HashMap<&str, u64> = desired_changes
+        .iter()
+        .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
+        .collect();
+    let new_digest = digest_and_spec.as_ref().map(|(digest, _)| *digest);
+    let converged = converged_targets(fleet, &targets, run.force, new_digest, &new_generations);
+    let (undecided, undecided_ids) = split_undecided(&targets, &converged);
+    let started = RunStartedData {
+        trigger: run.trigger.as_str().to_owned(),
+        target_count: target_ids.len() as u64,
+        force: run.force,
+        started_by: run.started_by.clone(),
+    };
+    let row = store::runs::NewRunRow {
+        id: run_id,
+        trigger: run.trigger.as_str(),
+        force: run.force,
+        started_by: run.started_by.as_deref(),
+    };
+    write_run(
+        &mut tx,
+        row,
+        &undecided_ids,
+        &converged,
+        started,
+        event_source,
+    )
+    .await?;
+    if let Some(mut audit) = run.audit {
+        audit.run_id = Some(run_id);
+        if let ([only], None) = (desired_changes.as_slice(), audit.generation) {
+            audit.generation = Some(store::to_u64(only.desired_generation));
+        }
+        store::access::record_audit(&mut *tx, &audit).await?;
+    }
+    tx.commit().await.context("committing a run")?;
+    fleet.apply(released.into_iter().map(FleetChange::Released));
+    if let Some((digest, spec)) = digest_and_spec {
+        fleet.apply(desired_changes.into_iter().filter_map(|write| {
+            let id = DeviceId::parse(&write.id).ok()?;
+            let desired = DesiredState {
+                generation: store::to_u64(write.desired_generation),
+                digest,
+                spec: spec.clone(),
+            };
+            Some(FleetChange::Desired(id, desired))
+        }));
+    }
+    let mut converged_ids = Vec::with_capacity(converged.len());
+    for c in converged {
+        if let Some(change) = c.change {
+            fleet.apply([FleetChange::Engine(c.id.clone(), change)]);
+        }
+        converged_ids.push(c.id);
+    }
+    Ok(RunSpec {
+        id: run_id,
+        trigger: run.trigger,
+        targets: undecided,
+        force: run.force,
+        decided: converged_ids.len(),
+        converged: converged_ids,
+    })
+}
+
+/// The run row, its targets (converged ones decided), their device changes
+/// and the run's events, in the caller's transaction.
+async fn write_run(
+    tx: &mut Transaction<'_, Postgres>,
+    row: store::runs::NewRunRow<'_>,
+    undecided_ids: &[String],
+    converged: &[Converged],
+    started: RunStartedData,
+    event_source: &str,
+) -> Result<(), CommitRunError> {
+    let targets: Vec<ConvergedTarget<'_>> = converged
+        .iter()
+        .map(|c| ConvergedTarget {
+            device_id: c.id.as_str(),
+            generation: c.generation,
+            health: c.health.map(Health::as_str),
+        })
+        .collect();
+    store::runs::create(tx, row, undecided_ids, &targets).await?;
+    let changes: Vec<DeviceChangeRow<'_>> = converged
+        .iter()
+        .filter_map(|c| c.change.as_ref().map(|change| change_row(&c.id, change)))
+        .collect();
+    store::devices::apply_changes(tx, &changes).await?;
+    let run_id = row.id;
+    let mut drafts = vec![EventDraft::run_started(run_id, started)];
+    drafts.extend(converged.iter().map(|c| {
+        let data = DeviceOutcomeData {
+            outcome: OutcomeKind::AlreadyConverged,
+            reason: None,
+            health: c.health,
+            success: true,
+        };
+        EventDraft::device_outcome(&c.id, run_id, Some(c.generation), data)
+    }));
+    let first = store::events::reserve_sequences(tx, drafts.len()).await?;
+    let rows = events::finalize(drafts, first, event_source, chrono::Utc::now())?;
+    store::events::insert(tx, &rows).await?;
+    Ok(())
+}
+
+/// A target decided `already_converged` at creation.
+struct Converged {
+    id: DeviceId,
+    generation: u64,
+    health: Option<Health>,
+    /// What its row must change (`None`: nothing; a converged device's
+    /// row is not rewritten).
+    change: Option<DeviceChange>,
+}
+
+fn converged_targets(
+    fleet: &Fleet,
+    targets: &[DeviceId],
+    force: bool,
+    new_digest: Option<SpecDigest>,
+    new_generations: &HashMap<&str, u64>,
+) -> Vec<Converged> {
+    // Targets are distinct (the API and the engine's own runs deduplicate).
+    let mut converged = Vec::new();
+    for id in targets {
+        let Some(entry) = fleet.get(id) else {
+            continue;
+        };
+        let desired = match (new_digest, entry.desired_for_decision()) {
+            (Some(digest), current) => Some(Desired {
+                generation: new_generations
+                    .get(id.as_str())
+                    .copied()
+                    .or(current.map(|d| d.generation))
+                    .unwrap_or(0),
+                digest,
+            }),
+            (None, current) => current,
+        };
+        let Some(desired) = desired.filter(|d| d.generation > 0) else {
+            continue;
+        };
+        if !converged_at_creation(
+            entry.status,
+            entry.online,
+            Some(&desired),
+            &entry.actual(),
+            force,
+        ) {
+            continue;
+        }
+        let change =
+            (entry.status != DeviceStatus::Converged || entry.failures > 0).then(|| DeviceChange {
+                status: Some(DeviceStatus::Converged),
+                failures: (entry.failures > 0).then_some((0, None)),
+                ..DeviceChange::default()
+            });
+        converged.push(Converged {
+            id: id.clone(),
+            generation: desired.generation,
+            health: entry.health,
+            change,
+        });
+    }
+    converged
+}
+
+/// The targets left for the engine, as ids and as stored text.
+fn split_undecided(targets: &[DeviceId], converged: &[Converged]) -> (Vec<DeviceId>, Vec<String>) {
+    let decided: HashSet<&DeviceId> = converged.iter().map(|c| &c.id).collect();
+    let undecided: Vec<DeviceId> = targets
+        .iter()
+        .filter(|id| !decided.contains(id))
+        .cloned()
+        .collect();
+    let ids = undecided.iter().map(DeviceId::to_string).collect();
+    (undecided, ids)
+}
+
+fn change_row<'a>(id: &'a DeviceId, change: &DeviceChange) -> DeviceChangeRow<'a> {
+    DeviceChangeRow {
+        id: id.as_str(),
+        status: change.status.map(DeviceStatus::as_str),
+        failures: change.failures,
+        ..DeviceChangeRow::default()
+    }
+}

@@ -1,0 +1,165 @@
+//! Rechecks after the broker may have dropped messages for the server. A
+//! broker drops QoS 1 messages for a client past its queue limits, after the
+//! publisher already has its PUBACK, so the server must notice on its own:
+//! it hears the signs here (the broker's `$SYS` dropped counter rising, a
+//! reconnect that found the session empty or after a long absence, an
+//! ingest write held longer than `--recheck-after-stall`) and,
+//! at most once per [`RECHECK_COOLDOWN`], tells the engine to ask every
+//! device not known to be offline and not heard from since for a report,
+//! paced, and re-reads the retained status of every device not known to be
+//! online, a chunk at a time.
+//!
+//! It owns the signal and the cooldown only; what is asked, and how fast,
+//! is the engine's.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use idem_protocol::{Channel, DeviceId, TopicRoot};
+use rumqttc::{AsyncClient, QoS, SubscribeFilter};
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::EngineCommand;
+use crate::ops::metrics::Metrics;
+pub use crate::reconcile::machine::RecheckTrigger;
+use crate::store::cache::Fleet;
+
+/// Rechecks start at most this often; signs meanwhile join the next one
+/// (which asks only the devices not heard from since it began).
+pub const RECHECK_COOLDOWN: Duration = Duration::from_secs(5);
+
+/// The signs, raised from anywhere without waiting.
+#[derive(Debug, Default)]
+pub struct RecheckSignal {
+    /// The first trigger raised since the last recheck started.
+    pending: Mutex<Option<RecheckTrigger>>,
+    raised: Notify,
+}
+
+impl RecheckSignal {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// Asks for a recheck because of `trigger`; never blocks.
+    pub fn raise(&self, trigger: RecheckTrigger) {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert(trigger);
+        self.raised.notify_one();
+    }
+
+    fn take(&self) -> Option<RecheckTrigger> {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+}
+
+/// Retained statuses re-read per step; steps are paced at the recheck's
+/// rate, so the broker's burst of retained messages stays within its queue.
+const STATUS_REREAD_CHUNK: usize = 100;
+
+/// What carries out rechecks.
+pub struct Rechecker {
+    pub signal: Arc<RecheckSignal>,
+    /// For the status re-reads.
+    pub client: AsyncClient,
+    pub root: TopicRoot,
+    pub fleet: Arc<Fleet>,
+    pub engine: mpsc::Sender<EngineCommand>,
+    pub metrics: Arc<Metrics>,
+    /// `--recheck-rate`: requests and status re-reads per second.
+    pub rate: u32,
+}
+
+/// Carries out raised rechecks until cancelled.
+pub async fn run(rechecker: Rechecker, token: CancellationToken) {
+    let Rechecker {
+        signal,
+        client,
+        root,
+        fleet,
+        engine,
+        metrics,
+        rate,
+    } = rechecker;
+    if rate == 0 {
+        return; // `--recheck-rate 0`: rechecks are off
+    }
+    let pause = Duration::from_secs_f64(STATUS_REREAD_CHUNK as f64 / f64::from(rate));
+    loop {
+        tokio::select! {
+            () = token.cancelled() => return,
+            () = signal.raised.notified() => {}
+        }
+        let Some(trigger) = signal.take() else {
+            continue;
+        };
+        metrics.recheck_started(trigger);
+        tracing::warn!(
+            trigger = trigger.as_str(),
+            "the broker may have dropped messages for the server: asking devices for reports and re-reading the statuses not known online"
+        );
+        if engine.send(EngineCommand::Recheck).await.is_err() {
+            return;
+        }
+        let unknown = fleet.ids_not_online();
+        tokio::select! {
+            () = token.cancelled() => return,
+            () = reread_statuses(&client, &root, &unknown, pause) => {}
+        }
+        tokio::select! {
+            () = token.cancelled() => return,
+            () = tokio::time::sleep(RECHECK_COOLDOWN) => {}
+        }
+    }
+}
+
+/// Subscribes to each device's own status topic for a moment, a chunk at a
+/// time: the broker re-sends the retained status of each (a status message
+/// it dropped hid that the device is online). The wildcard subscription
+/// stays; a status arriving twice changes nothing.
+async fn reread_statuses(
+    client: &AsyncClient,
+    root: &TopicRoot,
+    ids: &[DeviceId],
+    pause: Duration,
+) {
+    for chunk in ids.chunks(STATUS_REREAD_CHUNK) {
+        let topics: Vec<String> = chunk
+            .iter()
+            .map(|id| root.topic(id, Channel::Status))
+            .collect();
+        let filters = topics
+            .iter()
+            .map(|t| SubscribeFilter::new(t.clone(), QoS::AtLeastOnce));
+        if let Err(e) = client.subscribe_many(filters).await {
+            tracing::warn!(error = %e, "could not re-read device statuses");
+            return;
+        }
+        tokio::time::sleep(pause).await;
+        for topic in topics {
+            if client.unsubscribe(topic).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signs_raised_before_a_recheck_starts_make_one_with_the_first_trigger() {
+        let signal = RecheckSignal::default();
+        signal.raise(RecheckTrigger::IngestStalled);
+        signal.raise(RecheckTrigger::BrokerDropped);
+        assert_eq!(signal.take(), Some(RecheckTrigger::IngestStalled));
+        assert_eq!(signal.take(), None);
+    }
+}

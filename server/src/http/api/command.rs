@@ -1,0 +1,174 @@
+//! The command layer: every API call that changes devices or starts a run
+//! goes through here, in one order — the `DeviceWrites` lock, one
+//! transaction, the commit, then the fleet cache (`Fleet::apply`, only after
+//! the commit), then the engine. Handlers validate and answer; they do not
+//! commit or touch the cache themselves. Every change commits with its
+//! audit record in the same transaction ([`DeviceWrite::commit`],
+//! [`start_run`]), answered by [`recorded`]; a mutating call that changed
+//! nothing carries its `AuditNote` for the middleware ([`audited`]).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::{Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::app::state::AppState;
+use crate::engine::new_run::{commit_run, CommitRunError, NewRun};
+use crate::engine::EngineCommand;
+use crate::http::auth::{AuditNote, AuditWritten, Call};
+use crate::http::error::ApiError;
+use crate::store::access::AuditRecord;
+use crate::store::cache::FleetChange;
+use crate::store::{self, Context};
+
+/// A JSON answer carrying what the call did, for the audit record the
+/// middleware writes (a call that changed nothing).
+pub(super) fn audited(note: AuditNote, status: StatusCode, body: impl Serialize) -> Response {
+    (status, Extension(note), Json(body)).into_response()
+}
+
+/// A JSON answer to a call whose change committed with its audit record.
+pub(super) fn recorded(status: StatusCode, body: impl Serialize) -> Response {
+    (status, Extension(AuditWritten), Json(body)).into_response()
+}
+
+/// Device ids an audit record names, at most (the count is always there).
+pub(super) const MAX_AUDITED_IDS: usize = 20;
+
+/// `{"count": n, "first": [the first ids]}`, for an audit record's detail.
+pub(super) fn audited_ids<'a>(ids: impl IntoIterator<Item = &'a str>) -> Value {
+    let mut count = 0usize;
+    let mut first = Vec::new();
+    for id in ids {
+        if first.len() < MAX_AUDITED_IDS {
+            first.push(id);
+        }
+        count += 1;
+    }
+    serde_json::json!({"count": count, "first": first})
+}
+
+/// One write to device rows: holds the `DeviceWrites` lock and a
+/// transaction, and collects the cache changes and engine commands that
+/// follow it, which [`DeviceWrite::commit`] carries out after the commit.
+pub(super) struct DeviceWrite<'a> {
+    state: &'a AppState,
+    /// Transactions over many device rows are serialised (see
+    /// `store::DeviceWrites`); held until the cache mirrors the commit.
+    lock: tokio::sync::MutexGuard<'a, ()>,
+    tx: Transaction<'static, Postgres>,
+    changes: Vec<FleetChange>,
+    then: Vec<EngineCommand>,
+}
+
+impl<'a> DeviceWrite<'a> {
+    /// Takes the lock and starts the transaction.
+    pub(super) async fn begin(state: &'a AppState) -> Result<Self, ApiError> {
+        let lock = state.device_writes.lock().await;
+        let tx = state.pool.begin().await.context("starting a transaction")?;
+        Ok(Self {
+            state,
+            lock,
+            tx,
+            changes: Vec::new(),
+            then: Vec::new(),
+        })
+    }
+
+    pub(super) fn tx(&mut self) -> &mut Transaction<'static, Postgres> {
+        &mut self.tx
+    }
+
+    /// Cache changes to apply once the transaction has committed.
+    pub(super) fn change(&mut self, changes: impl IntoIterator<Item = FleetChange>) {
+        self.changes.extend(changes);
+    }
+
+    /// A command for the engine once the cache is updated.
+    pub(super) fn then_tell(&mut self, command: EngineCommand) {
+        self.then.push(command);
+    }
+
+    /// Writes `audit` and commits with it (`what` names the write in an
+    /// error), applies the cache changes, releases the lock, then tells the
+    /// engine. An engine that has stopped is not told: what it would do is
+    /// redone at its next start.
+    pub(super) async fn commit(
+        self,
+        what: &'static str,
+        audit: AuditRecord,
+    ) -> Result<(), ApiError> {
+        let Self {
+            state,
+            lock,
+            mut tx,
+            changes,
+            then,
+        } = self;
+        store::access::record_audit(&mut *tx, &audit).await?;
+        tx.commit().await.context(what)?;
+        state.fleet.apply(changes);
+        drop(lock);
+        for command in then {
+            tell(state, command).await;
+        }
+        Ok(())
+    }
+}
+
+/// Commits `run` as started by this call (with the desired change or the
+/// release it carries, its `run.started` event and the call's audit record
+/// with what `note` says, completed with the run id; `commit_run` applies
+/// its own cache changes) and hands it to the engine. Returns the run id
+/// and how many devices it targets.
+pub(super) async fn start_run(
+    state: &AppState,
+    call: &Call,
+    mut run: NewRun,
+    note: AuditNote,
+) -> Result<(Uuid, usize), ApiError> {
+    run.started_by = Some(call.actor.name.clone());
+    run.audit = Some(call.audit(StatusCode::OK, note));
+    let run = commit_run(
+        &state.pool,
+        &state.device_writes,
+        &state.fleet,
+        &state.event_source,
+        run,
+    )
+    .await
+    .map_err(|e| match e {
+        CommitRunError::Store(e) => ApiError::from(e),
+        CommitRunError::Event(e) => ApiError::from(e),
+        CommitRunError::NothingQuarantined => ApiError::new(
+            StatusCode::CONFLICT,
+            "not_quarantined",
+            "none of the devices to retry is quarantined (any more)",
+        ),
+    })?;
+    let targets = run.targets.len() + run.decided;
+    state.events_wake.notify_one();
+    state.metrics.events_committed.increment(1);
+    let run_id = run.id;
+    state
+        .engine
+        .send(EngineCommand::StartRun(run))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "the server is shutting down; the run resumes at next start",
+            )
+        })?;
+    Ok((run_id, targets))
+}
+
+/// Tells the engine about a change committed earlier; an engine that has
+/// stopped is not told (what it would do is redone at its next start).
+pub(super) async fn tell(state: &AppState, command: EngineCommand) {
+    let _ = state.engine.send(command).await;
+}

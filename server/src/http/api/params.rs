@@ -1,0 +1,63 @@
+//! Path and query parameters every resource reads the same way: device and
+//! run ids, page limits, labels. Each refusal is the API's error answer.
+
+use idem_protocol::DeviceId;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::app::state::AppState;
+use crate::http::error::ApiError;
+use crate::http::input;
+
+/// Most items one list page returns.
+pub(super) const MAX_PAGE: i64 = 1_000;
+const DEFAULT_PAGE: i64 = 100;
+
+pub(super) fn parse_id(raw: &str) -> Result<DeviceId, ApiError> {
+    DeviceId::parse(raw)
+        .map_err(|e| ApiError::bad_request("invalid_device_id", format!("{raw:?}: {e}")))
+}
+
+/// A valid id of a registered device, or the matching 400 / 404.
+pub(super) fn registered(state: &AppState, raw: &str) -> Result<DeviceId, ApiError> {
+    let id = parse_id(raw)?;
+    if !state.fleet.contains(&id) {
+        return Err(unknown_device(&id));
+    }
+    Ok(id)
+}
+
+pub(super) fn unknown_device(id: &DeviceId) -> ApiError {
+    ApiError::not_found("unknown_device", format!("device {id} is not registered"))
+}
+
+pub(super) fn parse_run_id(raw: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(raw).map_err(|_| {
+        ApiError::bad_request("invalid_run_id", format!("{raw:?} is not a run id (UUID)"))
+    })
+}
+
+pub(super) fn unknown_run(id: Uuid) -> ApiError {
+    ApiError::not_found("unknown_run", format!("run {id} does not exist"))
+}
+
+pub(super) fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
+    match limit {
+        None => Ok(DEFAULT_PAGE),
+        Some(n) if (1..=MAX_PAGE).contains(&n) => Ok(n),
+        Some(n) => Err(ApiError::bad_request(
+            "invalid_limit",
+            format!("limit must be 1..={MAX_PAGE}, got {n}"),
+        )),
+    }
+}
+
+pub(super) fn parse_labels(labels: Option<Value>) -> Result<Option<Value>, ApiError> {
+    match labels {
+        None => Ok(None),
+        Some(labels) => {
+            input::check_labels(&labels)?;
+            Ok(Some(labels))
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! `/v1/runs…` and the retries: starting a re-check (joining an identical
+//! one in progress), releasing quarantined devices into a new run, and
+//! reading runs and their outcomes.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::{Extension, Json};
+use idem_protocol::api::{
+    ErrorBody, OutcomePage, OutcomeQuery, OutcomeRow, RunListQuery, RunPage, RunStarted, RunView,
+    TargetedRequest,
+};
+use idem_protocol::{DeviceId, OutcomeKind, SpecDigest};
+use serde_json::json;
+use uuid::Uuid;
+
+use super::command::{audited, audited_ids, recorded, start_run};
+use super::desired::{resolve_targets, targeting_summary};
+use super::params::{page_limit, parse_run_id, registered, unknown_run};
+use crate::app::state::AppState;
+use crate::engine::new_run::{NewRun, Trigger};
+use crate::http::auth::{AuditNote, Call};
+use crate::http::error::{ApiError, ApiJson};
+use crate::http::input;
+use crate::store;
+use crate::store::runs::{RunRow, TargetRow};
+
+/// Manual runs remembered for joining identical re-checks; beyond this the
+/// memory is cleared (joining is an optimisation, not a guarantee).
+const MAX_REMEMBERED_MANUAL_RUNS: usize = 1_024;
+
+/// What identifies a manual run for joining: its sorted targets and force.
+type ManualRunKey = (SpecDigest, bool);
+
+/// `POST /v1/runs`: re-checks the targeted devices without a change. A
+/// re-check over exactly the targets (and force) of a manual run still in
+/// progress joins it: a hundred identical calls cost one run.
+#[utoipa::path(post, path = "/v1/runs", tag = "runs",
+    request_body = TargetedRequest,
+    responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn start_manual_run(
+    State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
+    ApiJson(body): ApiJson<TargetedRequest>,
+) -> Result<Response, ApiError> {
+    if body.spec.is_some() {
+        return Err(ApiError::bad_request(
+            "unexpected_spec",
+            "POST /v1/runs re-checks without a change; set a spec with POST /v1/desired",
+        ));
+    }
+    let targets = resolve_targets(&state, &body).await?;
+    let count = targets.len();
+    let mut sorted: Vec<&str> = targets.iter().map(DeviceId::as_str).collect();
+    sorted.sort_unstable();
+    let key = (SpecDigest::of(&json!(sorted)), body.force);
+    let note = |joined: bool| AuditNote {
+        targets: Some(count),
+        detail: Some(json!({
+            "targeting": targeting_summary(&body),
+            "devices": audited_ids(targets.iter().map(DeviceId::as_str)),
+            "force": body.force,
+            "joined": joined,
+        })),
+        ..AuditNote::default()
+    };
+    let answer = |run_id, joined| RunStarted {
+        run_id,
+        targets: count as u64,
+        joined: Some(joined),
+    };
+    if let Some(run_id) = running_manual_run(&state, &key).await? {
+        // Nothing new is committed: the middleware records the call.
+        let note = AuditNote {
+            run_id: Some(run_id),
+            ..note(true)
+        };
+        return Ok(audited(note, StatusCode::OK, answer(run_id, true)));
+    }
+    let note = note(false);
+    let run = NewRun::new(targets, Trigger::Manual).forced(body.force);
+    let (run_id, _) = start_run(&state, &call, run, note).await?;
+    remember_manual_run(&state, key, run_id);
+    Ok(recorded(StatusCode::OK, answer(run_id, false)))
+}
+
+/// The remembered manual run with this key, if it is still running.
+async fn running_manual_run(
+    state: &AppState,
+    key: &ManualRunKey,
+) -> Result<Option<Uuid>, ApiError> {
+    let candidate = state
+        .manual_runs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(key)
+        .copied();
+    let Some(run_id) = candidate else {
+        return Ok(None);
+    };
+    let running = store::runs::get(&state.pool, run_id)
+        .await?
+        .is_some_and(|run| run.state == "running");
+    Ok(running.then_some(run_id))
+}
+
+fn remember_manual_run(state: &AppState, key: ManualRunKey, run: Uuid) {
+    let mut manual_runs = state
+        .manual_runs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if manual_runs.len() >= MAX_REMEMBERED_MANUAL_RUNS {
+        manual_runs.clear();
+    }
+    manual_runs.insert(key, run);
+}
+
+/// `POST /v1/devices/{id}/retry`: releases a quarantined device and runs it.
+#[utoipa::path(post, path = "/v1/devices/{id}/retry", tag = "runs",
+    params(("id" = String, Path, description = "device id")),
+    responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn retry_device(
+    State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
+    Path(raw_id): Path<String>,
+) -> Result<Response, ApiError> {
+    let id = registered(&state, &raw_id)?;
+    let note = AuditNote {
+        targets: Some(1),
+        detail: Some(json!({"devices": audited_ids([id.as_str()])})),
+        ..AuditNote::default()
+    };
+    let run = NewRun::new(vec![id.clone()], Trigger::Retry).releasing_quarantine();
+    let (run_id, _) = start_run(&state, &call, run, note).await?;
+    let answer = RunStarted {
+        run_id,
+        targets: 1,
+        joined: None,
+    };
+    Ok(recorded(StatusCode::OK, answer))
+}
+
+/// `POST /v1/runs/{id}/retry`: releases every quarantined device of a run
+/// and runs them again.
+#[utoipa::path(post, path = "/v1/runs/{id}/retry", tag = "runs",
+    params(("id" = Uuid, Path, description = "run id")),
+    responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn retry_run(
+    State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
+    Path(raw): Path<String>,
+) -> Result<Response, ApiError> {
+    let run_id = parse_run_id(&raw)?;
+    if store::runs::get(&state.pool, run_id).await?.is_none() {
+        return Err(unknown_run(run_id));
+    }
+    let quarantined: Vec<DeviceId> = store::devices::quarantined_in_run(&state.pool, run_id)
+        .await?
+        .iter()
+        .filter_map(|id| DeviceId::parse(id).ok())
+        .collect();
+    if quarantined.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "nothing_quarantined",
+            "no device of this run is quarantined",
+        ));
+    }
+    let note = AuditNote {
+        targets: Some(quarantined.len()),
+        detail: Some(json!({
+            "retried_run": run_id,
+            "devices": audited_ids(quarantined.iter().map(DeviceId::as_str)),
+        })),
+        ..AuditNote::default()
+    };
+    let run = NewRun::new(quarantined, Trigger::Retry).releasing_quarantine();
+    let (run_id, targets) = start_run(&state, &call, run, note).await?;
+    let answer = RunStarted {
+        run_id,
+        targets: targets as u64,
+        joined: None,
+    };
+    Ok(recorded(StatusCode::OK, answer))
+}
+
+/// `GET /v1/runs`: runs, newest first.
+#[utoipa::path(get, path = "/v1/runs", tag = "runs", params(RunListQuery),
+    responses((status = 200, body = RunPage), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn list_runs(
+    State(state): State<Arc<AppState>>,
+    Query(query): Query<RunListQuery>,
+) -> Result<Json<RunPage>, ApiError> {
+    let limit = page_limit(query.limit)?;
+    let rows = store::runs::list(&state.pool, query.before, limit).await?;
+    let runs = rows.into_iter().map(run_view).collect();
+    Ok(Json(RunPage { runs }))
+}
+
+/// `GET /v1/runs/{id}`.
+#[utoipa::path(get, path = "/v1/runs/{id}", tag = "runs",
+    params(("id" = Uuid, Path, description = "run id")),
+    responses((status = 200, body = RunView), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn get_run(
+    State(state): State<Arc<AppState>>,
+    Path(raw): Path<String>,
+) -> Result<Json<RunView>, ApiError> {
+    let id = parse_run_id(&raw)?;
+    match store::runs::get(&state.pool, id).await? {
+        Some(row) => Ok(Json(run_view(row))),
+        None => Err(unknown_run(id)),
+    }
+}
+
+fn run_view(row: RunRow) -> RunView {
+    let counts = row.counts();
+    RunView {
+        id: row.id,
+        summary: counts.summary(),
+        counts,
+        duration_ms: row
+            .finished_at
+            .map(|f| (f - row.started_at).num_milliseconds()),
+        trigger: row.trigger,
+        state: row.state,
+        force: row.force,
+        target_count: u64::try_from(row.target_count).unwrap_or(0),
+        started_at: row.started_at,
+        finished_at: row.finished_at,
+        started_by: row.started_by,
+    }
+}
+
+/// `GET /v1/runs/{id}/outcomes`: a page of a run's rows in device-id order.
+#[utoipa::path(get, path = "/v1/runs/{id}/outcomes", tag = "runs",
+    params(("id" = Uuid, Path, description = "run id"), OutcomeQuery),
+    responses((status = 200, body = OutcomePage), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn run_outcomes(
+    State(state): State<Arc<AppState>>,
+    Path(raw): Path<String>,
+    Query(query): Query<OutcomeQuery>,
+) -> Result<Json<OutcomePage>, ApiError> {
+    let id = parse_run_id(&raw)?;
+    if let Some(after) = &query.after {
+        input::check_query_text("after", after)?;
+    }
+    if let Some(o) = &query.outcome {
+        if OutcomeKind::parse(o).is_none() {
+            let names: Vec<&str> = OutcomeKind::ALL.iter().map(|k| k.as_str()).collect();
+            return Err(ApiError::bad_request(
+                "invalid_outcome",
+                format!("outcome must be one of {names:?}"),
+            ));
+        }
+    }
+    if store::runs::get(&state.pool, id).await?.is_none() {
+        return Err(unknown_run(id));
+    }
+    let limit = page_limit(query.limit)?;
+    let rows = store::runs::outcomes(
+        &state.pool,
+        id,
+        query.outcome.as_deref(),
+        query.after.as_deref(),
+        limit,
+    )
+    .await?;
+    let next_after = (rows.len() as i64 == limit)
+        .then(|| rows.last().map(|r| r.device_id.clone()))
+        .flatten();
+    let outcomes = rows.into_iter().map(outcome_row).collect();
+    Ok(Json(OutcomePage {
+        outcomes,
+        next_after,
+    }))
+}
+
+/// A stored outcome row; the store holds only `OutcomeKind` names (or
+/// nothing, while undecided).
+fn outcome_row(row: TargetRow) -> OutcomeRow {
+    OutcomeRow {
+        outcome: row.outcome.as_deref().and_then(OutcomeKind::parse),
+        device_id: row.device_id,
+        reason: row.reason,
+        generation: row.generation,
+        health: row.health,
+        decided_at: row.decided_at,
+    }
+}

@@ -1,0 +1,240 @@
+//! The hand-off from the MQTT event loop to the ingest: a queue the event
+//! loop never waits on while it holds less than its byte budget, so the
+//! connection keeps being read (and its keepalive answered) through any
+//! backlog the database causes; and the backlog's figures (messages, bytes,
+//! age of the oldest) for readiness and metrics.
+//!
+//! It owns the queued messages only; it never decides what to do with them.
+//! One producer (the event loop) and one consumer (the ingest).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use rumqttc::Publish;
+
+/// One inbound publish for the ingest. `oversized` is the original payload
+/// length when it was over the report limit; the payload itself was dropped
+/// already, so one huge message never waits in the channel.
+#[derive(Debug)]
+pub struct Received {
+    pub publish: Publish,
+    pub oversized: Option<usize>,
+}
+
+/// What one queued message is counted as besides its topic and payload
+/// (the `Publish` and queue slot around them).
+const OVERHEAD_BYTES: usize = 160;
+
+/// The queue's size at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Backlog {
+    pub messages: usize,
+    pub bytes: usize,
+    /// How long the oldest queued message has waited.
+    pub oldest: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    items: VecDeque<(Received, Instant, usize)>,
+    bytes: usize,
+}
+
+#[derive(Debug)]
+struct Shared {
+    queue: Mutex<Queue>,
+    /// Wakes the consumer when a message arrives or the producer leaves.
+    arrived: Notify,
+    /// Wakes the producer when the queue fell below half its budget.
+    drained: Notify,
+    closed: AtomicBool,
+    budget_bytes: usize,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The event loop's end.
+#[derive(Debug)]
+pub struct IntakeSender {
+    shared: Arc<Shared>,
+}
+
+/// The ingest's end.
+#[derive(Debug)]
+pub struct IntakeReceiver {
+    shared: Arc<Shared>,
+}
+
+/// Reads the backlog (readiness, metrics); cheap to clone.
+#[derive(Debug, Clone)]
+pub struct IntakeGauge {
+    shared: Arc<Shared>,
+}
+
+/// A queue holding at most about `budget_bytes` before its sender is told
+/// to wait.
+pub fn intake(budget_bytes: usize) -> (IntakeSender, IntakeReceiver, IntakeGauge) {
+    let shared = Arc::new(Shared {
+        queue: Mutex::new(Queue::default()),
+        arrived: Notify::new(),
+        drained: Notify::new(),
+        closed: AtomicBool::new(false),
+        budget_bytes: budget_bytes.max(1),
+    });
+    (
+        IntakeSender {
+            shared: shared.clone(),
+        },
+        IntakeReceiver {
+            shared: shared.clone(),
+        },
+        IntakeGauge { shared },
+    )
+}
+
+fn size_of(received: &Received) -> usize {
+    received.publish.topic.len() + received.publish.payload.len() + OVERHEAD_BYTES
+}
+
+impl IntakeSender {
+    pub fn budget_bytes(&self) -> usize {
+        self.shared.budget_bytes
+    }
+
+    /// Queues `received` without waiting; `false` when the queue is now
+    /// over its budget (the caller should [`IntakeSender::wait_for_room`]
+    /// before it reads more).
+    pub fn push(&self, received: Received) -> bool {
+        let size = size_of(&received);
+        let within = {
+            let mut queue = self.shared.lock();
+            queue.items.push_back((received, Instant::now(), size));
+            queue.bytes += size;
+            queue.bytes <= self.shared.budget_bytes
+        };
+        self.shared.arrived.notify_one();
+        within
+    }
+
+    /// Waits until the queue holds at most half its budget.
+    pub async fn wait_for_room(&self) {
+        loop {
+            let drained = self.shared.drained.notified();
+            if self.shared.lock().bytes <= self.shared.budget_bytes / 2 {
+                return;
+            }
+            drained.await;
+        }
+    }
+}
+
+impl Drop for IntakeSender {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.arrived.notify_one();
+    }
+}
+
+impl IntakeReceiver {
+    /// Waits for messages and moves up to `limit` of them into `into`;
+    /// `0` once the sender is gone and the queue is empty.
+    pub async fn recv_many(&mut self, into: &mut Vec<Received>, limit: usize) -> usize {
+        loop {
+            let arrived = self.shared.arrived.notified();
+            let taken = {
+                let mut queue = self.shared.lock();
+                let queue = &mut *queue;
+                let n = queue.items.len().min(limit);
+                for (received, _, size) in queue.items.drain(..n) {
+                    queue.bytes -= size;
+                    into.push(received);
+                }
+                if queue.bytes <= self.shared.budget_bytes / 2 {
+                    self.shared.drained.notify_one();
+                }
+                n
+            };
+            if taken > 0 {
+                return taken;
+            }
+            if self.shared.closed.load(Ordering::Acquire) {
+                return 0;
+            }
+            arrived.await;
+        }
+    }
+}
+
+impl IntakeGauge {
+    /// The backlog at `now`.
+    pub fn backlog(&self, now: Instant) -> Backlog {
+        let queue = self.shared.lock();
+        Backlog {
+            messages: queue.items.len(),
+            bytes: queue.bytes,
+            oldest: queue.items.front().map_or(Duration::ZERO, |(_, at, _)| {
+                now.saturating_duration_since(*at)
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rumqttc::{Publish, QoS};
+
+    fn message(payload: usize) -> Received {
+        Received {
+            publish: Publish::new("idem/v1/d/reported", QoS::AtLeastOnce, vec![b'x'; payload]),
+            oversized: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn messages_arrive_in_order_and_the_backlog_counts_what_waits() {
+        let (tx, mut rx, gauge) = intake(1 << 20);
+        for n in 0..5 {
+            assert!(tx.push(message(n)));
+        }
+        let backlog = gauge.backlog(Instant::now());
+        assert_eq!(backlog.messages, 5);
+        assert_eq!(backlog.bytes, 5 * (18 + OVERHEAD_BYTES) + (1 + 2 + 3 + 4));
+        let mut got = Vec::new();
+        assert_eq!(rx.recv_many(&mut got, 3).await, 3);
+        assert_eq!(rx.recv_many(&mut got, 10).await, 2);
+        let sizes: Vec<usize> = got.iter().map(|r| r.publish.payload.len()).collect();
+        assert_eq!(sizes, [0, 1, 2, 3, 4]);
+        assert_eq!(gauge.backlog(Instant::now()), Backlog::default());
+    }
+
+    #[tokio::test]
+    async fn a_push_never_waits_and_says_when_the_budget_is_passed() {
+        let (tx, mut rx, _gauge) = intake(1_000);
+        assert!(tx.push(message(100)));
+        assert!(!tx.push(message(900)), "over the budget");
+        // Still queued, and room comes back once the ingest drains it.
+        let waiting = tokio::spawn(async move {
+            tx.wait_for_room().await;
+            tx
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        let mut got = Vec::new();
+        assert_eq!(rx.recv_many(&mut got, 10).await, 2);
+        let tx = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("room was not announced")
+            .unwrap();
+        drop(tx);
+        assert_eq!(rx.recv_many(&mut got, 10).await, 0, "closed and empty");
+    }
+}

@@ -1,0 +1,570 @@
+//! MQTT adapter: the connection's event loop and the publisher.
+//!
+//! The event loop is polled continuously and never awaits the database or its
+//! own client: inbound publishes go to the intake queue (`crate::ingest::intake`),
+//! which it waits on only past its byte budget, so the keepalive is answered
+//! through any ingest backlog; subscriptions are (re)made with
+//! `try_subscribe_many` on every ConnAck, and a reconnect is logged with how
+//! long the session was away. Manual acks: the
+//! ingest acknowledges a report only after the batch holding it commits.
+//!
+//! No packet can break the connection: the client reads any packet MQTT
+//! allows (payloads over the report limit are dropped right here, keeping
+//! only their length for the ingest to count and acknowledge), and the
+//! publisher refuses to hand the client anything larger than the budget.
+
+pub mod outbox;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_protocol::{Channel, DeviceId, SpecBudget, TopicRoot, GET_PAYLOAD};
+use rumqttc::{
+    AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, Packet, Publish, QoS,
+    SubscribeFilter, TlsConfiguration, Transport,
+};
+use serde::Serialize;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ValidConfig;
+use crate::engine::recheck::{RecheckSignal, RecheckTrigger};
+use crate::ingest::intake::IntakeSender;
+use crate::mqtt::outbox::Outbox;
+use crate::ops::metrics::Metrics;
+use crate::ops::retry::Backoff;
+
+/// Requests the client may queue before `publish` waits for the event loop.
+const REQUEST_CHANNEL_CAPACITY: usize = 10_000;
+/// Outgoing QoS 1 publishes awaiting PUBACK at once.
+const MAX_INFLIGHT: u16 = 1_000;
+/// MQTT's own limit on a packet's remaining length: the client reads every
+/// packet a broker can send, so none can make it drop the connection.
+const MQTT_MAX_REMAINING_LENGTH: usize = 268_435_455;
+/// The largest event payload published on MQTT; a larger event (a huge
+/// `run.completed`) stays in the event log and on SSE only.
+pub const MAX_EVENT_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+pub use crate::ingest::intake::Received;
+
+/// Connection facts shared with readiness checks.
+#[derive(Debug, Default)]
+pub struct MqttStatus {
+    connected: AtomicBool,
+    subscribed: AtomicBool,
+}
+
+impl MqttStatus {
+    /// Connected and subscribed: reports can flow.
+    pub fn is_ready(&self) -> bool {
+        self.connected.load(Ordering::Acquire) && self.subscribed.load(Ordering::Acquire)
+    }
+}
+
+/// The server's MQTT client id, `idem-server:{instance}`: the `:` is outside
+/// the device-id alphabet, so no device using its id as client id (as
+/// `docs/PROTOCOL.md` §2 asks) can ever take over the server's session.
+pub fn server_client_id(instance: &str) -> String {
+    format!("idem-server:{instance}")
+}
+
+/// Builds the client and its event loop from the configuration: plain TCP
+/// or TLS (`mqtts://`, the configuration's rustls client config, optionally
+/// with a client certificate), with the configured credentials.
+pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
+    let mut options = MqttOptions::new(
+        server_client_id(&config.config.instance),
+        config.broker.host.clone(),
+        config.broker.port,
+    );
+    options
+        .set_keep_alive(config.config.mqtt_keep_alive)
+        // Persistent session: reports published while we are briefly away
+        // are delivered when we return.
+        .set_clean_session(false)
+        .set_manual_acks(true)
+        .set_inflight(MAX_INFLIGHT)
+        .set_request_channel_capacity(REQUEST_CHANNEL_CAPACITY)
+        // Reading every packet MQTT allows means no inbound message can make
+        // the connection fail (and be redelivered forever by our persistent
+        // session); the publisher bounds what we send.
+        .set_max_packet_size(MQTT_MAX_REMAINING_LENGTH, MQTT_MAX_REMAINING_LENGTH);
+    if let Some(tls) = &config.mqtt_tls {
+        options.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
+            tls.config.clone(),
+        )));
+    }
+    if let Some(credentials) = &config.mqtt_credentials {
+        // The one place the broker password leaves its `Secret`.
+        options.set_credentials(
+            credentials.username.clone(),
+            credentials.password.expose().clone(),
+        );
+    }
+    AsyncClient::new(options, REQUEST_CHANNEL_CAPACITY)
+}
+
+/// Polls the event loop until cancelled, forwarding every inbound publish.
+fn mark_connected(status: &MqttStatus, metrics: &Metrics, reconnect: bool) {
+    status.connected.store(true, Ordering::Release);
+    metrics.mqtt_connected.set(1.0);
+    if reconnect {
+        metrics.mqtt_reconnects.increment(1);
+    }
+}
+
+/// Logs a lost connection once, and a failing connect once per kind of
+/// failure (with the fix), the retries at debug level.
+fn log_connection_error(
+    e: &ConnectionError,
+    status: &MqttStatus,
+    failures: &mut ConnectFailures,
+    broker: &str,
+    delay: Duration,
+) {
+    if status.connected.swap(false, Ordering::AcqRel) {
+        tracing::warn!(error = %e, "MQTT connection lost; reconnecting");
+    } else if failures.should_log(e, tokio::time::Instant::now()) {
+        // Not ready until this is fixed; say why, with the fix.
+        tracing::error!(
+            error = %e,
+            broker,
+            hint = connect_hint(e),
+            "cannot connect to the MQTT broker; retrying"
+        );
+    } else {
+        tracing::debug!(error = %e, "MQTT connect failed; retrying in {delay:?}");
+    }
+}
+
+/// A reconnect after being away this long starts a recheck even when the
+/// broker kept the session: its queue may have filled meanwhile.
+pub const LONG_ABSENCE: Duration = Duration::from_secs(30);
+
+pub use crate::broker::{SYS_DROPPED_TOPIC, SYS_STORED_TOPIC};
+
+/// What the event loop hands on besides reports and statuses.
+pub struct EventLoopHooks {
+    /// The dynamic-security answers, with `--broker-accounts dynsec`.
+    pub control: Option<Arc<dyn ControlResponses>>,
+    /// Raised on signs that the broker dropped messages for the server.
+    pub recheck: Arc<RecheckSignal>,
+    /// Subscribe to the broker's `$SYS` counters.
+    pub sys_topics: bool,
+}
+
+/// Reads one `$SYS` counter message: sets its gauge and raises a recheck
+/// when the dropped count rose since the last reading (the first reading
+/// is the baseline).
+fn on_sys_counter(
+    topic: &str,
+    payload: &[u8],
+    last_dropped: &mut Option<u64>,
+    metrics: &Metrics,
+    recheck: &RecheckSignal,
+) {
+    let Some(value) = std::str::from_utf8(payload)
+        .ok()
+        .and_then(|text| text.trim().parse::<u64>().ok())
+    else {
+        tracing::debug!(topic, "unreadable $SYS counter");
+        return;
+    };
+    match topic {
+        SYS_DROPPED_TOPIC => {
+            metrics.broker_messages_dropped.set(value as f64);
+            if last_dropped.is_some_and(|last| value > last) {
+                tracing::warn!(dropped = value, "the broker reports dropped messages");
+                recheck.raise(RecheckTrigger::BrokerDropped);
+            }
+            *last_dropped = Some(value);
+        }
+        SYS_STORED_TOPIC => metrics.broker_messages_stored.set(value as f64),
+        _ => {}
+    }
+}
+
+/// Takes the broker's answers on a control topic the server subscribes to
+/// (Mosquitto's dynamic-security responses), from the event loop.
+pub trait ControlResponses: Send + Sync {
+    /// The topic the answers arrive on.
+    fn topic(&self) -> &str;
+    /// One answer; must not block.
+    fn on_response(&self, payload: &[u8]);
+}
+
+#[allow(clippy::too_many_arguments)]
+pub async fn run_event_loop(
+    mut eventloop: EventLoop,
+    client: AsyncClient,
+    root: TopicRoot,
+    budget: SpecBudget,
+    intake: IntakeSender,
+    status: Arc<MqttStatus>,
+    metrics: Arc<Metrics>,
+    hooks: EventLoopHooks,
+    token: CancellationToken,
+) {
+    let EventLoopHooks {
+        control,
+        recheck,
+        sys_topics,
+    } = hooks;
+    let (broker_host, broker_port) = eventloop.mqtt_options.broker_address();
+    let mut filters = vec![
+        SubscribeFilter::new(root.filter(Channel::Reported), QoS::AtLeastOnce),
+        SubscribeFilter::new(root.filter(Channel::Status), QoS::AtLeastOnce),
+    ];
+    let control_topic = control.as_ref().map(|c| c.topic().to_owned());
+    if let Some(topic) = &control_topic {
+        filters.push(SubscribeFilter::new(topic.clone(), QoS::AtLeastOnce));
+    }
+    if sys_topics {
+        for topic in [SYS_DROPPED_TOPIC, SYS_STORED_TOPIC] {
+            filters.push(SubscribeFilter::new(topic.to_owned(), QoS::AtMostOnce));
+        }
+    }
+    let mut last_dropped = None;
+    let mut ever_connected = false;
+    // When the connection was lost, until the next ConnAck.
+    let mut lost_at: Option<tokio::time::Instant> = None;
+    let intake_budget = intake.budget_bytes();
+    let mut backoff = Backoff::store_and_broker();
+    let mut failures = ConnectFailures::default();
+    loop {
+        let event = tokio::select! {
+            () = token.cancelled() => break,
+            event = eventloop.poll() => event,
+        };
+        match event {
+            Ok(Event::Incoming(Packet::Publish(publish)))
+                if control_topic.as_deref() == Some(publish.topic.as_str()) =>
+            {
+                if let Some(control) = &control {
+                    control.on_response(&publish.payload);
+                }
+                if let Err(e) = client.try_ack(&publish) {
+                    tracing::debug!(error = %e, "could not acknowledge a dynamic-security answer");
+                }
+            }
+            Ok(Event::Incoming(Packet::Publish(publish))) if publish.topic.starts_with("$SYS/") => {
+                on_sys_counter(
+                    &publish.topic,
+                    &publish.payload,
+                    &mut last_dropped,
+                    &metrics,
+                    &recheck,
+                );
+                if let Err(e) = client.try_ack(&publish) {
+                    tracing::debug!(error = %e, "could not acknowledge a $SYS message");
+                }
+            }
+            Ok(Event::Incoming(Packet::Publish(mut publish))) => {
+                let len = publish.payload.len();
+                let oversized = (len > budget.max_report_bytes()).then(|| {
+                    publish.payload = Bytes::new();
+                    len
+                });
+                let received = Received { publish, oversized };
+                if !intake.push(received) {
+                    // Past the budget: stop reading until the ingest caught
+                    // up (the broker holds the rest meanwhile).
+                    metrics.intake_full.increment(1);
+                    tracing::warn!(
+                        budget_bytes = intake_budget,
+                        "the intake holds its --mqtt-intake-buffer-bytes; not reading the broker until the ingest stores half of it"
+                    );
+                    tokio::select! {
+                        () = token.cancelled() => break,
+                        () = intake.wait_for_room() => {}
+                    }
+                }
+            }
+            Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                match lost_at.take() {
+                    Some(at) => {
+                        let away = at.elapsed();
+                        tracing::warn!(
+                            session_present = ack.session_present,
+                            away_ms = u64::try_from(away.as_millis()).unwrap_or(u64::MAX),
+                            "reconnected to the MQTT broker"
+                        );
+                        // A session that came back empty kept nothing; a long
+                        // absence may have filled its queue. (Drops during a
+                        // short one show in the broker's dropped counter.)
+                        if !ack.session_present || away >= LONG_ABSENCE {
+                            recheck.raise(RecheckTrigger::SessionLost);
+                        }
+                    }
+                    None => tracing::info!(
+                        session_present = ack.session_present,
+                        "connected to MQTT broker"
+                    ),
+                }
+                mark_connected(&status, &metrics, ever_connected);
+                ever_connected = true;
+                backoff.reset();
+                failures = ConnectFailures::default();
+                if let Err(e) = client.try_subscribe_many(filters.clone()) {
+                    tracing::error!(error = %e, "could not queue subscriptions");
+                }
+            }
+            Ok(Event::Incoming(Packet::SubAck(_))) => {
+                status.subscribed.store(true, Ordering::Release);
+            }
+            Ok(Event::Incoming(_) | Event::Outgoing(_)) => {}
+            Err(e) => {
+                if ever_connected && lost_at.is_none() {
+                    lost_at = Some(tokio::time::Instant::now());
+                }
+                let delay = backoff.next_delay();
+                let broker = format!("{broker_host}:{broker_port}");
+                log_connection_error(&e, &status, &mut failures, &broker, delay);
+                status.subscribed.store(false, Ordering::Release);
+                metrics.mqtt_connected.set(0.0);
+                tokio::select! {
+                    () = token.cancelled() => break,
+                    () = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+    status.connected.store(false, Ordering::Release);
+    status.subscribed.store(false, Ordering::Release);
+    metrics.mqtt_connected.set(0.0);
+}
+
+/// How often an unchanged connect failure is logged at error level again.
+const REPEAT_CONNECT_ERROR: Duration = Duration::from_secs(60);
+
+/// Decides which failed connection attempts are worth an error line: the
+/// first, each one whose error differs from the last, and the same one
+/// again once a minute (the rest go to debug).
+#[derive(Debug, Default)]
+struct ConnectFailures {
+    last: Option<(String, tokio::time::Instant)>,
+}
+
+impl ConnectFailures {
+    fn should_log(&mut self, error: &ConnectionError, now: tokio::time::Instant) -> bool {
+        let text = error.to_string();
+        let log = match &self.last {
+            None => true,
+            Some((last, at)) => *last != text || now.duration_since(*at) >= REPEAT_CONNECT_ERROR,
+        };
+        if log {
+            self.last = Some((text, now));
+        }
+        log
+    }
+}
+
+/// What an operator should check for a failed connection attempt.
+pub fn connect_hint(error: &ConnectionError) -> &'static str {
+    use rumqttc::ConnectReturnCode as Code;
+    // rumqttc passes TLS failures on as text inside I/O and state errors;
+    // the rustls alert names tell the cases apart.
+    let text = error.to_string();
+    if text.contains("CertificateRequired") {
+        return "the broker requires a client certificate: set IDEM_MQTT_CLIENT_CERT and \
+                IDEM_MQTT_CLIENT_KEY (PEM, signed by a CA the broker trusts)";
+    }
+    if [
+        "BadCertificate",
+        "UnknownCA",
+        "CertificateUnknown",
+        "CertificateExpired",
+    ]
+    .iter()
+    .any(|alert| text.contains(alert))
+    {
+        return "the broker refused the server's client certificate: check that \
+                IDEM_MQTT_CLIENT_CERT is signed by a CA the broker trusts (its cafile) and \
+                has not expired";
+    }
+    if text.contains("invalid peer certificate") {
+        return "the broker's certificate is not trusted: check that IDEM_MQTT_CA_FILE holds the \
+                CA that signed the broker's certificate (without it, the system trust store is \
+                used) and that the host in IDEM_MQTT_URL is named in that certificate";
+    }
+    match error {
+        ConnectionError::ConnectionRefused(Code::BadUserNamePassword | Code::NotAuthorized) => {
+            "the broker refused the server's credentials: check IDEM_MQTT_USERNAME and \
+             IDEM_MQTT_PASSWORD / IDEM_MQTT_PASSWORD_FILE (or the client certificate's identity) \
+             and the broker's accounts"
+        }
+        ConnectionError::ConnectionRefused(Code::BadClientId) => {
+            "the broker refused the client id idem-server:{instance}: check IDEM_INSTANCE and the broker's client id rules"
+        }
+        ConnectionError::ConnectionRefused(
+            Code::Success | Code::RefusedProtocolVersion | Code::ServiceUnavailable,
+        ) => "the broker refused the connection: see the broker's log",
+        ConnectionError::Tls(_) => {
+            "TLS failed: check that IDEM_MQTT_CA_FILE holds the CA that signed the broker's \
+             certificate, that the host in IDEM_MQTT_URL is named in that certificate, and \
+             IDEM_MQTT_CLIENT_CERT / IDEM_MQTT_CLIENT_KEY if the broker requires a client certificate"
+        }
+        ConnectionError::Io(_) | ConnectionError::NetworkTimeout | ConnectionError::FlushTimeout => {
+            "cannot reach the broker or it closed the connection: check the host and port in \
+             IDEM_MQTT_URL, whether the listener expects TLS (mqtts://), and whether it requires a \
+             client certificate (IDEM_MQTT_CLIENT_CERT / IDEM_MQTT_CLIENT_KEY)"
+        }
+        ConnectionError::MqttState(_) | ConnectionError::NotConnAck(_) | ConnectionError::RequestsDone => {
+            "the connection failed after it was opened: check the broker's log"
+        }
+    }
+}
+
+/// Publishes desired state, report requests and events.
+#[derive(Clone)]
+pub struct Publisher {
+    client: AsyncClient,
+    /// Where sends that found the client's channel full wait, in order.
+    outbox: Arc<Outbox>,
+    root: TopicRoot,
+    budget: SpecBudget,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Publisher({})", self.root)
+    }
+}
+
+#[derive(Serialize)]
+struct DesiredMessage<'a> {
+    generation: u64,
+    spec: &'a Value,
+}
+
+impl Publisher {
+    /// The publisher of `client`; its outbox drains until `token` ends.
+    pub fn new(
+        client: AsyncClient,
+        root: TopicRoot,
+        budget: SpecBudget,
+        metrics: Arc<Metrics>,
+        token: CancellationToken,
+    ) -> Self {
+        Self {
+            outbox: Outbox::start(client.clone(), token),
+            client,
+            root,
+            budget,
+            metrics,
+        }
+    }
+
+    /// Publishes `{generation, spec}` retained with QoS 1 on the device's
+    /// desired topic. A failure is logged: the attempt then times out.
+    pub fn push(&self, device: &DeviceId, generation: u64, spec: &Value) {
+        let payload = match serde_json::to_vec(&DesiredMessage { generation, spec }) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(%device, error = %e, "could not encode desired state");
+                return;
+            }
+        };
+        if payload.len() > self.budget.max_desired_bytes() {
+            // The API refuses such specs; this one predates the limit.
+            self.metrics.publish_refused("desired");
+            tracing::error!(
+                %device,
+                bytes = payload.len(),
+                limit = self.budget.max_desired_bytes(),
+                "desired state over the spec budget is not published; lower the spec or raise IDEM_MAX_SPEC_BYTES"
+            );
+            return;
+        }
+        let topic = self.root.topic(device, Channel::Desired);
+        self.outbox
+            .publish(topic, QoS::AtLeastOnce, true, payload, "desired state");
+    }
+
+    /// Sends one message of dynamic-security commands (waits for room in
+    /// the client's channel: never called from the engine or the ingest).
+    pub async fn publish_control(&self, payload: Vec<u8>) -> Result<(), String> {
+        self.client
+            .publish(
+                crate::broker::accounts::CONTROL_TOPIC,
+                QoS::AtLeastOnce,
+                false,
+                payload,
+            )
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Clears the retained `desired` and `status` messages of a deleted
+    /// device (an empty retained publish removes a retained message).
+    pub fn clear_retained(&self, device: &DeviceId) {
+        for channel in [Channel::Desired, Channel::Status] {
+            let topic = self.root.topic(device, channel);
+            self.outbox.publish(
+                topic,
+                QoS::AtLeastOnce,
+                true,
+                Vec::new(),
+                "retained message removal",
+            );
+        }
+    }
+
+    /// Asks the device to report now.
+    pub fn ask_for_report(&self, device: &DeviceId) {
+        let topic = self.root.topic(device, Channel::Get);
+        self.outbox.publish(
+            topic,
+            QoS::AtLeastOnce,
+            false,
+            GET_PAYLOAD.to_vec(),
+            "report request",
+        );
+    }
+
+    /// Publishes one CloudEvent (structured JSON) on an event topic.
+    pub async fn publish_event(&self, topic: String, qos: QoS, payload: Vec<u8>) {
+        if payload.len() > MAX_EVENT_PAYLOAD_BYTES {
+            self.metrics.publish_refused("event");
+            tracing::warn!(
+                %topic,
+                bytes = payload.len(),
+                "event too large for MQTT; it stays in the event log and on SSE"
+            );
+            return;
+        }
+        if let Err(e) = self.client.publish(topic, qos, false, payload).await {
+            tracing::warn!(error = %e, "could not publish an event");
+        }
+    }
+
+    /// Acknowledges an inbound publish (manual acks), without waiting.
+    pub fn ack(&self, publish: &Publish) {
+        self.outbox.ack(publish);
+    }
+
+    pub fn root(&self) -> &TopicRoot {
+        &self.root
+    }
+
+    /// Disconnects cleanly (shutdown).
+    pub async fn disconnect(&self) {
+        let _ = self.client.disconnect().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_device_id_can_be_the_servers_client_id() {
+        for instance in ["idem-1", "a", "prod_east-2"] {
+            let id = server_client_id(instance);
+            assert!(DeviceId::parse(&id).is_err(), "{id} is a valid device id");
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! `idem-bench`'s command line (what `scripts/bench` passes through): the
+//! flags with their defaults, parsed by clap, and the checks that turn them
+//! into the [`Args`] a run uses. No flag reads an environment variable:
+//! the environment's `IDEM_*` variables are the server's.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::{Parser, ValueEnum};
+
+use crate::fleet::DEVICES_PER_PROCESS;
+
+/// Reports in the ingest burst when `--heartbeats` is not given.
+const DEFAULT_BURST: usize = 100_000;
+
+/// The fleet-scale benchmark behind `scripts/bench`: a simulated fleet
+/// against a real idem-server, a private Mosquitto and a fresh database.
+#[derive(Debug, Parser)]
+#[command(
+    name = "idem-bench",
+    // A flag given twice takes its last value (`scripts/bench` passes
+    // `--server-bin` and `--out` before the caller's own flags).
+    args_override_self = true,
+    after_help = "Every IDEM_* variable (and RUST_LOG) in the environment is passed on to the server."
+)]
+struct Cli {
+    /// The idem-server binary to benchmark (release build).
+    #[arg(long, value_name = "PATH")]
+    server_bin: PathBuf,
+
+    /// Where to write the JSON results.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+
+    /// Fleet size.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    devices: usize,
+
+    /// Devices drifted for the converged pass.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    drifted: usize,
+
+    /// Reports per device in the ingest burst (0, the default: a burst of
+    /// 100,000 reports, 10 each at 10,000 devices).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    heartbeats: u32,
+
+    /// New device connections per second (0 = all at once).
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    connect_rate: u32,
+
+    /// Connection attempts in flight (0 = unbounded).
+    #[arg(long, value_name = "M", default_value_t = idem_device_sim::DEFAULT_MAX_CONNECTING)]
+    max_connecting: usize,
+
+    /// Run `perf record -g` during STEP (connect, converged, normal, forced,
+    /// full_push, ingest); data in perf-STEP.data.
+    #[arg(long, value_name = "STEP")]
+    perf: Option<String>,
+
+    /// Profile the server only, or all CPUs.
+    #[arg(long, value_name = "S", value_enum, default_value_t = PerfScope::Server)]
+    perf_scope: PerfScope,
+
+    /// Keep the server's log there (e.g. with
+    /// RUST_LOG=info,sqlx::query=debug for statement timings).
+    #[arg(long, value_name = "FILE")]
+    server_log: Option<PathBuf>,
+
+    /// Edge brokers bridged to the core broker, one fleet worker process
+    /// each (default: none up to 18,000 devices, else one per 18,000
+    /// devices).
+    #[arg(long, value_name = "E")]
+    edges: Option<usize>,
+
+    /// The deployment shape: TLS-only broker, the server and every device
+    /// (and the counting subscriber) on their own password accounts,
+    /// operator token on the API; without it: plain MQTT, anonymous, no
+    /// tokens (--insecure-no-auth).
+    #[arg(long)]
+    secure: bool,
+}
+
+/// What `--perf` profiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PerfScope {
+    /// The server process only.
+    Server,
+    /// Every CPU of the machine.
+    All,
+}
+
+/// A run's settings: the flags, checked, with the defaults that depend on
+/// other flags filled in.
+#[derive(Debug, Clone)]
+pub struct Args {
+    pub server_bin: PathBuf,
+    pub out: Option<PathBuf>,
+    pub devices: usize,
+    pub drifted: usize,
+    /// At least 1.
+    pub heartbeats: u32,
+    pub connect_rate: u32,
+    pub max_connecting: usize,
+    pub perf: Option<String>,
+    pub edges: Option<usize>,
+    pub secure: bool,
+    /// `perf record` profiles every CPU, not only the server.
+    pub perf_all: bool,
+    pub server_log: Option<PathBuf>,
+}
+
+impl Args {
+    /// The process's arguments; `--help` and clap's refusals exit here.
+    pub fn from_command_line() -> Result<Self> {
+        Self::checked(Cli::parse())
+    }
+
+    /// What `argv` (with the program name first) asks for.
+    #[cfg(test)]
+    fn parse_from<I: AsRef<str>>(argv: impl IntoIterator<Item = I>) -> Result<Self> {
+        let argv = argv.into_iter().map(|arg| arg.as_ref().to_owned());
+        Self::checked(Cli::try_parse_from(argv)?)
+    }
+
+    fn checked(cli: Cli) -> Result<Self> {
+        let heartbeats = match cli.heartbeats {
+            0 => u32::try_from((DEFAULT_BURST / cli.devices.max(1)).max(1)).unwrap_or(1),
+            given => given,
+        };
+        let args = Self {
+            server_bin: cli.server_bin,
+            out: cli.out,
+            devices: cli.devices,
+            drifted: cli.drifted,
+            heartbeats,
+            connect_rate: cli.connect_rate,
+            max_connecting: cli.max_connecting,
+            perf: cli.perf,
+            edges: cli.edges,
+            secure: cli.secure,
+            perf_all: cli.perf_scope == PerfScope::All,
+            server_log: cli.server_log,
+        };
+        if args.server_bin.as_os_str().is_empty() {
+            bail!("--server-bin is required (the idem-server binary to benchmark)");
+        }
+        if args.devices == 0 || args.drifted == 0 || args.drifted > args.devices {
+            bail!("need 0 < --drifted <= --devices");
+        }
+        if args.secure && args.edge_count() > 0 {
+            bail!(
+                "--secure runs on one broker: use at most {DEVICES_PER_PROCESS} devices and no --edges"
+            );
+        }
+        if args.edge_count() > args.devices {
+            bail!("--edges must not exceed --devices");
+        }
+        Ok(args)
+    }
+
+    /// Edge brokers (and fleet worker processes) this run uses.
+    pub fn edge_count(&self) -> usize {
+        self.edges.unwrap_or(if self.devices > DEVICES_PER_PROCESS {
+            self.devices.div_ceil(DEVICES_PER_PROCESS)
+        } else {
+            0
+        })
+    }
+
+    /// Devices one simulator process holds.
+    pub fn devices_per_process(&self) -> usize {
+        self.devices.div_ceil(self.edge_count().max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn args(flags: &[&str]) -> Result<Args> {
+        Args::parse_from(["idem-bench"].iter().chain(flags))
+    }
+
+    #[test]
+    fn only_the_server_binary_is_required_and_the_rest_has_the_documented_defaults() {
+        let a = args(&["--server-bin", "target/release/idem-server"]).unwrap();
+        assert_eq!(a.server_bin, PathBuf::from("target/release/idem-server"));
+        assert_eq!((a.devices, a.drifted, a.heartbeats), (10_000, 4, 10));
+        assert_eq!((a.connect_rate, a.max_connecting), (0, 100));
+        assert_eq!(
+            (&a.out, &a.perf, a.edges, &a.server_log),
+            (&None, &None, None, &None)
+        );
+        assert!(!a.secure && !a.perf_all);
+        assert_eq!((a.edge_count(), a.devices_per_process()), (0, 10_000));
+        assert!(args(&[]).is_err());
+        assert!(args(&["--server-bin", ""]).is_err());
+    }
+
+    #[test]
+    fn every_flag_sets_its_value() {
+        let a = args(&[
+            "--server-bin=s",
+            "--out",
+            "o.json",
+            "--devices",
+            "2000",
+            "--drifted",
+            "7",
+            "--heartbeats",
+            "3",
+            "--connect-rate",
+            "500",
+            "--max-connecting",
+            "0",
+            "--perf",
+            "full_push",
+            "--perf-scope",
+            "all",
+            "--server-log",
+            "server.log",
+            "--edges",
+            "2",
+        ])
+        .unwrap();
+        assert_eq!(a.out, Some(PathBuf::from("o.json")));
+        assert_eq!((a.devices, a.drifted, a.heartbeats), (2000, 7, 3));
+        assert_eq!((a.connect_rate, a.max_connecting), (500, 0));
+        assert_eq!(a.perf.as_deref(), Some("full_push"));
+        assert!(a.perf_all);
+        assert_eq!(a.server_log, Some(PathBuf::from("server.log")));
+        assert_eq!((a.edge_count(), a.devices_per_process()), (2, 1000));
+        let secure = args(&["--server-bin", "s", "--secure", "--perf-scope", "server"]).unwrap();
+        assert!(secure.secure && !secure.perf_all);
+    }
+
+    #[test]
+    fn a_flag_given_twice_takes_its_last_value_as_scripts_bench_relies_on() {
+        let a = args(&[
+            "--server-bin",
+            "first",
+            "--out",
+            "default.json",
+            "--secure",
+            "--out",
+            "mine.json",
+            "--server-bin",
+            "second",
+            "--secure",
+        ])
+        .unwrap();
+        assert_eq!(a.server_bin, PathBuf::from("second"));
+        assert_eq!(a.out, Some(PathBuf::from("mine.json")));
+        assert!(a.secure);
+    }
+
+    #[test]
+    fn the_ingest_burst_defaults_to_100000_reports_and_at_least_one_per_device() {
+        let heartbeats = |devices: &str| {
+            args(&[
+                "--server-bin",
+                "s",
+                "--devices",
+                devices,
+                "--heartbeats",
+                "0",
+            ])
+            .unwrap()
+            .heartbeats
+        };
+        assert_eq!(heartbeats("10000"), 10);
+        assert_eq!(heartbeats("2000"), 50);
+        assert_eq!(heartbeats("100000"), 1);
+        assert_eq!(heartbeats("300000"), 1);
+    }
+
+    #[test]
+    fn large_fleets_spread_over_one_edge_per_18000_devices() {
+        let a = args(&[
+            "--server-bin",
+            "s",
+            "--devices",
+            "100000",
+            "--drifted",
+            "40",
+        ])
+        .unwrap();
+        assert_eq!((a.edge_count(), a.devices_per_process()), (6, 16_667));
+    }
+
+    #[test]
+    fn inconsistent_flags_are_refused_with_the_fix() {
+        let refusal = |flags: &[&str]| {
+            let mut argv = vec!["--server-bin", "s"];
+            argv.extend_from_slice(flags);
+            args(&argv).unwrap_err().to_string()
+        };
+        assert!(refusal(&["--drifted", "0"]).contains("0 < --drifted <= --devices"));
+        assert!(refusal(&["--devices", "3", "--drifted", "4"]).contains("--drifted <= --devices"));
+        assert!(refusal(&["--secure", "--edges", "1"]).contains("at most 18000 devices"));
+        assert!(refusal(&["--devices", "4", "--edges", "5"]).contains("must not exceed"));
+        assert!(args(&["--server-bin", "s", "--perf-scope", "cores"]).is_err());
+        assert!(args(&["--server-bin", "s", "--frobnicate"]).is_err());
+    }
+
+    #[test]
+    fn no_flag_reads_the_environment() {
+        for arg in Cli::command().get_arguments() {
+            assert_eq!(arg.get_env(), None, "--{}", arg.get_id());
+        }
+    }
+}

@@ -1,0 +1,453 @@
+//! The benchmark's steps, in order: register, connect, the write floor,
+//! the converged pass, the normal and the forced run over the re-drifted
+//! fleet, the full push and the ingest burst; then memory. Each step runs
+//! through [`Bench::step`]; what they measure goes to the report.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use idem_device_sim::memory::MemoryField;
+use idem_device_sim::{
+    check_outcomes, format_count, BrokerAddr, ExpectedOutcome, Fleet, FleetConfig, RunView,
+};
+use idem_protocol::TopicRoot;
+use idem_tests::PrivateMosquitto;
+use serde_json::{json, Value};
+
+use crate::bench::{
+    details, diagnose, follow_run, run_details, wait_stored, Bench, Record, APPLIED, POLL, PUSHES,
+    STEP_TIMEOUT,
+};
+use crate::counter::{Counter, COUNTER_USER};
+use crate::fleet::{bench_plan, BenchFleet};
+use crate::report::{report, Measured};
+
+pub async fn run_steps(
+    bench: &Bench,
+    core: &PrivateMosquitto,
+    workers: Option<BenchFleet>,
+    root: &TopicRoot,
+    server_env: &[(String, String)],
+    load_before: &str,
+) -> Result<()> {
+    let n = bench.args.devices;
+    let k = bench.args.heartbeats;
+    let plan = bench_plan(n, bench.args.drifted)?;
+    let drifted_ids = plan.ids_expecting(ExpectedOutcome::Provisioned);
+    let expected_summary = plan.expected_counts().summary();
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let server_idle_rss = bench.probe.server_memory(MemoryField::Rss);
+    let sim_idle_rss = workers
+        .as_ref()
+        .and_then(BenchFleet::workers_idle_rss)
+        .unwrap_or_else(|| idem_device_sim::memory::rss_bytes().unwrap_or(0));
+    let mut record = Record::default();
+
+    // Registration (not a target; reported for context).
+    register_step(bench, &plan, &mut record).await?;
+    let (mut fleet, connected_s, connect_wall) =
+        connect_step(bench, core, workers, root, &plan, &mut record).await?;
+    // Steady state with the fleet connected: after the ingest settled.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let server_connected_rss = bench.probe.server_memory(MemoryField::Rss);
+
+    // PostgreSQL's write floor for one run over this fleet, in this run:
+    // one outcome row and one event row per device by COPY.
+    // (The same rows by UNNEST, for comparison.)
+    let floors = idem_tests::write_floor::measure(bench.db.pool(), n, 3).await?;
+    let write_floor = floors.copy;
+    println!(
+        "  write floor   {:.3} s   ({} outcome rows + {} event rows by COPY, best of 3; by UNNEST {:.3} s)",
+        write_floor.as_secs_f64(),
+        format_count(n as u64),
+        format_count(n as u64),
+        floors.unnest.as_secs_f64()
+    );
+    record.write_floor_unnest = Some(floors.unnest);
+
+    // Converged pass: a normal run over the fleet with `drifted` devices off.
+    let all = json!({"all": true});
+    let (converged, converged_wall, _) =
+        run_step(bench, &mut record, "converged", RunStart::Run(&all)).await?;
+    if converged.summary != expected_summary {
+        bail!(
+            "converged pass summary {:?}, expected {expected_summary:?}",
+            converged.summary
+        );
+    }
+    let outcomes = bench.client.outcomes(converged.id).await?;
+    let truth = check_outcomes(&plan, &outcomes);
+    if !truth.passed() {
+        bail!(
+            "converged pass: outcomes differ from the simulators' ground truth for {:?}",
+            truth
+                .mismatching_devices()
+                .iter()
+                .take(10)
+                .collect::<Vec<_>>()
+        );
+    }
+    println!(
+        "  converged pass: {} (every one of {} outcomes matches the simulators' ground truth)",
+        converged.summary,
+        format_count(outcomes.len() as u64)
+    );
+
+    // Payoff: the same fleet, re-drifted, reconciled normally, then forced.
+    redrift(bench, &mut fleet, &drifted_ids, &plan.desired_spec).await?;
+    let (normal, normal_wall, normal_pushes) =
+        run_step(bench, &mut record, "normal", RunStart::Run(&all)).await?;
+    if normal.summary != expected_summary {
+        bail!(
+            "normal run summary {:?}, expected {expected_summary:?}",
+            normal.summary
+        );
+    }
+    redrift(bench, &mut fleet, &drifted_ids, &plan.desired_spec).await?;
+    let forced_body = json!({"all": true, "force": true});
+    let (_, forced_wall, forced_pushes) =
+        run_step(bench, &mut record, "forced", RunStart::Run(&forced_body)).await?;
+
+    // Full push: a fleet-wide desired change; every device is pushed to.
+    let new_spec = json!({"firmware": "2.5.0", "version": "2025.2",
+        "telemetry": {"interval_s": 30, "metrics": ["temp", "rssi", "battery"]},
+        "features": {"ota": true, "debug_log": false}});
+    let desired_body = json!({"all": true, "spec": new_spec});
+    let (full, full_wall, full_pushes) = run_step(
+        bench,
+        &mut record,
+        "full_push",
+        RunStart::Desired(&desired_body),
+    )
+    .await?;
+    if full.counts.provisioned != n as u64 {
+        bail!("full push: {}", full.summary);
+    }
+
+    // Ingest: every device publishes K reports at once; the server's stored
+    // rate against a bare subscriber's received rate, same burst.
+    let (total, sub_rate, server_rate) =
+        ingest_step(bench, core, root, &mut fleet, &mut record).await?;
+    let ingest_ratio = server_rate / sub_rate;
+
+    // Memory. The cache gauge is refreshed every 2 s.
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    let cache_bytes = bench.metric("idem_fleet_cache_bytes").await?;
+    let server_peak = bench.probe.server_memory(MemoryField::PeakRss);
+    let server_end_rss = bench.probe.server_memory(MemoryField::Rss);
+    let sim_peak = fleet.peak_rss().await?;
+    let stopping = Instant::now();
+    let stats = fleet.shutdown().await?;
+    let shutdown_s = stopping.elapsed().as_secs_f64();
+    let per_device = |bytes: u64, idle: u64| bytes.saturating_sub(idle) as f64 / n as f64;
+    let server_steady_per_device = per_device(server_connected_rss, server_idle_rss);
+    let server_peak_per_device = per_device(server_peak, server_idle_rss);
+    let sim_per_device = per_device(sim_peak, sim_idle_rss);
+
+    let measured = Measured {
+        n,
+        k,
+        total,
+        connect_wall,
+        connected_s,
+        converged,
+        converged_wall,
+        write_floor,
+        normal_wall,
+        normal_server_ms: normal.duration_ms.unwrap_or(0),
+        forced_wall,
+        normal_pushes,
+        forced_pushes,
+        full_wall,
+        full_pushes,
+        sub_rate,
+        server_rate,
+        ingest_ratio,
+        server_idle_rss,
+        server_connected_rss,
+        server_end_rss,
+        server_peak,
+        server_steady_per_device,
+        server_peak_per_device,
+        sim_idle_rss,
+        sim_peak,
+        sim_per_device,
+        stats,
+        shutdown_s,
+        cache_bytes,
+    };
+    report(bench, load_before, server_env, &record, measured)
+}
+
+/// How a run step starts its run.
+#[derive(Clone, Copy)]
+enum RunStart<'a> {
+    /// `POST /v1/runs` with this body.
+    Run(&'a Value),
+    /// `POST /v1/desired` with this body.
+    Desired(&'a Value),
+}
+
+/// Step `name`: starts a run and follows it until completed. Returns the
+/// run, the step's duration and the publishes the server made meanwhile.
+async fn run_step(
+    bench: &Bench,
+    record: &mut Record,
+    name: &'static str,
+    start: RunStart<'_>,
+) -> Result<(RunView, Duration, f64)> {
+    let client = &bench.client;
+    let pushes_before = bench.metric(PUSHES).await?;
+    let (run, wall) = bench
+        .step(record, name, async {
+            let started = match start {
+                RunStart::Run(body) => client.start_run(body).await?,
+                RunStart::Desired(body) => client.set_desired(body).await?,
+            };
+            let run = follow_run(client, &started.run_id).await?;
+            Ok((run, BTreeMap::new()))
+        })
+        .await?;
+    let pushes = bench.metric(PUSHES).await? - pushes_before;
+    record.annotate_last(run_details(&run, pushes));
+    Ok((run, wall, pushes))
+}
+
+/// Registers the plan's devices, 1,000 per request.
+async fn register_step(
+    bench: &Bench,
+    plan: &idem_device_sim::Plan,
+    record: &mut Record,
+) -> Result<()> {
+    let labels = json!({"bench": "1"});
+    let client = &bench.client;
+    bench
+        .step(record, "register", async {
+            for chunk in plan.devices.chunks(1_000) {
+                client
+                    .register(
+                        chunk.iter().map(|d| d.id.as_str()),
+                        &labels,
+                        &plan.desired_spec,
+                    )
+                    .await?;
+            }
+            Ok(((), details(&[("devices", json!(plan.devices.len()))])))
+        })
+        .await?;
+    Ok(())
+}
+
+/// The in-process fleet's configuration: every device on `broker`, with
+/// TLS and passwords when the benchmark is `--secure`.
+fn in_process_config(
+    bench: &Bench,
+    broker: &PrivateMosquitto,
+    root: &TopicRoot,
+    plan: &idem_device_sim::Plan,
+) -> Result<FleetConfig> {
+    let broker_addr = match broker.ca_file() {
+        Some(_) => BrokerAddr::tls(broker.host(), broker.port()),
+        None => BrokerAddr::new(broker.host(), broker.port()),
+    };
+    let mut config = FleetConfig::new(broker_addr, root.clone(), plan.devices.clone());
+    if let (Some(passwords), Some(ca)) = (&bench.passwords, broker.ca_file()) {
+        config.tls = Some(idem_device_sim::SimTls::from_files(Some(ca), None)?);
+        let devices: HashMap<idem_protocol::DeviceId, String> = plan
+            .devices
+            .iter()
+            .filter_map(|d| {
+                passwords
+                    .get(d.id.as_str())
+                    .map(|p| (d.id.clone(), p.clone()))
+            })
+            .collect();
+        config.credentials = Some(idem_device_sim::Credentials::new(devices));
+    }
+    config.connect_rate = bench.args.connect_rate;
+    config.max_connecting = bench.args.max_connecting;
+    Ok(config)
+}
+
+/// Connect: every device connected and its first report stored. The fleet
+/// starts in this process on the core broker, or in the (already spawned)
+/// `workers` on the edges. Returns the fleet, when all were connected and
+/// the step's duration.
+async fn connect_step(
+    bench: &Bench,
+    core: &PrivateMosquitto,
+    workers: Option<BenchFleet>,
+    root: &TopicRoot,
+    plan: &idem_device_sim::Plan,
+    record: &mut Record,
+) -> Result<(BenchFleet, f64, Duration)> {
+    let n = plan.devices.len();
+    let baseline = bench.metric(APPLIED).await?;
+    let config = match workers {
+        Some(_) => None,
+        None => Some(in_process_config(bench, core, root, plan)?),
+    };
+    let ((fleet, connected_s), connect_wall) = bench
+        .step(record, "connect", async {
+            let started = Instant::now();
+            let mut fleet = match (workers, config) {
+                (Some(mut workers), _) => {
+                    workers.start().await?;
+                    workers
+                }
+                (None, Some(config)) => BenchFleet::InProcess(Fleet::start(config)?),
+                (None, None) => bail!("neither fleet workers nor a fleet configuration"),
+            };
+            let connected = async {
+                fleet.wait_connected(n, STEP_TIMEOUT).await?;
+                anyhow::Ok(started.elapsed().as_secs_f64())
+            };
+            let stored = wait_stored(
+                bench,
+                baseline,
+                n as u64,
+                "SELECT count(*) FROM devices WHERE reported_seq IS NOT NULL",
+                n as i64,
+            );
+            let (connected, stored) = tokio::join!(connected, stored);
+            let connected_s = connected?;
+            stored?;
+            let stats = fleet.stats().await?;
+            Ok((
+                (fleet, connected_s),
+                details(&[
+                    ("all_connected_s", json!(connected_s)),
+                    ("connection_errors", json!(stats.connection_errors)),
+                    ("connections", json!(stats.connections)),
+                ]),
+            ))
+        })
+        .await?;
+    Ok((fleet, connected_s, connect_wall))
+}
+
+/// The ingest step: every device publishes `heartbeats` reports at once;
+/// returns how many, and the rates a bare subscriber received and the
+/// server stored them at.
+async fn ingest_step(
+    bench: &Bench,
+    broker: &PrivateMosquitto,
+    root: &TopicRoot,
+    fleet: &mut BenchFleet,
+    record: &mut Record,
+) -> Result<(u64, f64, f64)> {
+    let n = bench.args.devices;
+    let k = bench.args.heartbeats;
+    let total = n as u64 * u64::from(k);
+    let counter_password = bench
+        .passwords
+        .as_ref()
+        .and_then(|p| p.get(COUNTER_USER))
+        .map(String::as_str);
+    let counter = Counter::start(broker, root, total, counter_password).await?;
+    let baseline = bench.metric(APPLIED).await?;
+    let final_seqs: Vec<(String, i64)> = fleet
+        .seqs()
+        .await?
+        .into_iter()
+        .map(|(id, seq)| (id, seq.saturating_add(i64::from(k))))
+        .collect();
+    let ids: Vec<String> = final_seqs.iter().map(|(id, _)| id.clone()).collect();
+    let seqs: Vec<i64> = final_seqs.iter().map(|(_, s)| *s).collect();
+    let db = bench.db.pool().clone();
+    let ingest = async {
+        let t0 = Instant::now();
+        fleet.request_reports(k).await?;
+        // At least 120 s, and 1,000 reports/s more than that.
+        let deadline = t0 + Duration::from_secs(120 + total / 1_000);
+        let subscriber = async {
+            loop {
+                if let Some(at) = counter.reached() {
+                    return anyhow::Ok(at - t0);
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "the bare subscriber got {} of {total} reports",
+                        counter.count.load(Ordering::Relaxed)
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        let server_stored = async {
+            loop {
+                let applied = bench.metric(APPLIED).await? - baseline;
+                if applied >= total as f64 {
+                    let stored: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM devices d \
+                         JOIN UNNEST($1::text[], $2::int8[]) AS s(id, seq) ON d.id = s.id \
+                         WHERE d.reported_seq >= s.seq",
+                    )
+                    .bind(&ids)
+                    .bind(&seqs)
+                    .fetch_one(&db)
+                    .await
+                    .context("counting stored final reports")?;
+                    if stored == n as i64 {
+                        return anyhow::Ok(t0.elapsed());
+                    }
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "the server applied {applied} of {total} reports\n{}",
+                        diagnose(bench).await
+                    );
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        };
+        let (subscriber, server_stored) = tokio::join!(subscriber, server_stored);
+        let (subscriber, server_stored) = (subscriber?, server_stored?);
+        let sub_rate = total as f64 / subscriber.as_secs_f64();
+        let server_rate = total as f64 / server_stored.as_secs_f64();
+        Ok((
+            (sub_rate, server_rate),
+            details(&[
+                ("reports", json!(total)),
+                ("subscriber_s", json!(subscriber.as_secs_f64())),
+                ("server_stored_s", json!(server_stored.as_secs_f64())),
+                ("subscriber_reports_per_s", json!(sub_rate)),
+                ("server_reports_per_s", json!(server_rate)),
+            ]),
+        ))
+    };
+    let ((sub_rate, server_rate), _) = bench.step(record, "ingest", ingest).await?;
+    counter.stop().await;
+    Ok((total, sub_rate, server_rate))
+}
+
+/// Makes `ids` run a spec other than desired again and waits until the
+/// server has stored their reports.
+async fn redrift(
+    bench: &Bench,
+    fleet: &mut BenchFleet,
+    ids: &[idem_protocol::DeviceId],
+    desired: &Value,
+) -> Result<()> {
+    fleet.redrift(ids, desired).await?;
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    loop {
+        let off = bench
+            .scalar(
+                "SELECT count(*) FROM devices WHERE reported_digest IS DISTINCT FROM desired_digest",
+            )
+            .await?;
+        if off >= ids.len() as i64 {
+            // Let the engine see the reports before the next run starts.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("only {off} of {} re-drifted devices stored", ids.len());
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
