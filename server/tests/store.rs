@@ -5,13 +5,21 @@
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use idem_server::store::cache::Fleet;
 use idem_server::store::devices::{self, Registration, ReportRow};
 use idem_server::store::events;
+use idem_server::store::DeviceWriter;
 use serde_json::json;
 use sqlx::PgPool;
 
+/// A device writer of its own, as another server process would have.
+fn writer(pool: &PgPool) -> DeviceWriter {
+    DeviceWriter::new(pool.clone(), std::sync::Arc::new(Fleet::default()))
+}
+
 async fn register(pool: &PgPool, ids: &[&str]) {
-    let mut tx = pool.begin().await.unwrap();
+    let writer = writer(pool);
+    let mut tx = writer.begin().await.unwrap();
     let registrations: Vec<Registration> = ids
         .iter()
         .map(|id| Registration {
@@ -20,7 +28,7 @@ async fn register(pool: &PgPool, ids: &[&str]) {
         })
         .collect();
     devices::register(&mut tx, &registrations).await.unwrap();
-    tx.commit().await.unwrap();
+    tx.commit("test writes").await.unwrap();
 }
 
 fn report(id: &str, seq: u64, firmware: &str) -> ReportRow {
@@ -40,7 +48,8 @@ fn report(id: &str, seq: u64, firmware: &str) -> ReportRow {
 async fn the_desired_generation_increases_only_when_the_spec_changes(pool: PgPool) {
     register(&pool, &["a", "b"]).await;
     let ids = vec!["a".to_owned(), "b".to_owned()];
-    let mut tx = pool.begin().await.unwrap();
+    let writer = writer(&pool);
+    let mut tx = writer.begin().await.unwrap();
     let first = devices::set_desired(&mut tx, &ids, &json!({"v": 1}), "d1")
         .await
         .unwrap();
@@ -50,7 +59,7 @@ async fn the_desired_generation_increases_only_when_the_spec_changes(pool: PgPoo
     let changed = devices::set_desired(&mut tx, &ids[..1], &json!({"v": 2}), "d2")
         .await
         .unwrap();
-    tx.commit().await.unwrap();
+    tx.commit("test writes").await.unwrap();
     assert_eq!(
         first
             .iter()
@@ -69,11 +78,12 @@ async fn a_report_with_a_lower_or_equal_seq_never_overwrites_a_newer_one(pool: P
     for (seq, firmware, expect_changed) in
         [(5, "new", 1), (5, "dup", 0), (4, "old", 0), (6, "newer", 1)]
     {
-        let mut tx = pool.begin().await.unwrap();
+        let writer = writer(&pool);
+        let mut tx = writer.begin().await.unwrap();
         let changed = devices::apply_reports(&mut tx, &[&report("a", seq, firmware)], false)
             .await
             .unwrap();
-        tx.commit().await.unwrap();
+        tx.commit("test writes").await.unwrap();
         assert_eq!(changed, expect_changed, "seq {seq}");
     }
     let row = devices::get(&pool, "a").await.unwrap().unwrap();
@@ -83,7 +93,8 @@ async fn a_report_with_a_lower_or_equal_seq_never_overwrites_a_newer_one(pool: P
 
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]
 async fn reports_from_unregistered_devices_are_stored_only_with_auto_register(pool: PgPool) {
-    let mut tx = pool.begin().await.unwrap();
+    let writer = writer(&pool);
+    let mut tx = writer.begin().await.unwrap();
     assert_eq!(
         devices::apply_reports(&mut tx, &[&report("new", 1, "x")], false)
             .await
@@ -96,7 +107,7 @@ async fn reports_from_unregistered_devices_are_stored_only_with_auto_register(po
             .unwrap(),
         1
     );
-    tx.commit().await.unwrap();
+    tx.commit("test writes").await.unwrap();
     assert!(devices::get(&pool, "new").await.unwrap().is_some());
 }
 
@@ -167,6 +178,61 @@ async fn a_second_event_writer_waits_for_the_first_to_commit_so_sequences_commit
     }
     first.commit().await.unwrap();
     assert_eq!(second.await.unwrap(), 3);
+}
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn a_device_writer_of_another_process_waits_until_the_first_commits(pool: PgPool) {
+    register(&pool, &["a"]).await;
+    let ours = writer(&pool);
+    let mut first = ours.begin().await.unwrap();
+    devices::set_desired(&mut first, &["a".to_owned()], &json!({"v": 1}), "d1")
+        .await
+        .unwrap();
+    // A second server process has its own writer: only the database-wide
+    // lock keeps its transaction from interleaving with ours.
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            let theirs = writer(&pool);
+            let tx = theirs.begin().await.unwrap();
+            let visible: i64 =
+                sqlx::query_scalar("SELECT desired_generation FROM devices WHERE id = 'a'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            tx.commit("the other process's write").await.unwrap();
+            visible
+        }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            !second.is_finished(),
+            "the other process's writer began while ours was open (it saw generation {})",
+            second.await.unwrap()
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the other process's writer neither waited nor finished"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    first.commit("our write").await.unwrap();
+    assert_eq!(
+        second.await.unwrap(),
+        1,
+        "the other process's writer began after our commit"
+    );
 }
 
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]

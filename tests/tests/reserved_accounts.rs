@@ -287,10 +287,7 @@ async fn in_password_file_mode_reserved_and_listed_accounts_are_refused_and_brok
         ("ops-bot", bot_password),
         ("pump-1", pump_password.as_str()),
     ] {
-        assert!(
-            accounts::verify_mosquitto_hash(own, hash(user)),
-            "{user}"
-        );
+        assert!(accounts::verify_mosquitto_hash(own, hash(user)), "{user}");
         assert!(
             !accounts::verify_mosquitto_hash(OPERATORS_PASSWORD, hash(user)),
             "{user} takes the operator's password"

@@ -29,7 +29,7 @@ use crate::reconcile::policy::RetryPolicy;
 use crate::reconcile::run::RunSpec;
 use crate::store::cache::Fleet;
 use crate::store::events::StoredEvent;
-use crate::store::{self, DeviceWrites, StoreError};
+use crate::store::{self, DeviceWriter, StoreError};
 
 const ENGINE_CAPACITY: usize = 1_024;
 /// Live events buffered per SSE subscriber before it must catch up from the log.
@@ -139,9 +139,11 @@ fn shared_state(
         tracing::warn!("--insecure-no-auth: the API answers everyone as an admin, without a token");
     }
     let (live_events, _) = broadcast::channel(LIVE_EVENTS_CAPACITY);
+    let writer = Arc::new(DeviceWriter::new(pool.clone(), fleet.clone()));
     AppState {
         pool,
         fleet,
+        writer,
         metrics,
         engine,
         live_events,
@@ -149,7 +151,6 @@ fn shared_state(
         mqtt: Arc::new(MqttStatus::default()),
         publisher,
         engine_stats: Arc::new(EngineStats::default()),
-        device_writes: DeviceWrites::default(),
         event_source: format!("/idem/{}", config.config.instance),
         sse: SseClients::new(SseSettings::from_config(&config.config), token.clone()),
         stalls: Stalls::new(config.config.stuck_after),
@@ -285,7 +286,7 @@ impl Workers {
             stats: state.engine_stats.clone(),
             event_source: state.event_source.clone(),
             settings: engine_settings(&config.config),
-            device_writes: state.device_writes.clone(),
+            writer: state.writer.clone(),
             stall: state.stalls.engine.clone(),
         });
         let engine = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
@@ -298,7 +299,7 @@ impl Workers {
             root: config.topic_root.clone(),
             budget: config.budget,
             auto_register: config.config.auto_register,
-            device_writes: state.device_writes.clone(),
+            writer: state.writer.clone(),
             stall: state.stalls.ingest.clone(),
             recheck,
             recheck_after_stall: config.config.recheck_after_stall,

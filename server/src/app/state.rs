@@ -16,12 +16,15 @@ use crate::ops::metrics::Metrics;
 use crate::ops::stall::Stall;
 use crate::store::cache::Fleet;
 use crate::store::events::StoredEvent;
-use crate::store::DeviceWrites;
+use crate::store::DeviceWriter;
 
 /// What every handler and task shares.
 pub struct AppState {
     pub pool: PgPool,
+    /// The fleet cache, to read; it changes only through `writer`.
     pub fleet: Arc<Fleet>,
+    /// The one writer of device rows and of the cache.
+    pub writer: Arc<DeviceWriter>,
     pub metrics: Arc<Metrics>,
     pub engine: mpsc::Sender<EngineCommand>,
     /// Committed events, in sequence order, from the relay (for SSE).
@@ -32,7 +35,6 @@ pub struct AppState {
     /// For clearing a deleted device's retained messages.
     pub publisher: Publisher,
     pub engine_stats: Arc<EngineStats>,
-    pub device_writes: DeviceWrites,
     pub event_source: String,
     /// The SSE client cap and settings (`GET /v1/events`).
     pub sse: SseClients,

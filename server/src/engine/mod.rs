@@ -28,7 +28,7 @@ use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::run::Trigger;
 use crate::store::cache::{Fleet, FleetChange, FleetView};
 use crate::store::devices::DeviceChangeRow;
-use crate::store::{self, Context, DeviceWrites, StoreError};
+use crate::store::{self, DeviceWriter, StoreError};
 use new_run::{commit_run, NewRun};
 
 pub use crate::reconcile::machine::{EngineCommand, EngineSettings};
@@ -57,7 +57,7 @@ pub struct EngineContext {
     /// CloudEvents `source`.
     pub event_source: String,
     pub settings: EngineSettings,
-    pub device_writes: DeviceWrites,
+    pub writer: Arc<DeviceWriter>,
     /// Set while outcome writes fail (read by `/readyz`).
     pub stall: Arc<crate::ops::stall::Stall>,
 }
@@ -188,14 +188,7 @@ impl Engine {
     /// (database down), the machine tries again a debounce window later.
     async fn start_own_run(&self, trigger: Trigger, targets: Vec<DeviceId>) -> EngineCommand {
         let run = NewRun::new(targets.clone(), trigger);
-        let committed = commit_run(
-            &self.ctx.pool,
-            &self.ctx.device_writes,
-            &self.ctx.fleet,
-            &self.ctx.event_source,
-            run,
-        )
-        .await;
+        let committed = commit_run(&self.ctx.writer, &self.ctx.event_source, run).await;
         match committed {
             Ok(run) => {
                 self.ctx.events_wake.notify_one();
@@ -246,12 +239,7 @@ impl Engine {
                         .metrics
                         .db_batch_outcomes
                         .record(started.elapsed().as_secs_f64());
-                    let devices = std::mem::take(&mut record.devices);
-                    self.ctx.fleet.apply(
-                        devices
-                            .into_iter()
-                            .map(|(id, change)| FleetChange::Engine(id, change)),
-                    );
+                    record.devices.clear();
                     self.after_commit(&record, committed);
                     self.machine.record_written(Instant::now());
                     return;
@@ -275,13 +263,7 @@ impl Engine {
     }
 
     async fn try_write(&self, record: &Record) -> Result<Committed, WriteError> {
-        let _one_writer = self.ctx.device_writes.lock().await;
-        let mut tx = self
-            .ctx
-            .pool
-            .begin()
-            .await
-            .context("starting a transaction")?;
+        let mut write = self.ctx.writer.begin().await?;
         let devices: Vec<DeviceChangeRow<'_>> = record
             .devices
             .iter()
@@ -297,13 +279,14 @@ impl Engine {
                 retained_generation: c.retained,
             })
             .collect();
-        store::devices::apply_changes(&mut tx, &devices).await?;
-        store::devices::record_attempts(&mut tx, &record.attempts).await?;
+        store::devices::apply_changes(&mut write, &devices).await?;
+        store::devices::record_attempts(&mut write, &record.attempts).await?;
+        let tx = write.tx();
         let per_run: Vec<(Uuid, OutcomeCounts)> =
             record.per_run.iter().map(|(k, v)| (*k, *v)).collect();
-        store::runs::record_outcomes(&mut tx, &record.outcomes, &per_run).await?;
+        store::runs::record_outcomes(tx, &record.outcomes, &per_run).await?;
         let ids: Vec<Uuid> = record.completed.iter().map(|p| p.id).collect();
-        let completed = store::runs::complete(&mut tx, &ids).await?;
+        let completed = store::runs::complete(tx, &ids).await?;
         let mut drafts: Vec<EventDraft> = record.drafts.clone();
         let now = Instant::now();
         for run in &completed {
@@ -311,10 +294,16 @@ impl Engine {
                 drafts.push(progress.completed_event(run.target_count, &run.counts(), now));
             }
         }
-        let first = store::events::reserve_sequences(&mut tx, drafts.len()).await?;
+        let first = store::events::reserve_sequences(tx, drafts.len()).await?;
         let rows = events::finalize(drafts, first, &self.ctx.event_source, chrono::Utc::now())?;
-        store::events::insert(&mut tx, &rows).await?;
-        tx.commit().await.context("committing outcomes")?;
+        store::events::insert(tx, &rows).await?;
+        write.mirror(
+            record
+                .devices
+                .iter()
+                .map(|(id, change)| FleetChange::Engine(id.clone(), change.clone())),
+        );
+        write.commit("committing outcomes").await?;
         Ok(Committed {
             completed: completed.into_iter().map(|r| (r.id, r.counts())).collect(),
             events: rows.len(),

@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
 use serde_json::Value;
-use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedData};
@@ -20,7 +19,7 @@ use crate::store::access::AuditRecord;
 use crate::store::cache::{DesiredState, Fleet, FleetChange};
 use crate::store::devices::DeviceChangeRow;
 use crate::store::runs::ConvergedTarget;
-use crate::store::{self, Context, DeviceWrites, StoreError};
+use crate::store::{self, DeviceTx, DeviceWriter, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommitRunError {
@@ -91,25 +90,17 @@ impl NewRun {
 /// event and any device change in this same transaction; the engine only
 /// carries the rest.
 pub async fn commit_run(
-    pool: &PgPool,
-    device_writes: &DeviceWrites,
-    fleet: &Fleet,
+    writer: &DeviceWriter,
     event_source: &str,
     run: NewRun,
 ) -> Result<RunSpec, CommitRunError> {
     let run_id = Uuid::now_v7();
     let mut targets = run.targets;
-    // Only a desired change or a release updates device rows here.
-    let _one_writer = if run.spec.is_some() || run.release_quarantined {
-        Some(device_writes.lock().await)
-    } else {
-        None
-    };
-    let mut tx = pool.begin().await.context("starting a transaction")?;
+    let mut write = writer.begin().await?;
     let mut released = Vec::new();
     if run.release_quarantined {
         let ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
-        let quarantined: HashSet<String> = store::devices::release_quarantine(&mut tx, &ids)
+        let quarantined: HashSet<String> = store::devices::release_quarantine(&mut write, &ids)
             .await?
             .into_iter()
             .collect();
@@ -124,14 +115,20 @@ pub async fn commit_run(
     let mut desired_changes = Vec::new();
     if let Some((digest, spec)) = &digest_and_spec {
         desired_changes =
-            store::devices::set_desired(&mut tx, &target_ids, spec, &digest.to_string()).await?;
+            store::devices::set_desired(&mut write, &target_ids, spec, &digest.to_string()).await?;
     }
     let new_generations: HashMap<&str, u64> = desired_changes
         .iter()
         .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
         .collect();
     let new_digest = digest_and_spec.as_ref().map(|(digest, _)| *digest);
-    let converged = converged_targets(fleet, &targets, run.force, new_digest, &new_generations);
+    let converged = converged_targets(
+        write.cache(),
+        &targets,
+        run.force,
+        new_digest,
+        &new_generations,
+    );
     let (undecided, undecided_ids) = split_undecided(&targets, &converged);
     let started = RunStartedData {
         trigger: run.trigger.as_str().to_owned(),
@@ -146,7 +143,7 @@ pub async fn commit_run(
         started_by: run.started_by.as_deref(),
     };
     write_run(
-        &mut tx,
+        &mut write,
         row,
         &undecided_ids,
         &converged,
@@ -159,28 +156,33 @@ pub async fn commit_run(
         if let ([only], None) = (desired_changes.as_slice(), audit.generation) {
             audit.generation = Some(store::to_u64(only.desired_generation));
         }
-        store::access::record_audit(&mut *tx, &audit).await?;
+        store::access::record_audit(&mut **write.tx(), &audit).await?;
     }
-    tx.commit().await.context("committing a run")?;
-    fleet.apply(released.into_iter().map(FleetChange::Released));
+    write.mirror(released.into_iter().map(FleetChange::Released));
     if let Some((digest, spec)) = digest_and_spec {
-        fleet.apply(desired_changes.into_iter().filter_map(|write| {
-            let id = DeviceId::parse(&write.id).ok()?;
+        let mut changes = Vec::with_capacity(desired_changes.len());
+        for row in desired_changes {
+            let id = DeviceId::parse(&row.id).map_err(|e| StoreError::Corrupt {
+                context: "reading the ids of a desired change",
+                detail: format!("{:?}: {e}", row.id),
+            })?;
             let desired = DesiredState {
-                generation: store::to_u64(write.desired_generation),
+                generation: store::to_u64(row.desired_generation),
                 digest,
                 spec: spec.clone(),
             };
-            Some(FleetChange::Desired(id, desired))
-        }));
+            changes.push(FleetChange::Desired(id, desired));
+        }
+        write.mirror(changes);
     }
     let mut converged_ids = Vec::with_capacity(converged.len());
     for c in converged {
         if let Some(change) = c.change {
-            fleet.apply([FleetChange::Engine(c.id.clone(), change)]);
+            write.mirror([FleetChange::Engine(c.id.clone(), change)]);
         }
         converged_ids.push(c.id);
     }
+    write.commit("committing a run").await?;
     Ok(RunSpec {
         id: run_id,
         trigger: run.trigger,
@@ -194,7 +196,7 @@ pub async fn commit_run(
 /// The run row, its targets (converged ones decided), their device changes
 /// and the run's events, in the caller's transaction.
 async fn write_run(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     row: store::runs::NewRunRow<'_>,
     undecided_ids: &[String],
     converged: &[Converged],
@@ -209,12 +211,13 @@ async fn write_run(
             health: c.health.map(Health::as_str),
         })
         .collect();
-    store::runs::create(tx, row, undecided_ids, &targets).await?;
+    store::runs::create(write.tx(), row, undecided_ids, &targets).await?;
     let changes: Vec<DeviceChangeRow<'_>> = converged
         .iter()
         .filter_map(|c| c.change.as_ref().map(|change| change_row(&c.id, change)))
         .collect();
-    store::devices::apply_changes(tx, &changes).await?;
+    store::devices::apply_changes(write, &changes).await?;
+    let tx = write.tx();
     let run_id = row.id;
     let mut drafts = vec![EventDraft::run_started(run_id, started)];
     drafts.extend(converged.iter().map(|c| {

@@ -33,7 +33,7 @@ use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::ReportedState;
 use crate::store::cache::{Fleet, FleetChange};
 use crate::store::devices::{DeviceChangeRow, ReportRow};
-use crate::store::{self, Context, DeviceWrites, StoreError};
+use crate::store::{self, DeviceWriter, StoreError};
 
 /// Most messages stored in one database batch.
 const MAX_BATCH: usize = 4_096;
@@ -172,7 +172,7 @@ pub struct Ingest {
     pub root: TopicRoot,
     pub budget: SpecBudget,
     pub auto_register: bool,
-    pub device_writes: DeviceWrites,
+    pub writer: Arc<DeviceWriter>,
     /// Set while batches fail to commit (read by `/readyz`).
     pub stall: Arc<Stall>,
     /// Raised when a write was held at least `recheck_after_stall`: the
@@ -212,6 +212,13 @@ impl Ingest {
 
     async fn process(&self, messages: &[Received], token: &CancellationToken) {
         let mut batch = self.sort(messages);
+        // Connection changes, judged before the write mirrors them.
+        let connectivity: Vec<(DeviceId, bool)> = batch
+            .online
+            .iter()
+            .filter(|(device, online)| self.fleet.online(device) != Some(**online))
+            .map(|(device, online)| (device.clone(), *online))
+            .collect();
         let Some(refused) = self.store(&batch, token).await else {
             // Cancelled before the batch committed: leave the messages
             // unacknowledged so the broker delivers them again.
@@ -220,29 +227,7 @@ impl Ingest {
         for device in &refused {
             batch.reports.remove(device);
         }
-        let mut applied = Vec::with_capacity(batch.reports.len());
-        for (device, (report, digest)) in batch.reports {
-            let state = ReportedState {
-                seq: report.seq,
-                digest,
-                generation: report.generation,
-                rejection: report.error.map(|e| (e.generation, e.message)),
-            };
-            self.fleet.apply([FleetChange::Reported {
-                id: device.clone(),
-                reported: state,
-                health: report.health,
-            }]);
-            applied.push(device);
-        }
-        let mut connectivity = Vec::new();
-        for (device, online) in batch.online {
-            if self.fleet.online(&device) != Some(online) {
-                self.fleet
-                    .apply([FleetChange::Online(device.clone(), online)]);
-                connectivity.push((device, online));
-            }
-        }
+        let applied: Vec<DeviceId> = batch.reports.into_keys().collect();
         for received in messages {
             self.publisher.ack(&received.publish);
         }
@@ -346,18 +331,25 @@ impl Ingest {
                 device: device.clone(),
                 digest: *digest,
                 row: report_row(device, report, digest),
+                state: ReportedState {
+                    seq: report.seq,
+                    digest: *digest,
+                    generation: report.generation,
+                    rejection: report
+                        .error
+                        .as_ref()
+                        .map(|e| (e.generation, e.message.clone())),
+                },
+                health: report.health,
             })
             .collect();
-        let online: Vec<(String, bool)> = batch
-            .online
-            .iter()
-            .map(|(d, o)| (d.to_string(), *o))
-            .collect();
+        let online: Vec<(DeviceId, bool)> =
+            batch.online.iter().map(|(d, o)| (d.clone(), *o)).collect();
         let mut refused = Vec::new();
         // Report slices still to write; the connection state goes with the
         // first write that commits (alone, if every report was refused).
         let mut pending: Vec<&[PendingReport]> = vec![&rows];
-        let mut online: &[(String, bool)] = &online;
+        let mut online: &[(DeviceId, bool)] = &online;
         let mut backoff = Backoff::store_and_broker();
         loop {
             let slice = match pending.pop() {
@@ -414,7 +406,7 @@ impl Ingest {
     async fn write(
         &self,
         rows: &[PendingReport],
-        online: &[(String, bool)],
+        online: &[(DeviceId, bool)],
     ) -> Result<(), WriteFailure> {
         let classify_failure = |e: StoreError| {
             if e.is_refused_data() {
@@ -424,14 +416,8 @@ impl Ingest {
             }
         };
         let reports: Vec<&ReportRow> = rows.iter().map(|r| &r.row).collect();
-        let _one_writer = self.device_writes.lock().await;
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .context("starting a transaction")
-            .map_err(WriteFailure::Transient)?;
-        store::devices::apply_reports(&mut tx, &reports, self.auto_register)
+        let mut write = self.writer.begin().await.map_err(WriteFailure::Transient)?;
+        store::devices::apply_reports(&mut write, &reports, self.auto_register)
             .await
             .map_err(classify_failure)?;
         // A device never reconciled that reports exactly its desired state
@@ -440,7 +426,7 @@ impl Ingest {
         // one), so the fleet's first run has no row to rewrite for it.
         let converged: Vec<&DeviceId> = rows
             .iter()
-            .filter(|r| self.fleet.first_report_converges(&r.device, &r.digest))
+            .filter(|r| write.cache().first_report_converges(&r.device, &r.digest))
             .map(|r| &r.device)
             .collect();
         let changes: Vec<DeviceChangeRow<'_>> = converged
@@ -451,25 +437,38 @@ impl Ingest {
                 ..DeviceChangeRow::default()
             })
             .collect();
-        store::devices::apply_changes(&mut tx, &changes)
+        store::devices::apply_changes(&mut write, &changes)
             .await
             .map_err(classify_failure)?;
-        store::devices::set_online(&mut tx, online)
+        let online_rows: Vec<(String, bool)> =
+            online.iter().map(|(d, o)| (d.to_string(), *o)).collect();
+        store::devices::set_online(&mut write, &online_rows)
             .await
-            .map_err(classify_failure)?;
-        tx.commit()
-            .await
-            .context("committing reports")
             .map_err(classify_failure)?;
         let change = DeviceChange {
             status: Some(DeviceStatus::Converged),
             ..DeviceChange::default()
         };
-        self.fleet.apply(
+        let converged: Vec<DeviceId> = converged.into_iter().cloned().collect();
+        write.mirror(rows.iter().map(|r| FleetChange::Reported {
+            id: r.device.clone(),
+            reported: r.state.clone(),
+            health: r.health,
+        }));
+        write.mirror(
             converged
                 .into_iter()
-                .map(|id| FleetChange::Engine(id.clone(), change.clone())),
+                .map(|id| FleetChange::Engine(id, change.clone())),
         );
+        write.mirror(
+            online
+                .iter()
+                .map(|(device, online)| FleetChange::Online(device.clone(), *online)),
+        );
+        write
+            .commit("committing reports")
+            .await
+            .map_err(classify_failure)?;
         Ok(())
     }
 }
@@ -479,6 +478,9 @@ struct PendingReport {
     device: DeviceId,
     digest: SpecDigest,
     row: ReportRow,
+    /// What the cache holds once the row has committed.
+    state: ReportedState,
+    health: Option<Health>,
 }
 
 fn report_row(device: &DeviceId, report: &Reported, digest: &SpecDigest) -> ReportRow {

@@ -255,8 +255,9 @@ impl Fleet {
         }
     }
 
-    /// Mirrors committed changes, in order.
-    pub fn apply(&self, changes: impl IntoIterator<Item = FleetChange>) {
+    /// Mirrors committed changes, in order: only the device writer calls
+    /// it, when the transaction that made them has committed.
+    pub(super) fn apply(&self, changes: impl IntoIterator<Item = FleetChange>) {
         for change in changes {
             match change {
                 FleetChange::Registered(id) => {
@@ -286,6 +287,13 @@ impl Fleet {
                 }
             }
         }
+    }
+
+    /// Mirrors changes a test's world committed (the state machine's tests
+    /// stand in for the device writer).
+    #[cfg(test)]
+    pub(crate) fn apply_committed(&self, changes: impl IntoIterator<Item = FleetChange>) {
+        self.apply(changes);
     }
 
     /// Adds or replaces one entry (a test's device with known state).

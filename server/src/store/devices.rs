@@ -2,9 +2,10 @@
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::PgPool;
 use uuid::Uuid;
 
+use super::writer::DeviceTx;
 use super::{to_i64, Context, StoreError};
 
 /// One device as stored, for loading the cache and for the API.
@@ -124,19 +125,20 @@ pub struct RegistrationCounts {
 /// Upserts many devices in one statement; rows whose labels do not change are
 /// not written.
 pub async fn register(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     registrations: &[Registration],
 ) -> Result<RegistrationCounts, StoreError> {
-    register_returning_new(tx, registrations)
+    register_returning_new(write, registrations)
         .await
         .map(|(counts, _)| counts)
 }
 
 /// [`register`], also returning the ids of the devices that are new.
 pub async fn register_returning_new(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     registrations: &[Registration],
 ) -> Result<(RegistrationCounts, Vec<String>), StoreError> {
+    let tx = write.tx();
     let ids: Vec<&str> = registrations.iter().map(|r| r.id.as_str()).collect();
     let labels: Vec<Option<String>> = registrations
         .iter()
@@ -176,9 +178,10 @@ pub async fn register_returning_new(
 
 /// Records the Mosquitto hashes of newly issued broker passwords.
 pub async fn set_broker_password_hashes(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     hashes: &[(String, String)],
 ) -> Result<(), StoreError> {
+    let tx = write.tx();
     if hashes.is_empty() {
         return Ok(());
     }
@@ -218,11 +221,12 @@ pub struct DesiredWrite {
 /// where the digest changes; unchanged rows are not written. Returns the
 /// devices that changed with their new generation.
 pub async fn set_desired(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     ids: &[String],
     spec: &Value,
     digest: &str,
 ) -> Result<Vec<DesiredWrite>, StoreError> {
+    let tx = write.tx();
     sqlx::query_as(
         "UPDATE devices SET desired_spec = $2, desired_digest = $3, \
              desired_generation = desired_generation + 1, desired_at = now(), updated_at = now() \
@@ -253,10 +257,11 @@ pub struct ReportRow {
 /// Stores a batch of reports (at most one per device); a row whose stored
 /// seq is already as high is left alone. Returns how many rows changed.
 pub async fn apply_reports(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     reports: &[&ReportRow],
     auto_register: bool,
 ) -> Result<u64, StoreError> {
+    let tx = write.tx();
     if reports.is_empty() {
         return Ok(0);
     }
@@ -305,9 +310,10 @@ pub async fn apply_reports(
 
 /// Records the devices' connection state; unchanged rows are not written.
 pub async fn set_online(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     changes: &[(String, bool)],
 ) -> Result<(), StoreError> {
+    let tx = write.tx();
     if changes.is_empty() {
         return Ok(());
     }
@@ -341,9 +347,10 @@ pub struct AttemptRow {
 
 /// Appends attempt history.
 pub async fn record_attempts(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     rows: &[AttemptRow],
 ) -> Result<(), StoreError> {
+    let tx = write.tx();
     if rows.is_empty() {
         return Ok(());
     }
@@ -393,9 +400,10 @@ pub struct DeviceChangeRow<'a> {
 /// Writes each device's merged change in one statement; a row whose values
 /// would not change is not rewritten.
 pub async fn apply_changes(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     rows: &[DeviceChangeRow<'_>],
 ) -> Result<(), StoreError> {
+    let tx = write.tx();
     if rows.is_empty() {
         return Ok(());
     }
@@ -472,10 +480,8 @@ pub async fn apply_changes(
 /// Forgets a device's reported state, so its next report is accepted
 /// whatever its `seq` (an operator's way out of a poisoned seq). Returns
 /// whether the device exists.
-pub async fn reset_reported(
-    tx: &mut Transaction<'_, Postgres>,
-    id: &str,
-) -> Result<bool, StoreError> {
+pub async fn reset_reported(write: &mut DeviceTx<'_>, id: &str) -> Result<bool, StoreError> {
+    let tx = write.tx();
     let done = sqlx::query(
         "UPDATE devices SET reported_spec = NULL, reported_digest = NULL, reported_seq = NULL, \
              reported_generation = NULL, reported_error_generation = NULL, reported_error = NULL, \
@@ -492,7 +498,8 @@ pub async fn reset_reported(
 
 /// Deletes a device with its attempt history; its outcomes in past runs stay.
 /// Returns whether it existed.
-pub async fn delete(tx: &mut Transaction<'_, Postgres>, id: &str) -> Result<bool, StoreError> {
+pub async fn delete(write: &mut DeviceTx<'_>, id: &str) -> Result<bool, StoreError> {
+    let tx = write.tx();
     let done = sqlx::query("DELETE FROM devices WHERE id = $1")
         .bind(id)
         .execute(&mut **tx)
@@ -506,9 +513,10 @@ pub async fn delete(tx: &mut Transaction<'_, Postgres>, id: &str) -> Result<bool
 /// (written as a device change, the one path of device status), in the
 /// caller's transaction. Returns the ids that were quarantined.
 pub async fn release_quarantine(
-    tx: &mut Transaction<'_, Postgres>,
+    write: &mut DeviceTx<'_>,
     ids: &[String],
 ) -> Result<Vec<String>, StoreError> {
+    let tx = write.tx();
     let quarantined: Vec<String> =
         sqlx::query_scalar("SELECT id FROM devices WHERE id = ANY($1) AND status = $2 FOR UPDATE")
             .bind(ids)
@@ -525,7 +533,7 @@ pub async fn release_quarantine(
             ..DeviceChangeRow::default()
         })
         .collect();
-    apply_changes(tx, &changes).await?;
+    apply_changes(write, &changes).await?;
     Ok(quarantined)
 }
 

@@ -10,18 +10,14 @@ pub mod copy;
 pub mod devices;
 pub mod events;
 pub mod runs;
+pub mod writer;
 
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
-/// Held for the whole of every transaction that updates many device rows
-/// (report batches, outcome batches, bulk desired changes, registrations):
-/// such transactions lock rows in whatever order PostgreSQL's plan visits
-/// them, so two at once can deadlock. One at a time, they cannot; they are
-/// bound by the database anyway.
-pub type DeviceWrites = std::sync::Arc<tokio::sync::Mutex<()>>;
+pub use writer::{DeviceTx, DeviceWriter};
 
 /// The schema, embedded from `migrations/` (the only schema source).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
@@ -36,6 +32,13 @@ pub enum StoreError {
     },
     #[error("could not apply database migrations: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A row the database returned breaks an invariant the server wrote it
+    /// with (a hand edit): an error with context, never a silently dropped row.
+    #[error("corrupt data while {context}: {detail}")]
+    Corrupt {
+        context: &'static str,
+        detail: String,
+    },
 }
 
 impl StoreError {
@@ -50,7 +53,7 @@ impl StoreError {
             } => e
                 .code()
                 .is_some_and(|code| matches!(code.get(..2), Some("22" | "23" | "54"))),
-            StoreError::Db { .. } | StoreError::Migrate(_) => false,
+            StoreError::Db { .. } | StoreError::Migrate(_) | StoreError::Corrupt { .. } => false,
         }
     }
 
@@ -71,7 +74,7 @@ impl StoreError {
                 | sqlx::Error::WorkerCrashed => true,
                 _ => false,
             },
-            StoreError::Migrate(_) => false,
+            StoreError::Migrate(_) | StoreError::Corrupt { .. } => false,
         }
     }
 }

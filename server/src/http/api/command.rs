@@ -1,7 +1,7 @@
 //! The command layer: every API call that changes devices or starts a run
-//! goes through here, in one order — the `DeviceWrites` lock, one
-//! transaction, the commit, then the fleet cache (`Fleet::apply`, only after
-//! the commit), then the engine. Handlers validate and answer; they do not
+//! goes through here, in one order — the device writer's transaction
+//! (`store::DeviceWriter`), the commit, which mirrors the change in the
+//! fleet cache, then the engine. Handlers validate and answer; they do not
 //! commit or touch the cache themselves. Every change commits with its
 //! audit record in the same transaction ([`DeviceWrite::commit`],
 //! [`start_run`]), answered by [`recorded`]; a mutating call that changed
@@ -12,7 +12,6 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::{Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::app::state::AppState;
@@ -22,7 +21,7 @@ use crate::http::auth::{AuditNote, AuditWritten, Call};
 use crate::http::error::ApiError;
 use crate::store::access::AuditRecord;
 use crate::store::cache::FleetChange;
-use crate::store::{self, Context};
+use crate::store::{self, DeviceTx};
 
 /// A JSON answer carrying what the call did, for the audit record the
 /// middleware writes (a call that changed nothing).
@@ -51,40 +50,34 @@ pub(super) fn audited_ids<'a>(ids: impl IntoIterator<Item = &'a str>) -> Value {
     serde_json::json!({"count": count, "first": first})
 }
 
-/// One write to device rows: holds the `DeviceWrites` lock and a
-/// transaction, and collects the cache changes and engine commands that
-/// follow it, which [`DeviceWrite::commit`] carries out after the commit.
+/// One write to device rows through the server's [`DeviceWriter`]: a
+/// [`DeviceTx`] plus the engine commands that follow it, which
+/// [`DeviceWrite::commit`] sends once the commit is mirrored in the cache.
 pub(super) struct DeviceWrite<'a> {
     state: &'a AppState,
-    /// Transactions over many device rows are serialised (see
-    /// `store::DeviceWrites`); held until the cache mirrors the commit.
-    lock: tokio::sync::MutexGuard<'a, ()>,
-    tx: Transaction<'static, Postgres>,
-    changes: Vec<FleetChange>,
+    write: DeviceTx<'a>,
     then: Vec<EngineCommand>,
 }
 
 impl<'a> DeviceWrite<'a> {
-    /// Takes the lock and starts the transaction.
+    /// Waits for the writer and starts the transaction.
     pub(super) async fn begin(state: &'a AppState) -> Result<Self, ApiError> {
-        let lock = state.device_writes.lock().await;
-        let tx = state.pool.begin().await.context("starting a transaction")?;
+        let write = state.writer.begin().await?;
         Ok(Self {
             state,
-            lock,
-            tx,
-            changes: Vec::new(),
+            write,
             then: Vec::new(),
         })
     }
 
-    pub(super) fn tx(&mut self) -> &mut Transaction<'static, Postgres> {
-        &mut self.tx
+    /// The device transaction, for `store::devices`.
+    pub(super) fn tx(&mut self) -> &mut DeviceTx<'a> {
+        &mut self.write
     }
 
     /// Cache changes to apply once the transaction has committed.
     pub(super) fn change(&mut self, changes: impl IntoIterator<Item = FleetChange>) {
-        self.changes.extend(changes);
+        self.write.mirror(changes);
     }
 
     /// A command for the engine once the cache is updated.
@@ -93,9 +86,9 @@ impl<'a> DeviceWrite<'a> {
     }
 
     /// Writes `audit` and commits with it (`what` names the write in an
-    /// error), applies the cache changes, releases the lock, then tells the
-    /// engine. An engine that has stopped is not told: what it would do is
-    /// redone at its next start.
+    /// error), which mirrors the cache changes and releases the writer,
+    /// then tells the engine. An engine that has stopped is not told: what
+    /// it would do is redone at its next start.
     pub(super) async fn commit(
         self,
         what: &'static str,
@@ -103,15 +96,11 @@ impl<'a> DeviceWrite<'a> {
     ) -> Result<(), ApiError> {
         let Self {
             state,
-            lock,
-            mut tx,
-            changes,
+            mut write,
             then,
         } = self;
-        store::access::record_audit(&mut *tx, &audit).await?;
-        tx.commit().await.context(what)?;
-        state.fleet.apply(changes);
-        drop(lock);
+        store::access::record_audit(&mut **write.tx(), &audit).await?;
+        write.commit(what).await?;
         for command in then {
             tell(state, command).await;
         }
@@ -132,23 +121,17 @@ pub(super) async fn start_run(
 ) -> Result<(Uuid, usize), ApiError> {
     run.started_by = Some(call.actor.name.clone());
     run.audit = Some(call.audit(StatusCode::OK, note));
-    let run = commit_run(
-        &state.pool,
-        &state.device_writes,
-        &state.fleet,
-        &state.event_source,
-        run,
-    )
-    .await
-    .map_err(|e| match e {
-        CommitRunError::Store(e) => ApiError::from(e),
-        CommitRunError::Event(e) => ApiError::from(e),
-        CommitRunError::NothingQuarantined => ApiError::new(
-            StatusCode::CONFLICT,
-            "not_quarantined",
-            "none of the devices to retry is quarantined (any more)",
-        ),
-    })?;
+    let run = commit_run(&state.writer, &state.event_source, run)
+        .await
+        .map_err(|e| match e {
+            CommitRunError::Store(e) => ApiError::from(e),
+            CommitRunError::Event(e) => ApiError::from(e),
+            CommitRunError::NothingQuarantined => ApiError::new(
+                StatusCode::CONFLICT,
+                "not_quarantined",
+                "none of the devices to retry is quarantined (any more)",
+            ),
+        })?;
     let targets = run.targets.len() + run.decided;
     state.events_wake.notify_one();
     state.metrics.events_committed.increment(1);

@@ -156,7 +156,7 @@ impl World {
     }
 
     fn commit(&mut self, record: Record) {
-        self.fleet.apply(
+        self.fleet.apply_committed(
             record
                 .devices
                 .into_iter()
@@ -231,7 +231,7 @@ impl World {
 
     /// The ingest stored `reported` for `device` and told the engine.
     fn deliver(&mut self, device: &DeviceId, reported: ReportedState) {
-        self.fleet.apply([FleetChange::Reported {
+        self.fleet.apply_committed([FleetChange::Reported {
             id: device.clone(),
             reported,
             health: None,
@@ -254,7 +254,7 @@ impl World {
 
     /// The operator sets desired `generation`, whose spec is version `version`.
     fn wants(&self, device: &DeviceId, generation: u64, version: u64) {
-        self.fleet.apply([FleetChange::Desired(
+        self.fleet.apply_committed([FleetChange::Desired(
             device.clone(),
             DesiredState {
                 generation,
@@ -411,7 +411,9 @@ fn a_rejecting_device_is_retried_with_backoff_then_quarantined_until_an_operator
     );
 
     // What the operator retry commits before it starts its run.
-    world.fleet.apply([FleetChange::Released(device.clone())]);
+    world
+        .fleet
+        .apply_committed([FleetChange::Released(device.clone())]);
     let retry = world.start(Trigger::Retry, vec![device.clone()], false);
     assert_eq!(world.pushed().len(), 4);
     world.reports(&device, 2, Some(2));
@@ -464,7 +466,7 @@ fn an_offline_device_is_skipped_and_its_reconnect_starts_one_reconnect_run() {
     assert_eq!(world.status(&device), DeviceStatus::Offline);
     world
         .fleet
-        .apply([FleetChange::Online(device.clone(), false)]);
+        .apply_committed([FleetChange::Online(device.clone(), false)]);
     let run = world.run(std::slice::from_ref(&device));
     assert_eq!(
         world.kinds(run),
@@ -474,7 +476,7 @@ fn an_offline_device_is_skipped_and_its_reconnect_starts_one_reconnect_run() {
 
     world
         .fleet
-        .apply([FleetChange::Online(device.clone(), true)]);
+        .apply_committed([FleetChange::Online(device.clone(), true)]);
     world.command(EngineCommand::Connectivity(vec![(device.clone(), true)]));
     world.wait(Duration::from_millis(400));
     assert_eq!(
@@ -549,7 +551,9 @@ fn a_device_deleted_while_its_push_waits_ends_skipped() {
     let mut world = World::new(settings());
     let device = world.device("gone", Some(2), Some(1));
     let run = world.run(std::slice::from_ref(&device));
-    world.fleet.apply([FleetChange::Removed(device.clone())]);
+    world
+        .fleet
+        .apply_committed([FleetChange::Removed(device.clone())]);
     world.command(EngineCommand::DevicesRemoved(vec![device.clone()]));
     world.settle();
     assert_eq!(world.kinds(run), vec![(device, OutcomeKind::Skipped)]);
@@ -566,7 +570,7 @@ fn a_converged_device_with_an_old_retained_message_gets_it_refreshed_without_an_
     };
     world
         .fleet
-        .apply([FleetChange::Engine(device.clone(), retained)]);
+        .apply_committed([FleetChange::Engine(device.clone(), retained)]);
     let run = world.run(std::slice::from_ref(&device));
     assert_eq!(
         world.kinds(run),
@@ -712,13 +716,14 @@ impl World {
             Step::Online(i, online) => {
                 if self.fleet.online(&fleet[*i]).is_some() {
                     self.fleet
-                        .apply([FleetChange::Online(fleet[*i].clone(), *online)]);
+                        .apply_committed([FleetChange::Online(fleet[*i].clone(), *online)]);
                     let change = vec![(fleet[*i].clone(), *online)];
                     self.command(EngineCommand::Connectivity(change));
                 }
             }
             Step::Remove(i) => {
-                self.fleet.apply([FleetChange::Removed(fleet[*i].clone())]);
+                self.fleet
+                    .apply_committed([FleetChange::Removed(fleet[*i].clone())]);
                 self.command(EngineCommand::DevicesRemoved(vec![fleet[*i].clone()]));
             }
             Step::Wait(ms) => self.wait(Duration::from_millis(*ms)),
@@ -762,7 +767,7 @@ fn a_recheck_asks_every_device_not_known_offline_and_not_heard_from_since_at_its
     let offline = world.device("gone-1", None, Some(1));
     world
         .fleet
-        .apply([FleetChange::Online(offline.clone(), false)]);
+        .apply_committed([FleetChange::Online(offline.clone(), false)]);
     let fresh = world.device("fresh-1", None, None);
     world.command(EngineCommand::Recheck);
     world.wall += chrono::Duration::milliseconds(1);
