@@ -6,12 +6,28 @@ use std::time::Duration;
 
 use idem_protocol::{DeviceId, InvalidDeviceId, MqttUrlError};
 
+/// What a refusal of `reason` adds after it: where credentials go instead.
+fn broker_url_hint(reason: &MqttUrlError) -> &'static str {
+    match reason {
+        MqttUrlError::Credentials => {
+            ", which do not belong in the URL: use a credentials file (--credentials-file)"
+        }
+        MqttUrlError::Scheme
+        | MqttUrlError::Websockets
+        | MqttUrlError::Path
+        | MqttUrlError::Host
+        | MqttUrlError::UnclosedIpv6Host
+        | MqttUrlError::TextAfterIpv6Host
+        | MqttUrlError::Port => "",
+    }
+}
+
 /// Why a fleet could not be started or controlled.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
     #[error(
         "broker URL {url:?} {reason}{} (expected e.g. mqtt://127.0.0.1:1883)",
-        crate::config::broker::hint(.reason)
+        broker_url_hint(.reason)
     )]
     InvalidBrokerUrl {
         /// Redacted: a password typed into the URL is never echoed.

@@ -16,22 +16,6 @@ pub fn parse_broker_url(url: &str) -> Result<BrokerAddr, SimError> {
     })
 }
 
-/// What a refusal of `reason` adds after it: where credentials go instead.
-pub(crate) fn hint(reason: &MqttUrlError) -> &'static str {
-    match reason {
-        MqttUrlError::Credentials => {
-            ", which do not belong in the URL: use a credentials file (--credentials-file)"
-        }
-        MqttUrlError::Scheme
-        | MqttUrlError::Websockets
-        | MqttUrlError::Path
-        | MqttUrlError::Host
-        | MqttUrlError::UnclosedIpv6Host
-        | MqttUrlError::TextAfterIpv6Host
-        | MqttUrlError::Port => "",
-    }
-}
-
 /// `url` with everything before its last `@` after the scheme replaced by
 /// `***`: a password typed into the URL is never echoed.
 fn redacted(url: &str) -> String {

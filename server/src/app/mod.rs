@@ -7,7 +7,6 @@ pub mod state;
 
 use std::sync::Arc;
 
-use idem_protocol::DeviceId;
 use rumqttc::QoS;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
@@ -51,7 +50,7 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     store::migrate(&pool).await?;
     let rows = store::devices::load_all(&pool).await?;
-    let fleet = Arc::new(Fleet::from_rows(&rows));
+    let fleet = Arc::new(Fleet::from_entries(store::devices::cache_entries(&rows)?));
     drop(rows);
     tracing::info!(devices = fleet.len(), "device cache loaded");
 
@@ -370,10 +369,7 @@ async fn resume_unfinished_runs(
 ) -> Result<(), ServerError> {
     for run in store::runs::unfinished(pool).await? {
         let undecided = store::runs::undecided_targets(pool, run.id).await?;
-        let targets: Vec<DeviceId> = undecided
-            .iter()
-            .filter_map(|id| DeviceId::parse(id).ok())
-            .collect();
+        let targets = store::device_ids(&undecided, "resuming an unfinished run")?;
         tracing::info!(run_id = %run.id, undecided = targets.len(), "resuming unfinished run");
         let target_count = usize::try_from(run.target_count).unwrap_or(0);
         let spec = RunSpec::resumed(run.id, &run.trigger, run.force, target_count, targets);

@@ -26,7 +26,7 @@ use crate::ops::retry::Backoff;
 use crate::reconcile::machine::{Effect, Machine, Now, PublishReason, Record};
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::run::Trigger;
-use crate::store::cache::{Fleet, FleetChange, FleetView};
+use crate::store::cache::{Fleet, FleetChange};
 use crate::store::devices::DeviceChangeRow;
 use crate::store::{self, DeviceWriter, StoreError};
 use new_run::{commit_run, NewRun};
@@ -80,7 +80,7 @@ impl Engine {
     pub fn new(ctx: EngineContext) -> Self {
         let machine = Machine::new(
             ctx.settings.clone(),
-            FleetView::new(ctx.fleet.clone()),
+            ctx.fleet.clone(),
             Instant::now(),
             rand::random(),
         );

@@ -162,10 +162,7 @@ pub async fn commit_run(
     if let Some((digest, spec)) = digest_and_spec {
         let mut changes = Vec::with_capacity(desired_changes.len());
         for row in desired_changes {
-            let id = DeviceId::parse(&row.id).map_err(|e| StoreError::Corrupt {
-                context: "reading the ids of a desired change",
-                detail: format!("{:?}: {e}", row.id),
-            })?;
+            let id = store::device_id(&row.id, "reading the ids of a desired change")?;
             let desired = DesiredState {
                 generation: store::to_u64(row.desired_generation),
                 digest,

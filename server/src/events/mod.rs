@@ -9,9 +9,6 @@ pub mod relay;
 
 use chrono::{DateTime, Utc};
 use cloudevents::{EventBuilder, EventBuilderV10};
-use idem_protocol::DeviceId;
-use serde::Serialize;
-use serde_json::Value;
 use uuid::Uuid;
 
 pub use idem_protocol::event::{
@@ -19,95 +16,8 @@ pub use idem_protocol::event::{
     RunStartedData,
 };
 
+pub use crate::reconcile::event_draft::EventDraft;
 use crate::store::events::EventRow;
-
-/// An event before it has a sequence number.
-#[derive(Debug, Clone)]
-pub struct EventDraft {
-    pub event_type: EventType,
-    /// Device id for device events, run id for run events.
-    pub subject: String,
-    pub run_id: Option<Uuid>,
-    pub generation: Option<u64>,
-    pub data: Value,
-}
-
-impl EventDraft {
-    /// `io.idem.device.{outcome}`: `device`'s outcome in run `run_id`, for
-    /// desired `generation`.
-    pub fn device_outcome(
-        device: &DeviceId,
-        run_id: Uuid,
-        generation: Option<u64>,
-        data: DeviceOutcomeData,
-    ) -> Self {
-        Self {
-            event_type: EventType::Device(data.outcome),
-            subject: device.to_string(),
-            run_id: Some(run_id),
-            generation,
-            data: to_data(&data),
-        }
-    }
-
-    /// `io.idem.device.drifted`: `device`, converged on desired
-    /// `generation`, reported another spec (outside any run).
-    pub fn device_drifted(device: &DeviceId, generation: u64, data: DeviceDriftedData) -> Self {
-        Self {
-            event_type: EventType::DeviceDrifted,
-            subject: device.to_string(),
-            run_id: None,
-            generation: Some(generation),
-            data: to_data(&data),
-        }
-    }
-
-    /// `io.idem.device.quarantined`: `device`'s last allowed attempt in run
-    /// `run_id`, for desired `generation`, failed.
-    pub fn device_quarantined(
-        device: &DeviceId,
-        run_id: Uuid,
-        generation: Option<u64>,
-        data: DeviceQuarantinedData,
-    ) -> Self {
-        Self {
-            event_type: EventType::DeviceQuarantined,
-            subject: device.to_string(),
-            run_id: Some(run_id),
-            generation,
-            data: to_data(&data),
-        }
-    }
-
-    /// `io.idem.run.started`.
-    pub fn run_started(run_id: Uuid, data: RunStartedData) -> Self {
-        Self::run(EventType::RunStarted, run_id, to_data(&data))
-    }
-
-    /// `io.idem.run.completed`.
-    pub fn run_completed(run_id: Uuid, data: RunCompletedData) -> Self {
-        Self::run(EventType::RunCompleted, run_id, to_data(&data))
-    }
-
-    fn run(event_type: EventType, run_id: Uuid, data: Value) -> Self {
-        Self {
-            event_type,
-            subject: run_id.to_string(),
-            run_id: Some(run_id),
-            generation: None,
-            data,
-        }
-    }
-}
-
-/// An event's `data` as JSON.
-fn to_data(data: &impl Serialize) -> Value {
-    // Invariant: only the event data types above reach this, plain structs
-    // with derived `Serialize`, string map keys and no floats, which
-    // `serde_json::to_value` never refuses.
-    serde_json::to_value(data)
-        .unwrap_or_else(|e| unreachable!("event data always converts to JSON: {e}"))
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum EventError {
@@ -177,7 +87,7 @@ fn to_row(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idem_protocol::{Health, OutcomeCounts, OutcomeKind, SpecDigest};
+    use idem_protocol::{DeviceId, Health, OutcomeCounts, OutcomeKind, SpecDigest};
     use serde_json::json;
 
     fn device() -> DeviceId {

@@ -4,6 +4,8 @@
 
 pub mod change;
 pub mod decide;
+pub mod device;
+pub mod event_draft;
 pub mod machine;
 pub mod outcome;
 pub mod pacer;

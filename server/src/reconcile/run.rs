@@ -9,7 +9,8 @@ use idem_protocol::DeviceId;
 use uuid::Uuid;
 
 use super::outcome::{OutcomeCounts, OutcomeKind};
-use crate::events::{EventDraft, RunCompletedData};
+use crate::reconcile::event_draft::EventDraft;
+use idem_protocol::event::RunCompletedData;
 
 /// Most device outcomes listed in a `run.completed` event; the full list
 /// stays queryable through the API.

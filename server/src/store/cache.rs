@@ -4,7 +4,6 @@
 //! Postgres stays the source of truth: entries change only after the write
 //! that they mirror has committed. Never hold a guard across `.await`.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -13,131 +12,10 @@ use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
 use serde_json::Value;
 
 use crate::reconcile::change::DeviceChange;
-use crate::reconcile::decide::{self, Actual, ReportedState};
+use crate::reconcile::decide::ReportedState;
+use crate::reconcile::device::FleetRead;
+pub use crate::reconcile::device::{DesiredState, DeviceEntry};
 use crate::reconcile::policy;
-use crate::store::devices::DeviceRow;
-use crate::store::to_u64;
-
-/// Desired state of one device, with the spec kept for pushing.
-#[derive(Debug, Clone)]
-pub struct DesiredState {
-    pub generation: u64,
-    pub digest: SpecDigest,
-    /// Shared: a bulk change gives thousands of devices the same spec.
-    pub spec: Arc<Value>,
-}
-
-#[derive(Debug, Clone, Default)]
-pub struct DeviceEntry {
-    pub desired: Option<DesiredState>,
-    pub reported: Option<ReportedState>,
-    /// When the last accepted report was stored (for staleness).
-    pub reported_at: Option<DateTime<Utc>>,
-    pub health: Option<Health>,
-    pub online: Option<bool>,
-    pub status: DeviceStatus,
-    /// Consecutive failed attempts (reset by a success).
-    pub failures: u32,
-    /// Generation of the retained desired message on the broker (`None`:
-    /// the broker holds none). Refreshed whenever it falls behind `desired`.
-    pub retained_generation: Option<u64>,
-}
-
-impl DeviceEntry {
-    /// Mirrors an engine change in the fields the cache holds.
-    pub fn apply(&mut self, change: &DeviceChange) {
-        if let Some(status) = change.status {
-            self.status = status;
-        }
-        if let Some((failures, _)) = change.failures {
-            self.failures = failures;
-        }
-        if let Some(generation) = change.retained {
-            self.retained_generation = Some(generation);
-        }
-    }
-
-    pub fn actual(&self) -> Actual {
-        match &self.reported {
-            Some(r) => Actual::Reported(r.clone()),
-            None => Actual::NeverReported,
-        }
-    }
-
-    /// The desired state, when the broker's retained message is older than
-    /// it (or of unknown generation) and so must be refreshed.
-    pub fn retained_behind(&self) -> Option<&DesiredState> {
-        let desired = self.desired.as_ref()?;
-        match self.retained_generation {
-            Some(retained) if retained != desired.generation => Some(desired),
-            Some(_) | None => None,
-        }
-    }
-
-    pub fn desired_for_decision(&self) -> Option<decide::Desired> {
-        self.desired.as_ref().map(|d| decide::Desired {
-            generation: d.generation,
-            digest: d.digest,
-        })
-    }
-
-    pub fn reported_seq(&self) -> Option<u64> {
-        self.reported.as_ref().map(|r| r.seq)
-    }
-
-    /// `specs` interns desired specs by digest, so a fleet sharing one
-    /// desired spec holds it once.
-    fn from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) -> Self {
-        let desired = match (&row.desired_spec, &row.desired_digest) {
-            (Some(spec), Some(stored)) if row.desired_generation > 0 => {
-                let digest = stored_digest(stored, spec);
-                let spec = specs
-                    .entry(digest)
-                    .or_insert_with(|| Arc::new(spec.clone()))
-                    .clone();
-                Some(DesiredState {
-                    generation: to_u64(row.desired_generation),
-                    digest,
-                    spec,
-                })
-            }
-            _ => None,
-        };
-        let reported = match (&row.reported_digest, row.reported_seq) {
-            (Some(stored), Some(seq)) => Some(ReportedState {
-                seq: to_u64(seq),
-                digest: match &row.reported_spec {
-                    Some(spec) => stored_digest(stored, spec),
-                    None => {
-                        SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(&Value::Null))
-                    }
-                },
-                generation: row.reported_generation.map(to_u64),
-                rejection: match (row.reported_error_generation, &row.reported_error) {
-                    (Some(g), Some(msg)) => Some((to_u64(g), msg.clone())),
-                    _ => None,
-                },
-            }),
-            _ => None,
-        };
-        Self {
-            desired,
-            reported,
-            reported_at: row.reported_at,
-            health: row.reported_health.as_deref().and_then(Health::parse),
-            online: row.online,
-            status: DeviceStatus::parse(&row.status).unwrap_or_default(),
-            failures: u32::try_from(row.attempts).unwrap_or(0),
-            retained_generation: row.retained_generation.map(to_u64),
-        }
-    }
-}
-
-/// A stored digest, or the spec's digest recomputed if the stored text is
-/// not a digest (a hand edit): the spec is the truth.
-fn stored_digest(stored: &str, spec: &Value) -> SpecDigest {
-    SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(spec))
-}
 
 /// A committed change to mirror in the cache. [`Fleet::apply`] is the only
 /// way the cache changes, always after the transaction that wrote the change
@@ -163,35 +41,26 @@ pub enum FleetChange {
     Engine(DeviceId, DeviceChange),
 }
 
-/// Read-only access to the fleet cache, for those that must not write it
-/// (the engine's state machine: its changes reach the cache only through
-/// [`Fleet::apply_engine_changes`], after they are committed).
-#[derive(Debug, Clone)]
-pub struct FleetView(Arc<Fleet>);
-
-impl FleetView {
-    pub fn new(fleet: Arc<Fleet>) -> Self {
-        Self(fleet)
+/// The state machine reads the cache through the core's [`FleetRead`].
+impl FleetRead for Fleet {
+    fn get(&self, id: &DeviceId) -> Option<DeviceEntry> {
+        Fleet::get(self, id)
     }
 
-    pub fn get(&self, id: &DeviceId) -> Option<DeviceEntry> {
-        self.0.get(id)
+    fn ids_with_desired_state(&self) -> Vec<DeviceId> {
+        Fleet::ids_with_desired_state(self)
     }
 
-    pub fn ids_with_desired_state(&self) -> Vec<DeviceId> {
-        self.0.ids_with_desired_state()
+    fn ids_with_retained_behind(&self) -> Vec<DeviceId> {
+        Fleet::ids_with_retained_behind(self)
     }
 
-    pub fn ids_with_retained_behind(&self) -> Vec<DeviceId> {
-        self.0.ids_with_retained_behind()
+    fn ids_reported_before(&self, cutoff: DateTime<Utc>) -> Vec<DeviceId> {
+        Fleet::ids_reported_before(self, cutoff)
     }
 
-    pub fn ids_reported_before(&self, cutoff: DateTime<Utc>) -> Vec<DeviceId> {
-        self.0.ids_reported_before(cutoff)
-    }
-
-    pub fn ids_not_offline(&self) -> Vec<DeviceId> {
-        self.0.ids_not_offline()
+    fn ids_not_offline(&self) -> Vec<DeviceId> {
+        Fleet::ids_not_offline(self)
     }
 }
 
@@ -202,15 +71,11 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    pub fn from_rows(rows: &[DeviceRow]) -> Self {
-        let devices = DashMap::with_capacity(rows.len());
-        let mut specs = HashMap::new();
-        for row in rows {
-            // Ids in the table were validated on the way in; skip any that a
-            // hand edit made invalid rather than refusing to start.
-            if let Ok(id) = DeviceId::parse(&row.id) {
-                devices.insert(id, DeviceEntry::from_row(row, &mut specs));
-            }
+    /// The cache of the devices `store::devices::cache_entries` read.
+    pub fn from_entries(entries: Vec<(DeviceId, DeviceEntry)>) -> Self {
+        let devices = DashMap::with_capacity(entries.len());
+        for (id, entry) in entries {
+            devices.insert(id, entry);
         }
         Self { devices }
     }

@@ -5,8 +5,16 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
+
 use super::writer::DeviceTx;
-use super::{to_i64, Context, StoreError};
+use super::{to_i64, to_u64, Context, StoreError};
+use crate::reconcile::decide::ReportedState;
+use crate::reconcile::device::{DesiredState, DeviceEntry};
+use crate::reconcile::machine::AttemptRecord;
 
 /// One device as stored, for loading the cache and for the API.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -42,6 +50,70 @@ const DEVICE_COLUMNS: &str =
     reported_spec, reported_digest, reported_seq, reported_generation, reported_error_generation, \
     reported_error, reported_health, reported_at, status, online, attempts, next_attempt_at, \
     last_error, last_outcome, last_outcome_reason, last_run_id, retained_generation, updated_at";
+
+/// The cache's entry of every row; desired specs shared by many devices are
+/// held once. A row whose id breaks the id rules (a hand edit) is an error
+/// naming it: the server does not start on a table it cannot mirror.
+pub fn cache_entries(rows: &[DeviceRow]) -> Result<Vec<(DeviceId, DeviceEntry)>, StoreError> {
+    let mut specs = HashMap::new();
+    rows.iter()
+        .map(|row| {
+            let id = super::device_id(&row.id, "loading the fleet cache")?;
+            Ok((id, entry_from_row(row, &mut specs)))
+        })
+        .collect()
+}
+
+/// `specs` interns desired specs by digest, so a fleet sharing one
+/// desired spec holds it once.
+fn entry_from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) -> DeviceEntry {
+    let desired = match (&row.desired_spec, &row.desired_digest) {
+        (Some(spec), Some(stored)) if row.desired_generation > 0 => {
+            let digest = stored_digest(stored, spec);
+            let spec = specs
+                .entry(digest)
+                .or_insert_with(|| Arc::new(spec.clone()))
+                .clone();
+            Some(DesiredState {
+                generation: to_u64(row.desired_generation),
+                digest,
+                spec,
+            })
+        }
+        _ => None,
+    };
+    let reported = match (&row.reported_digest, row.reported_seq) {
+        (Some(stored), Some(seq)) => Some(ReportedState {
+            seq: to_u64(seq),
+            digest: match &row.reported_spec {
+                Some(spec) => stored_digest(stored, spec),
+                None => SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(&Value::Null)),
+            },
+            generation: row.reported_generation.map(to_u64),
+            rejection: match (row.reported_error_generation, &row.reported_error) {
+                (Some(g), Some(msg)) => Some((to_u64(g), msg.clone())),
+                _ => None,
+            },
+        }),
+        _ => None,
+    };
+    DeviceEntry {
+        desired,
+        reported,
+        reported_at: row.reported_at,
+        health: row.reported_health.as_deref().and_then(Health::parse),
+        online: row.online,
+        status: DeviceStatus::parse(&row.status).unwrap_or_default(),
+        failures: u32::try_from(row.attempts).unwrap_or(0),
+        retained_generation: row.retained_generation.map(to_u64),
+    }
+}
+
+/// A stored digest, or the spec's digest recomputed if the stored text is
+/// not a digest (a hand edit): the spec is the truth.
+fn stored_digest(stored: &str, spec: &Value) -> SpecDigest {
+    SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(spec))
+}
 
 pub async fn load_all(pool: &PgPool) -> Result<Vec<DeviceRow>, StoreError> {
     sqlx::query_as(&format!("SELECT {DEVICE_COLUMNS} FROM devices"))
@@ -332,36 +404,23 @@ pub async fn set_online(
     Ok(())
 }
 
-/// One ended attempt, for a device's attempt history.
-#[derive(Debug, Clone)]
-pub struct AttemptRow {
-    pub device_id: String,
-    pub run_id: Uuid,
-    /// Which attempt this was (1 = first since the last success).
-    pub attempt: u32,
-    pub generation: Option<u64>,
-    /// `failed`, `provisioned` or `superseded`.
-    pub result: &'static str,
-    pub reason: Option<String>,
-}
-
 /// Appends attempt history.
 pub async fn record_attempts(
     write: &mut DeviceTx<'_>,
-    rows: &[AttemptRow],
+    rows: &[AttemptRecord],
 ) -> Result<(), StoreError> {
     let tx = write.tx();
     if rows.is_empty() {
         return Ok(());
     }
-    let ids: Vec<&str> = rows.iter().map(|r| r.device_id.as_str()).collect();
+    let ids: Vec<&str> = rows.iter().map(|r| r.device.as_str()).collect();
     let runs: Vec<Uuid> = rows.iter().map(|r| r.run_id).collect();
     let attempts: Vec<i32> = rows
         .iter()
         .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
         .collect();
     let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
-    let results: Vec<&str> = rows.iter().map(|r| r.result).collect();
+    let results: Vec<&str> = rows.iter().map(|r| r.result.as_str()).collect();
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
     // Joined with devices: an attempt of a device deleted meanwhile is
     // dropped, not a foreign-key error that would fail the whole batch.

@@ -79,6 +79,25 @@ impl StoreError {
     }
 }
 
+/// A device id the database returned, parsed: one that breaks the id rules
+/// (a hand edit) is an error naming it, never a silently dropped row.
+pub fn device_id(raw: &str, context: &'static str) -> Result<idem_protocol::DeviceId, StoreError> {
+    idem_protocol::DeviceId::parse(raw).map_err(|e| StoreError::Corrupt {
+        context,
+        detail: format!("device id {raw:?}: {e}"),
+    })
+}
+
+/// [`device_id`] of every id, in order.
+pub fn device_ids<S: AsRef<str>>(
+    raw: &[S],
+    context: &'static str,
+) -> Result<Vec<idem_protocol::DeviceId>, StoreError> {
+    raw.iter()
+        .map(|id| device_id(id.as_ref(), context))
+        .collect()
+}
+
 /// Attaches what we were doing to a sqlx error.
 pub(crate) trait Context<T> {
     fn context(self, context: &'static str) -> Result<T, StoreError>;

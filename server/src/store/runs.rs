@@ -1,12 +1,13 @@
 //! Runs and their per-device targets/outcomes.
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use idem_protocol::{OutcomeCounts, OutcomeKind};
+use idem_protocol::{Health, OutcomeCounts, OutcomeKind};
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::copy::copy_in;
 use super::{to_i64, Context, StoreError};
+use crate::reconcile::machine::OutcomeRecord;
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct RunRow {
@@ -117,33 +118,22 @@ pub async fn create(
     Ok(())
 }
 
-/// One device's outcome in one run, ready to store.
-#[derive(Debug, Clone)]
-pub struct OutcomeRow {
-    pub run_id: Uuid,
-    pub device_id: String,
-    pub kind: OutcomeKind,
-    pub reason: Option<String>,
-    pub generation: Option<u64>,
-    pub health: Option<String>,
-}
-
 /// Stores outcomes and adds them to the runs' counts, in the caller's
 /// transaction (the devices' last outcome is a device change).
 pub async fn record_outcomes(
     tx: &mut Transaction<'_, Postgres>,
-    rows: &[OutcomeRow],
+    rows: &[OutcomeRecord],
     per_run: &[(Uuid, OutcomeCounts)],
 ) -> Result<(), StoreError> {
     if rows.is_empty() {
         return Ok(());
     }
     let run_ids: Vec<Uuid> = rows.iter().map(|r| r.run_id).collect();
-    let device_ids: Vec<&str> = rows.iter().map(|r| r.device_id.as_str()).collect();
+    let device_ids: Vec<&str> = rows.iter().map(|r| r.device.as_str()).collect();
     let outcomes: Vec<&str> = rows.iter().map(|r| r.kind.as_str()).collect();
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
     let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
-    let health: Vec<Option<&str>> = rows.iter().map(|r| r.health.as_deref()).collect();
+    let health: Vec<Option<&str>> = rows.iter().map(|r| r.health.map(Health::as_str)).collect();
     sqlx::query(
         "UPDATE run_targets t SET outcome = r.outcome, reason = r.reason, generation = r.generation, \
              health = r.health, decided_at = now() \

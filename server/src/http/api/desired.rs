@@ -141,10 +141,10 @@ pub(super) async fn resolve_targets(
             "no registered device matches the selector",
         ));
     }
-    Ok(rows
-        .iter()
-        .filter_map(|r| DeviceId::parse(r).ok())
-        .collect())
+    Ok(store::device_ids(
+        &rows,
+        "reading the devices a selector matches",
+    )?)
 }
 
 /// `ids` when every one is registered; otherwise a 404 naming the unknown.

@@ -117,9 +117,8 @@ pub(super) async fn register_devices(
         store::devices::register_returning_new(write.tx(), &checked.rows).await?;
     // Every new device gets its broker password, when the server issues them.
     let issued = if state.config.config.broker_accounts.issues_passwords() {
-        let wanted = created
-            .iter()
-            .filter_map(|id| DeviceId::parse(id).ok())
+        let wanted = store::device_ids(&created, "reading the ids of new devices")?
+            .into_iter()
             .map(|id| {
                 let supplied = checked.passwords.remove(&id);
                 (id, supplied)
@@ -185,15 +184,14 @@ async fn write_desired(
         changed += written.len() as u64;
         let spec = Arc::new(spec.clone());
         for w in written {
-            if let Ok(id) = DeviceId::parse(&w.id) {
-                let desired = DesiredState {
-                    generation: store::to_u64(w.desired_generation),
-                    digest: *digest,
-                    spec: spec.clone(),
-                };
-                write.change([FleetChange::Desired(id.clone(), desired)]);
-                changed_ids.push(id);
-            }
+            let id = store::device_id(&w.id, "reading the ids of a desired change")?;
+            let desired = DesiredState {
+                generation: store::to_u64(w.desired_generation),
+                digest: *digest,
+                spec: spec.clone(),
+            };
+            write.change([FleetChange::Desired(id.clone(), desired)]);
+            changed_ids.push(id);
         }
     }
     if !changed_ids.is_empty() {

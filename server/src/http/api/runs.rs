@@ -156,11 +156,10 @@ pub(super) async fn retry_run(
     if store::runs::get(&state.pool, run_id).await?.is_none() {
         return Err(unknown_run(run_id));
     }
-    let quarantined: Vec<DeviceId> = store::devices::quarantined_in_run(&state.pool, run_id)
-        .await?
-        .iter()
-        .filter_map(|id| DeviceId::parse(id).ok())
-        .collect();
+    let quarantined = store::device_ids(
+        &store::devices::quarantined_in_run(&state.pool, run_id).await?,
+        "reading a run's quarantined targets",
+    )?;
     if quarantined.is_empty() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,

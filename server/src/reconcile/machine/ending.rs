@@ -6,13 +6,13 @@ use idem_protocol::DeviceId;
 use rand::Rng;
 use uuid::Uuid;
 
+use super::record::{AttemptRecord, OutcomeRecord};
 use super::{Effect, LastOutcome, Machine, Now, Phase};
-use crate::events::{DeviceOutcomeData, DeviceQuarantinedData, EventDraft};
-use crate::reconcile::outcome::Outcome;
+use crate::reconcile::device::DeviceEntry;
+use crate::reconcile::event_draft::EventDraft;
+use crate::reconcile::outcome::{Outcome, OutcomeKind};
 use crate::reconcile::policy::{status_after, AfterFailure, DeviceStatus};
-use crate::store::cache::DeviceEntry;
-use crate::store::devices::AttemptRow;
-use crate::store::runs::OutcomeRow;
+use idem_protocol::event::{DeviceOutcomeData, DeviceQuarantinedData};
 
 impl Machine {
     /// Applies retry policy to a decided outcome, then finishes or retries.
@@ -31,8 +31,8 @@ impl Machine {
         let generation = flight.generation;
         let attempt = entry.failures + 1;
         self.pushed.remove(id);
-        let history = |result: &'static str, reason: Option<String>| AttemptRow {
-            device_id: id.to_string(),
+        let history = |result: OutcomeKind, reason: Option<String>| AttemptRecord {
+            device: id.clone(),
             run_id,
             attempt,
             generation,
@@ -45,7 +45,7 @@ impl Machine {
                 let after = self.settings.retry.after_failure(attempt, jitter);
                 self.record
                     .attempts
-                    .push(history("failed", Some(reason.to_string())));
+                    .push(history(OutcomeKind::Failed, Some(reason.to_string())));
                 let change = self.record.device(id);
                 change.last_error = Some(reason.to_string());
                 match after {
@@ -81,8 +81,7 @@ impl Machine {
                     | Outcome::Skipped(_)
                     | Outcome::Superseded => entry.failures,
                 };
-                let kind = outcome.kind().as_str();
-                self.record.attempts.push(history(kind, None));
+                self.record.attempts.push(history(outcome.kind(), None));
                 self.record.device(id).failures = Some((failures, None));
                 self.finish(id, outcome, entry, None, now, out);
             }
@@ -137,13 +136,13 @@ impl Machine {
         }
         self.remember_outcome(id, flight.runs.last().copied(), &outcome, status);
         for run_id in flight.runs {
-            self.record.outcomes.push(OutcomeRow {
+            self.record.outcomes.push(OutcomeRecord {
                 run_id,
-                device_id: id.to_string(),
+                device: id.clone(),
                 kind,
                 reason: reason.clone(),
                 generation,
-                health: health.map(|h| h.as_str().to_owned()),
+                health,
             });
             self.record.drafts.push(EventDraft::device_outcome(
                 id,

@@ -20,6 +20,8 @@ use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use idem_protocol::DeviceId;
+use std::sync::Arc;
+
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use uuid::Uuid;
@@ -30,14 +32,14 @@ use super::pacer::PushPacer;
 use super::policy::{gate, DeviceStatus};
 use super::run::{RunProgress, RunSpec, Trigger};
 pub use crate::reconcile::change::{DeviceChange, LastOutcome};
-use crate::store::cache::{DeviceEntry, FleetView};
+use crate::reconcile::device::{DeviceEntry, FleetRead};
 pub use effect::{
     AskReason, Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason,
     RecheckTrigger,
 };
 use flight::{InFlight, Phase};
 use gaps::Gaps;
-pub use record::{Record, Tally};
+pub use record::{AttemptRecord, OutcomeRecord, Record, Tally};
 
 /// Results are written at least this often while there are any.
 pub const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
@@ -56,7 +58,7 @@ struct Debounced {
 
 pub struct Machine {
     settings: EngineSettings,
-    fleet: FleetView,
+    fleet: Arc<dyn FleetRead>,
     runs: HashMap<Uuid, RunProgress>,
     in_flight: HashMap<DeviceId, InFlight>,
     /// Targets of started runs not yet looked at (a large run starts in slices).
@@ -80,7 +82,12 @@ pub struct Machine {
 
 impl Machine {
     /// `seed` feeds the retry jitter.
-    pub fn new(settings: EngineSettings, fleet: FleetView, now: Instant, seed: u64) -> Self {
+    pub fn new(
+        settings: EngineSettings,
+        fleet: Arc<dyn FleetRead>,
+        now: Instant,
+        seed: u64,
+    ) -> Self {
         let pacer = PushPacer::new(settings.push_rate, now);
         let next_resync = settings.resync_interval.map(|i| now + i);
         let gaps = Gaps::new(settings.missing_report_after, settings.recheck_rate);

@@ -5,15 +5,37 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use idem_protocol::DeviceId;
+use idem_protocol::{DeviceId, Health};
 use uuid::Uuid;
 
-use crate::events::EventDraft;
 use crate::reconcile::change::DeviceChange;
-use crate::reconcile::outcome::OutcomeCounts;
+use crate::reconcile::event_draft::EventDraft;
+use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::run::RunProgress;
-use crate::store::devices::AttemptRow;
-use crate::store::runs::OutcomeRow;
+
+/// One device's outcome in one run, for the store.
+#[derive(Debug, Clone)]
+pub struct OutcomeRecord {
+    pub run_id: Uuid,
+    pub device: DeviceId,
+    pub kind: OutcomeKind,
+    pub reason: Option<String>,
+    pub generation: Option<u64>,
+    pub health: Option<Health>,
+}
+
+/// One ended attempt, for a device's attempt history.
+#[derive(Debug, Clone)]
+pub struct AttemptRecord {
+    pub device: DeviceId,
+    pub run_id: Uuid,
+    /// Which attempt this was (1 = first since the last success).
+    pub attempt: u32,
+    pub generation: Option<u64>,
+    /// `Failed`, `Provisioned` or `Superseded`.
+    pub result: OutcomeKind,
+    pub reason: Option<String>,
+}
 
 /// Counts for metrics, taken once the write has committed.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -28,10 +50,10 @@ pub struct Tally {
 /// Results waiting to be written together, in one transaction.
 #[derive(Debug, Default)]
 pub struct Record {
-    pub outcomes: Vec<OutcomeRow>,
+    pub outcomes: Vec<OutcomeRecord>,
     /// Per run, the counts the outcomes above add.
     pub per_run: HashMap<Uuid, OutcomeCounts>,
-    pub attempts: Vec<AttemptRow>,
+    pub attempts: Vec<AttemptRecord>,
     /// Events of this write (device outcomes, drift, quarantine);
     /// `run.completed` events are added by the writer from the committed counts.
     pub drafts: Vec<EventDraft>,

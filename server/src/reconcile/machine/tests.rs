@@ -67,7 +67,7 @@ impl World {
     fn new(settings: EngineSettings) -> Self {
         let fleet = Arc::new(Fleet::default());
         let clock = Instant::now();
-        let machine = Machine::new(settings, FleetView::new(fleet.clone()), clock, 7);
+        let machine = Machine::new(settings, fleet.clone(), clock, 7);
         Self {
             fleet,
             machine,
@@ -163,11 +163,10 @@ impl World {
                 .map(|(id, change)| FleetChange::Engine(id, change)),
         );
         for row in record.outcomes {
-            self.outcomes.entry(row.run_id).or_default().push((
-                id(&row.device_id),
-                row.kind,
-                row.reason,
-            ));
+            self.outcomes
+                .entry(row.run_id)
+                .or_default()
+                .push((row.device, row.kind, row.reason));
         }
         self.events
             .extend(record.drafts.iter().map(|draft| draft.event_type));

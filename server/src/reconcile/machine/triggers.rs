@@ -8,9 +8,10 @@ use idem_protocol::DeviceId;
 
 use super::AskReason;
 use super::{Debounced, Effect, Machine, Now};
-use crate::events::{DeviceDriftedData, EventDraft};
+use crate::reconcile::event_draft::EventDraft;
 use crate::reconcile::policy::DeviceStatus;
 use crate::reconcile::run::Trigger;
+use idem_protocol::event::DeviceDriftedData;
 
 impl Machine {
     /// A converged device whose new report differs from its desired state

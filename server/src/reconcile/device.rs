@@ -1,0 +1,94 @@
+//! What the core knows of one device: its desired state, its last report,
+//! connection, status and failures, as the fleet cache holds them, and the
+//! read-only view of the fleet the state machine decides on
+//! ([`FleetRead`]; the store's cache implements it).
+
+use chrono::{DateTime, Utc};
+use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
+use serde_json::Value;
+use std::sync::Arc;
+
+use crate::reconcile::change::DeviceChange;
+use crate::reconcile::decide::{self, Actual, ReportedState};
+
+/// The fleet as the state machine reads it: committed state only.
+pub trait FleetRead: Send + Sync {
+    /// A copy of one device's entry (`None`: not registered).
+    fn get(&self, id: &DeviceId) -> Option<DeviceEntry>;
+    /// Ids of every device with a desired spec, sorted.
+    fn ids_with_desired_state(&self) -> Vec<DeviceId>;
+    /// Ids whose retained desired message is behind their desired state.
+    fn ids_with_retained_behind(&self) -> Vec<DeviceId>;
+    /// Ids whose last report is older than `cutoff` (or who never reported).
+    fn ids_reported_before(&self, cutoff: DateTime<Utc>) -> Vec<DeviceId>;
+    /// Ids of every device not known to be offline, sorted.
+    fn ids_not_offline(&self) -> Vec<DeviceId>;
+}
+
+/// Desired state of one device, with the spec kept for pushing.
+#[derive(Debug, Clone)]
+pub struct DesiredState {
+    pub generation: u64,
+    pub digest: SpecDigest,
+    /// Shared: a bulk change gives thousands of devices the same spec.
+    pub spec: Arc<Value>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct DeviceEntry {
+    pub desired: Option<DesiredState>,
+    pub reported: Option<ReportedState>,
+    /// When the last accepted report was stored (for staleness).
+    pub reported_at: Option<DateTime<Utc>>,
+    pub health: Option<Health>,
+    pub online: Option<bool>,
+    pub status: DeviceStatus,
+    /// Consecutive failed attempts (reset by a success).
+    pub failures: u32,
+    /// Generation of the retained desired message on the broker (`None`:
+    /// the broker holds none). Refreshed whenever it falls behind `desired`.
+    pub retained_generation: Option<u64>,
+}
+
+impl DeviceEntry {
+    /// Mirrors an engine change in the fields the cache holds.
+    pub fn apply(&mut self, change: &DeviceChange) {
+        if let Some(status) = change.status {
+            self.status = status;
+        }
+        if let Some((failures, _)) = change.failures {
+            self.failures = failures;
+        }
+        if let Some(generation) = change.retained {
+            self.retained_generation = Some(generation);
+        }
+    }
+
+    pub fn actual(&self) -> Actual {
+        match &self.reported {
+            Some(r) => Actual::Reported(r.clone()),
+            None => Actual::NeverReported,
+        }
+    }
+
+    /// The desired state, when the broker's retained message is older than
+    /// it (or of unknown generation) and so must be refreshed.
+    pub fn retained_behind(&self) -> Option<&DesiredState> {
+        let desired = self.desired.as_ref()?;
+        match self.retained_generation {
+            Some(retained) if retained != desired.generation => Some(desired),
+            Some(_) | None => None,
+        }
+    }
+
+    pub fn desired_for_decision(&self) -> Option<decide::Desired> {
+        self.desired.as_ref().map(|d| decide::Desired {
+            generation: d.generation,
+            digest: d.digest,
+        })
+    }
+
+    pub fn reported_seq(&self) -> Option<u64> {
+        self.reported.as_ref().map(|r| r.seq)
+    }
+}
