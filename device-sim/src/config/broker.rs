@@ -2,7 +2,7 @@
 //! where a bare `host[:port]` means a plain TCP broker too, with errors that
 //! name the simulator's credentials file and never echo a password.
 
-use idem_protocol::{parse_mqtt_url_or_bare_host, BrokerAddr, MqttUrlError};
+use idem_protocol::{parse_mqtt_url_or_bare_host, BrokerAddr};
 
 use crate::error::SimError;
 
