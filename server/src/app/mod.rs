@@ -16,7 +16,9 @@ use tokio_util::sync::CancellationToken;
 use crate::app::state::{AppState, Stalls};
 use crate::config::{Config, ValidConfig};
 use crate::engine::new_run::Trigger;
-use crate::engine::{Engine, EngineCommand, EngineContext, EngineSettings, EngineStats};
+use crate::engine::{
+    Engine, EngineCommand, EngineContext, EngineInbox, EngineSettings, EngineStats, RunRequest,
+};
 use crate::events::relay::{EventRelay, Retention};
 use crate::http::connections::HttpLimits;
 use crate::http::sse::{SseClients, SseSettings};
@@ -31,6 +33,9 @@ use crate::store::events::StoredEvent;
 use crate::store::{self, DeviceWriter, StoreError};
 
 const ENGINE_CAPACITY: usize = 1_024;
+/// Run requests from API calls waiting for the engine (each caller waits
+/// for its answer, so this bounds only how many wait at once).
+const RUN_REQUESTS_CAPACITY: usize = 256;
 /// Live events buffered per SSE subscriber before it must catch up from the log.
 const LIVE_EVENTS_CAPACITY: usize = 16_384;
 
@@ -56,13 +61,14 @@ pub async fn run(
 
     let (client, eventloop) = mqtt::connect(&config);
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
+    let (runs_tx, runs_rx) = mpsc::channel(RUN_REQUESTS_CAPACITY);
     let (intake_tx, intake_rx, intake_gauge) = intake(config.config.mqtt_intake_buffer_bytes);
     let state = Arc::new(shared_state(
         config,
         pool,
         fleet,
         &client,
-        engine_tx,
+        (engine_tx, runs_tx),
         intake_gauge,
         &token,
     ));
@@ -70,7 +76,10 @@ pub async fn run(
         &state,
         (client, eventloop),
         (intake_tx, intake_rx),
-        engine_rx,
+        EngineInbox {
+            commands: engine_rx,
+            runs: runs_rx,
+        },
         &token,
     );
 
@@ -111,7 +120,7 @@ fn shared_state(
     pool: PgPool,
     fleet: Arc<Fleet>,
     client: &rumqttc::AsyncClient,
-    engine: mpsc::Sender<EngineCommand>,
+    (engine, run_requests): (mpsc::Sender<EngineCommand>, mpsc::Sender<RunRequest>),
     intake: IntakeGauge,
     token: &CancellationToken,
 ) -> AppState {
@@ -155,7 +164,7 @@ fn shared_state(
         stalls: Stalls::new(config.config.stuck_after),
         intake,
         config,
-        manual_runs: std::sync::Mutex::new(std::collections::HashMap::new()),
+        run_requests,
         auth,
         dynsec,
     }
@@ -236,7 +245,7 @@ impl Workers {
         state: &AppState,
         (client, eventloop): (rumqttc::AsyncClient, rumqttc::EventLoop),
         (intake_tx, intake_rx): (IntakeSender, IntakeReceiver),
-        engine_rx: mpsc::Receiver<EngineCommand>,
+        engine_inbox: EngineInbox,
         token: &CancellationToken,
     ) -> Self {
         // Stop order: HTTP and intake first, then the engine writes, then MQTT.
@@ -288,7 +297,7 @@ impl Workers {
             writer: state.writer.clone(),
             stall: state.stalls.engine.clone(),
         });
-        let engine = tokio::spawn(engine.run(engine_rx, engine_token.clone()));
+        let engine = tokio::spawn(engine.run(engine_inbox, engine_token.clone()));
         let ingest = Ingest {
             pool: state.pool.clone(),
             fleet: state.fleet.clone(),

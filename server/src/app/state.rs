@@ -9,7 +9,7 @@ use sqlx::PgPool;
 use tokio::sync::{broadcast, mpsc, Notify};
 
 use crate::config::ValidConfig;
-use crate::engine::{EngineCommand, EngineStats};
+use crate::engine::{EngineCommand, EngineStats, RunRequest};
 use crate::http::sse::SseClients;
 use crate::mqtt::{MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
@@ -47,10 +47,8 @@ pub struct AppState {
     pub auth: crate::http::auth::AuthSettings,
     /// Creates and removes device accounts on the broker (`--broker-accounts dynsec`).
     pub dynsec: Option<Arc<crate::broker::dynsec::Dynsec>>,
-    /// Manual runs by (digest of their sorted target ids, force), so an
-    /// identical re-check while one is in progress joins it.
-    pub manual_runs:
-        std::sync::Mutex<std::collections::HashMap<(idem_protocol::SpecDigest, bool), uuid::Uuid>>,
+    /// Runs asked for by API calls: the engine creates and starts them.
+    pub run_requests: mpsc::Sender<RunRequest>,
 }
 
 /// The workers whose stuck writes make the server not ready.

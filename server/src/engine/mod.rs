@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use idem_protocol::DeviceId;
 use sqlx::PgPool;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -29,6 +29,7 @@ use crate::reconcile::run::Trigger;
 use crate::store::cache::{Fleet, FleetChange};
 use crate::store::devices::DeviceChangeRow;
 use crate::store::{self, DeviceWriter, StoreError};
+pub use new_run::CommitRunError;
 use new_run::{commit_run, NewRun};
 
 pub use crate::reconcile::machine::{EngineCommand, EngineSettings};
@@ -62,6 +63,34 @@ pub struct EngineContext {
     pub stall: Arc<crate::ops::stall::Stall>,
 }
 
+/// A run an API call asks for. The engine creates it on its state
+/// machine's view of the devices and starts it in the same step, or, for a
+/// manual run identical to one still running, answers with that one.
+#[derive(Debug)]
+pub struct RunRequest {
+    pub run: NewRun,
+    /// Join a running manual run over the same targets with the same force.
+    pub join_identical: bool,
+    pub reply: oneshot::Sender<Result<RunAnswer, CommitRunError>>,
+}
+
+/// The engine's answer to a [`RunRequest`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunAnswer {
+    pub run_id: Uuid,
+    /// Every target, those decided at creation included.
+    pub targets: usize,
+    /// An identical manual run was still running: this is it.
+    pub joined: bool,
+}
+
+/// What the engine receives: commands for its state machine, and runs to create.
+#[derive(Debug)]
+pub struct EngineInbox {
+    pub commands: mpsc::Receiver<EngineCommand>,
+    pub runs: mpsc::Receiver<RunRequest>,
+}
+
 pub struct Engine {
     ctx: EngineContext,
     machine: Machine,
@@ -92,11 +121,11 @@ impl Engine {
     }
 
     /// Runs until `token` is cancelled, then writes what is pending.
-    pub async fn run(
-        mut self,
-        mut commands: mpsc::Receiver<EngineCommand>,
-        token: CancellationToken,
-    ) {
+    pub async fn run(mut self, inbox: EngineInbox, token: CancellationToken) {
+        let EngineInbox {
+            mut commands,
+            mut runs,
+        } = inbox;
         self.shutdown = token.clone();
         loop {
             let wake = self.machine.next_wake();
@@ -113,6 +142,7 @@ impl Engine {
                         handled += 1;
                     }
                 }
+                Some(request) = runs.recv() => self.create_run(request).await,
                 () = tokio::time::sleep_until(wake.into()) => {}
             }
             let effects = self.machine.on_tick(now());
@@ -184,11 +214,62 @@ impl Engine {
         }
     }
 
+    /// Creates the run an API call asked for — judged on the machine's view,
+    /// so no device is judged on a cache the machine is ahead of — or
+    /// answers with the identical manual run still running.
+    async fn create_run(&mut self, request: RunRequest) {
+        let RunRequest {
+            run,
+            join_identical,
+            reply,
+        } = request;
+        if join_identical {
+            if let Some(run_id) = self.machine.identical_manual_run(&run.targets, run.force) {
+                let _ = reply.send(Ok(RunAnswer {
+                    run_id,
+                    targets: run.targets.len(),
+                    joined: true,
+                }));
+                return;
+            }
+        }
+        let machine = &self.machine;
+        let committed = commit_run(&self.ctx.writer, &self.ctx.event_source, run, &|id| {
+            machine.view(id)
+        })
+        .await;
+        match committed {
+            Ok(spec) => {
+                self.ctx.events_wake.notify_one();
+                self.ctx.metrics.events_committed.increment(1);
+                let answer = RunAnswer {
+                    run_id: spec.id,
+                    targets: spec.targets.len() + spec.decided,
+                    joined: false,
+                };
+                let command = EngineCommand::StartRun(spec);
+                self.count_started(&command);
+                let effects = self.machine.on_command(command, now());
+                // The caller may have gone (its connection closed): the run
+                // is committed and goes on regardless.
+                let _ = reply.send(Ok(answer));
+                self.carry(effects).await;
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
     /// Commits a run the engine starts itself; if the commit fails
     /// (database down), the machine tries again a debounce window later.
     async fn start_own_run(&self, trigger: Trigger, targets: Vec<DeviceId>) -> EngineCommand {
         let run = NewRun::new(targets.clone(), trigger);
-        let committed = commit_run(&self.ctx.writer, &self.ctx.event_source, run).await;
+        let machine = &self.machine;
+        let committed = commit_run(&self.ctx.writer, &self.ctx.event_source, run, &|id| {
+            machine.view(id)
+        })
+        .await;
         match committed {
             Ok(run) => {
                 self.ctx.events_wake.notify_one();

@@ -11,12 +11,12 @@ use uuid::Uuid;
 
 use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedData};
 use crate::reconcile::change::DeviceChange;
-use crate::reconcile::decide::Desired;
-use crate::reconcile::policy::converged_at_creation;
+use crate::reconcile::device::DeviceEntry;
+use crate::reconcile::policy::{converged_targets, Converged};
 use crate::reconcile::run::RunSpec;
 pub use crate::reconcile::run::Trigger;
 use crate::store::access::AuditRecord;
-use crate::store::cache::{DesiredState, Fleet, FleetChange};
+use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::DeviceChangeRow;
 use crate::store::runs::ConvergedTarget;
 use crate::store::{self, DeviceTx, DeviceWriter, StoreError};
@@ -85,14 +85,19 @@ impl NewRun {
     }
 }
 
-/// Commits `run`; the caller hands the result to the engine. Targets
-/// already converged (`policy::converged_at_creation`) get their outcome,
-/// event and any device change in this same transaction; the engine only
-/// carries the rest.
+/// How the engine's state machine sees a device (the cache plus changes
+/// not yet written): the view a new run's targets are judged on.
+pub type DeviceView<'a> = &'a (dyn Fn(&DeviceId) -> Option<DeviceEntry> + Sync);
+
+/// Commits `run`; the engine, which alone calls it, hands the result to its
+/// state machine. Targets already converged (`policy::converged_targets`,
+/// on the machine's `view`) get their outcome, event and any device change
+/// in this same transaction; the machine carries only the rest.
 pub async fn commit_run(
     writer: &DeviceWriter,
     event_source: &str,
     run: NewRun,
+    view: DeviceView<'_>,
 ) -> Result<RunSpec, CommitRunError> {
     let run_id = Uuid::now_v7();
     let mut targets = run.targets;
@@ -122,13 +127,7 @@ pub async fn commit_run(
         .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
         .collect();
     let new_digest = digest_and_spec.as_ref().map(|(digest, _)| *digest);
-    let converged = converged_targets(
-        write.cache(),
-        &targets,
-        run.force,
-        new_digest,
-        &new_generations,
-    );
+    let converged = converged_targets(view, &targets, run.force, new_digest, &new_generations);
     let (undecided, undecided_ids) = split_undecided(&targets, &converged);
     let started = RunStartedData {
         trigger: run.trigger.as_str().to_owned(),
@@ -230,68 +229,6 @@ async fn write_run(
     let rows = events::finalize(drafts, first, event_source, chrono::Utc::now())?;
     store::events::insert(tx, &rows).await?;
     Ok(())
-}
-
-/// A target decided `already_converged` at creation.
-struct Converged {
-    id: DeviceId,
-    generation: u64,
-    health: Option<Health>,
-    /// What its row must change (`None`: nothing; a converged device's
-    /// row is not rewritten).
-    change: Option<DeviceChange>,
-}
-
-fn converged_targets(
-    fleet: &Fleet,
-    targets: &[DeviceId],
-    force: bool,
-    new_digest: Option<SpecDigest>,
-    new_generations: &HashMap<&str, u64>,
-) -> Vec<Converged> {
-    // Targets are distinct (the API and the engine's own runs deduplicate).
-    let mut converged = Vec::new();
-    for id in targets {
-        let Some(entry) = fleet.get(id) else {
-            continue;
-        };
-        let desired = match (new_digest, entry.desired_for_decision()) {
-            (Some(digest), current) => Some(Desired {
-                generation: new_generations
-                    .get(id.as_str())
-                    .copied()
-                    .or(current.map(|d| d.generation))
-                    .unwrap_or(0),
-                digest,
-            }),
-            (None, current) => current,
-        };
-        let Some(desired) = desired.filter(|d| d.generation > 0) else {
-            continue;
-        };
-        if !converged_at_creation(
-            entry.status,
-            entry.online,
-            Some(&desired),
-            &entry.actual(),
-            force,
-        ) {
-            continue;
-        }
-        let change =
-            (entry.status != DeviceStatus::Converged || entry.failures > 0).then(|| DeviceChange {
-                status: Some(DeviceStatus::Converged),
-                failures: (entry.failures > 0).then_some((0, None)),
-                ..DeviceChange::default()
-            });
-        converged.push(Converged {
-            id: id.clone(),
-            generation: desired.generation,
-            health: entry.health,
-            change,
-        });
-    }
-    converged
 }
 
 /// The targets left for the engine, as ids and as stored text.

@@ -26,3 +26,31 @@ pub struct DeviceChange {
     /// Generation of the desired message now retained on the broker.
     pub retained: Option<u64>,
 }
+
+impl DeviceChange {
+    /// Adds a later change on top: each field it sets wins.
+    pub fn merge(&mut self, later: DeviceChange) {
+        let DeviceChange {
+            status,
+            failures,
+            last_error,
+            last_outcome,
+            retained,
+        } = later;
+        if status.is_some() {
+            self.status = status;
+        }
+        if failures.is_some() {
+            self.failures = failures;
+        }
+        if last_error.is_some() {
+            self.last_error = last_error;
+        }
+        if last_outcome.is_some() {
+            self.last_outcome = last_outcome;
+        }
+        if retained.is_some() {
+            self.retained = retained;
+        }
+    }
+}

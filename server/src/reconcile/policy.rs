@@ -7,10 +7,14 @@ use std::time::Duration;
 
 pub use idem_protocol::DeviceStatus;
 
-use idem_protocol::SpecDigest;
+use std::collections::HashMap;
+
+use idem_protocol::{DeviceId, Health, SpecDigest};
 
 use super::decide::{decide, Actual, Attempt, Decision, Desired};
 use super::outcome::{Outcome, SkipReason};
+use crate::reconcile::change::DeviceChange;
+use crate::reconcile::device::DeviceEntry;
 
 /// Why a run does not attempt a device at all, if it does not.
 pub fn gate(status: DeviceStatus, online: Option<bool>, has_desired: bool) -> Option<SkipReason> {
@@ -52,6 +56,73 @@ pub fn converged_at_creation(
         | Decision::AskForReport
         | Decision::Wait => false,
     }
+}
+
+/// A target decided `already_converged` at creation.
+pub struct Converged {
+    pub id: DeviceId,
+    pub generation: u64,
+    pub health: Option<Health>,
+    /// What its row must change (`None`: nothing; a converged device's
+    /// row is not rewritten).
+    pub change: Option<DeviceChange>,
+}
+
+/// The targets of a new run decided `already_converged` at its creation
+/// ([`converged_at_creation`]), judged on `view` — the state machine's view
+/// of each device (cache plus changes not yet written) — with the desired
+/// change the run makes (`new_digest`, and the generations it gave each
+/// device), and what each one's row must change.
+pub fn converged_targets(
+    view: impl Fn(&DeviceId) -> Option<DeviceEntry>,
+    targets: &[DeviceId],
+    force: bool,
+    new_digest: Option<SpecDigest>,
+    new_generations: &HashMap<&str, u64>,
+) -> Vec<Converged> {
+    // Targets are distinct (the API and the engine's own runs deduplicate).
+    let mut converged = Vec::new();
+    for id in targets {
+        let Some(entry) = view(id) else {
+            continue;
+        };
+        let desired = match (new_digest, entry.desired_for_decision()) {
+            (Some(digest), current) => Some(Desired {
+                generation: new_generations
+                    .get(id.as_str())
+                    .copied()
+                    .or(current.map(|d| d.generation))
+                    .unwrap_or(0),
+                digest,
+            }),
+            (None, current) => current,
+        };
+        let Some(desired) = desired.filter(|d| d.generation > 0) else {
+            continue;
+        };
+        if !converged_at_creation(
+            entry.status,
+            entry.online,
+            Some(&desired),
+            &entry.actual(),
+            force,
+        ) {
+            continue;
+        }
+        let change =
+            (entry.status != DeviceStatus::Converged || entry.failures > 0).then(|| DeviceChange {
+                status: Some(DeviceStatus::Converged),
+                failures: (entry.failures > 0).then_some((0, None)),
+                ..DeviceChange::default()
+            });
+        converged.push(Converged {
+            id: id.clone(),
+            generation: desired.generation,
+            health: entry.health,
+            change,
+        });
+    }
+    converged
 }
 
 /// Whether a stored report makes a device `converged` without a run: it

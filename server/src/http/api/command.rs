@@ -12,11 +12,13 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Serialize;
 use serde_json::Value;
+use tokio::sync::oneshot;
 use uuid::Uuid;
 
 use crate::app::state::AppState;
-use crate::engine::new_run::{commit_run, CommitRunError, NewRun};
+use crate::engine::new_run::{CommitRunError, NewRun};
 use crate::engine::EngineCommand;
+use crate::engine::{RunAnswer, RunRequest};
 use crate::http::auth::{AuditNote, AuditWritten, Call};
 use crate::http::error::ApiError;
 use crate::store::access::AuditRecord;
@@ -108,46 +110,69 @@ impl<'a> DeviceWrite<'a> {
     }
 }
 
-/// Commits `run` as started by this call (with the desired change or the
-/// release it carries, its `run.started` event and the call's audit record
-/// with what `note` says, completed with the run id; `commit_run` applies
-/// its own cache changes) and hands it to the engine. Returns the run id
-/// and how many devices it targets.
+/// Has the engine commit `run` as started by this call (with the desired
+/// change or the release it carries, its `run.started` event and the call's
+/// audit record with what `note` says, completed with the run id) and start
+/// it. Returns the run id and how many devices it targets.
 pub(super) async fn start_run(
+    state: &AppState,
+    call: &Call,
+    run: NewRun,
+    note: AuditNote,
+) -> Result<(Uuid, usize), ApiError> {
+    let answer = ask_engine(state, call, run, note, false).await?;
+    Ok((answer.run_id, answer.targets))
+}
+
+/// As [`start_run`], unless a manual run over the same targets with the
+/// same force is still running: then nothing is committed and the answer
+/// is that run, `joined` (the caller's middleware records the call).
+pub(super) async fn start_or_join_manual_run(
+    state: &AppState,
+    call: &Call,
+    run: NewRun,
+    note: AuditNote,
+) -> Result<RunAnswer, ApiError> {
+    ask_engine(state, call, run, note, true).await
+}
+
+async fn ask_engine(
     state: &AppState,
     call: &Call,
     mut run: NewRun,
     note: AuditNote,
-) -> Result<(Uuid, usize), ApiError> {
+    join_identical: bool,
+) -> Result<RunAnswer, ApiError> {
     run.started_by = Some(call.actor.name.clone());
     run.audit = Some(call.audit(StatusCode::OK, note));
-    let run = commit_run(&state.writer, &state.event_source, run)
-        .await
-        .map_err(|e| match e {
-            CommitRunError::Store(e) => ApiError::from(e),
-            CommitRunError::Event(e) => ApiError::from(e),
-            CommitRunError::NothingQuarantined => ApiError::new(
-                StatusCode::CONFLICT,
-                "not_quarantined",
-                "none of the devices to retry is quarantined (any more)",
-            ),
-        })?;
-    let targets = run.targets.len() + run.decided;
-    state.events_wake.notify_one();
-    state.metrics.events_committed.increment(1);
-    let run_id = run.id;
+    let shutting_down = || {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "the server is shutting down; nothing was started, try again once it is back",
+        )
+    };
+    let (reply, answer) = oneshot::channel();
+    let request = RunRequest {
+        run,
+        join_identical,
+        reply,
+    };
     state
-        .engine
-        .send(EngineCommand::StartRun(run))
+        .run_requests
+        .send(request)
         .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "shutting_down",
-                "the server is shutting down; the run resumes at next start",
-            )
-        })?;
-    Ok((run_id, targets))
+        .map_err(|_| shutting_down())?;
+    let answer = answer.await.map_err(|_| shutting_down())?;
+    answer.map_err(|e| match e {
+        CommitRunError::Store(e) => ApiError::from(e),
+        CommitRunError::Event(e) => ApiError::from(e),
+        CommitRunError::NothingQuarantined => ApiError::new(
+            StatusCode::CONFLICT,
+            "not_quarantined",
+            "none of the devices to retry is quarantined (any more)",
+        ),
+    })
 }
 
 /// Tells the engine about a change committed earlier; an engine that has

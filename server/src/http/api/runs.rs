@@ -12,11 +12,10 @@ use idem_protocol::api::{
     ErrorBody, OutcomePage, OutcomeQuery, OutcomeRow, RunListQuery, RunPage, RunStarted, RunView,
     TargetedRequest,
 };
-use idem_protocol::{DeviceId, OutcomeKind, SpecDigest};
+use idem_protocol::{DeviceId, OutcomeKind};
 use serde_json::json;
-use uuid::Uuid;
 
-use super::command::{audited, audited_ids, recorded, start_run};
+use super::command::{audited, audited_ids, recorded, start_or_join_manual_run, start_run};
 use super::desired::{resolve_targets, targeting_summary};
 use super::params::{page_limit, parse_run_id, registered, unknown_run};
 use crate::app::state::AppState;
@@ -26,13 +25,6 @@ use crate::http::error::{ApiError, ApiJson};
 use crate::http::input;
 use crate::store;
 use crate::store::runs::{RunRow, TargetRow};
-
-/// Manual runs remembered for joining identical re-checks; beyond this the
-/// memory is cleared (joining is an optimisation, not a guarantee).
-const MAX_REMEMBERED_MANUAL_RUNS: usize = 1_024;
-
-/// What identifies a manual run for joining: its sorted targets and force.
-type ManualRunKey = (SpecDigest, bool);
 
 /// `POST /v1/runs`: re-checks the targeted devices without a change. A
 /// re-check over exactly the targets (and force) of a manual run still in
@@ -53,9 +45,6 @@ pub(super) async fn start_manual_run(
     }
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
-    let mut sorted: Vec<&str> = targets.iter().map(DeviceId::as_str).collect();
-    sorted.sort_unstable();
-    let key = (SpecDigest::of(&json!(sorted)), body.force);
     let note = |joined: bool| AuditNote {
         targets: Some(count),
         detail: Some(json!({
@@ -71,50 +60,17 @@ pub(super) async fn start_manual_run(
         targets: count as u64,
         joined: Some(joined),
     };
-    if let Some(run_id) = running_manual_run(&state, &key).await? {
+    let run = NewRun::new(targets.clone(), Trigger::Manual).forced(body.force);
+    let started = start_or_join_manual_run(&state, &call, run, note(false)).await?;
+    if started.joined {
         // Nothing new is committed: the middleware records the call.
         let note = AuditNote {
-            run_id: Some(run_id),
+            run_id: Some(started.run_id),
             ..note(true)
         };
-        return Ok(audited(note, StatusCode::OK, answer(run_id, true)));
+        return Ok(audited(note, StatusCode::OK, answer(started.run_id, true)));
     }
-    let note = note(false);
-    let run = NewRun::new(targets, Trigger::Manual).forced(body.force);
-    let (run_id, _) = start_run(&state, &call, run, note).await?;
-    remember_manual_run(&state, key, run_id);
-    Ok(recorded(StatusCode::OK, answer(run_id, false)))
-}
-
-/// The remembered manual run with this key, if it is still running.
-async fn running_manual_run(
-    state: &AppState,
-    key: &ManualRunKey,
-) -> Result<Option<Uuid>, ApiError> {
-    let candidate = state
-        .manual_runs
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(key)
-        .copied();
-    let Some(run_id) = candidate else {
-        return Ok(None);
-    };
-    let running = store::runs::get(&state.pool, run_id)
-        .await?
-        .is_some_and(|run| run.state == "running");
-    Ok(running.then_some(run_id))
-}
-
-fn remember_manual_run(state: &AppState, key: ManualRunKey, run: Uuid) {
-    let mut manual_runs = state
-        .manual_runs
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if manual_runs.len() >= MAX_REMEMBERED_MANUAL_RUNS {
-        manual_runs.clear();
-    }
-    manual_runs.insert(key, run);
+    Ok(recorded(StatusCode::OK, answer(started.run_id, false)))
 }
 
 /// `POST /v1/devices/{id}/retry`: releases a quarantined device and runs it.

@@ -16,7 +16,7 @@ pub mod record;
 mod tests;
 mod triggers;
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use idem_protocol::DeviceId;
@@ -76,6 +76,13 @@ pub struct Machine {
     /// is not asked by it (its report carries everything it runs).
     recheck_since: Option<chrono::DateTime<chrono::Utc>>,
     record: Record,
+    /// The device changes of records handed out and not yet reported
+    /// written: neither in `record` nor (until the commit) in the cache, yet
+    /// part of the device as the machine must see it.
+    writing: BTreeMap<DeviceId, DeviceChange>,
+    /// Manual runs still running, by id: whether forced, and every target,
+    /// sorted (an identical re-check joins the run instead of starting one).
+    manual: HashMap<Uuid, (bool, Vec<DeviceId>)>,
     last_write: Instant,
     rng: StdRng,
 }
@@ -106,6 +113,8 @@ impl Machine {
             gaps,
             recheck_since: None,
             record: Record::default(),
+            writing: BTreeMap::new(),
+            manual: HashMap::new(),
             last_write: now,
             rng: StdRng::seed_from_u64(seed),
         }
@@ -199,11 +208,33 @@ impl Machine {
     /// at `now`; the next write waits a flush interval from here.
     pub fn record_written(&mut self, now: Instant) {
         self.last_write = now;
+        self.writing.clear();
     }
 
     /// Everything not yet written, whatever its size or age (shutdown).
     pub fn take_record(&mut self) -> Option<Record> {
-        (!self.record.is_empty()).then(|| std::mem::take(&mut self.record))
+        (!self.record.is_empty()).then(|| self.hand_out_record())
+    }
+
+    /// The record, handed out to be written; its device changes stay in
+    /// the machine's view until [`Machine::record_written`].
+    fn hand_out_record(&mut self) -> Record {
+        let record = std::mem::take(&mut self.record);
+        for (id, change) in &record.devices {
+            self.writing
+                .entry(id.clone())
+                .or_default()
+                .merge(change.clone());
+        }
+        record
+    }
+
+    /// The device as the machine sees it (the cache, plus the changes
+    /// handed out to be written and those not yet handed out): the one
+    /// view every judgement of a device is made on, also the creation of a
+    /// run ([`crate::reconcile::policy::converged_targets`]).
+    pub fn view(&self, id: &DeviceId) -> Option<DeviceEntry> {
+        self.entry(id)
     }
 
     /// When the machine next has something to do without new input.
@@ -249,7 +280,8 @@ impl Machine {
         let due = self.record.outcomes.len() >= FLUSH_SIZE
             || (!self.record.is_empty() && now.at >= self.last_write + FLUSH_INTERVAL);
         if due {
-            out.push(Effect::Record(std::mem::take(&mut self.record)));
+            let record = self.hand_out_record();
+            out.push(Effect::Record(record));
         }
     }
 
@@ -257,14 +289,44 @@ impl Machine {
     /// of the record not yet written.
     fn entry(&self, id: &DeviceId) -> Option<DeviceEntry> {
         let mut entry = self.fleet.get(id)?;
+        if let Some(change) = self.writing.get(id) {
+            entry.apply(change);
+        }
         if let Some(change) = self.record.devices.get(id) {
             entry.apply(change);
         }
         Some(entry)
     }
 
+    /// The manual run still running over exactly `targets` (in any order)
+    /// with the same `force`, if there is one.
+    pub fn identical_manual_run(&self, targets: &[DeviceId], force: bool) -> Option<Uuid> {
+        let mut sorted = targets.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        self.manual
+            .iter()
+            .find(|(run_id, (forced, run_targets))| {
+                *forced == force && *run_targets == sorted && self.runs.contains_key(run_id)
+            })
+            .map(|(run_id, _)| *run_id)
+    }
+
     fn start_run(&mut self, spec: RunSpec, now: Now, out: &mut Vec<Effect>) {
         let progress = RunProgress::new(&spec, now.at);
+        let fresh = spec.decided == spec.converged.len();
+        if spec.trigger == Trigger::Manual && fresh && !progress.is_complete() {
+            let runs = &self.runs;
+            self.manual.retain(|run_id, _| runs.contains_key(run_id));
+            let mut targets: Vec<DeviceId> = spec
+                .targets
+                .iter()
+                .chain(&spec.converged)
+                .cloned()
+                .collect();
+            targets.sort_unstable();
+            self.manual.insert(spec.id, (spec.force, targets));
+        }
         for id in &spec.converged {
             self.converged_at_creation(id, now, out);
         }

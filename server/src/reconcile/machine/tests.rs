@@ -61,6 +61,10 @@ struct World {
     completed: Vec<Uuid>,
     events: Vec<EventType>,
     seq: u64,
+    /// Records handed out and not yet written (`None`: each is written at once).
+    held: Option<Vec<Record>>,
+    /// Every target of each run, those decided at its creation included.
+    all_targets: BTreeMap<Uuid, Vec<DeviceId>>,
 }
 
 impl World {
@@ -80,6 +84,8 @@ impl World {
             completed: Vec::new(),
             events: Vec::new(),
             seq: 0,
+            held: None,
+            all_targets: BTreeMap::new(),
         }
     }
 
@@ -147,7 +153,10 @@ impl World {
                 } => self.published.push((device, generation, reason)),
                 Effect::AskForReport { device, .. } => self.asked.push(device),
                 Effect::StartRun { trigger, targets } => asked_for.push((trigger, targets)),
-                Effect::Record(record) => self.commit(record),
+                Effect::Record(record) => match &mut self.held {
+                    Some(held) => held.push(record),
+                    None => self.commit(record),
+                },
             }
         }
         for (trigger, targets) in asked_for {
@@ -173,6 +182,62 @@ impl World {
         self.completed
             .extend(record.completed.iter().map(|run| run.id));
         self.machine.record_written(self.clock);
+    }
+
+    /// From now on the records the machine hands out wait, as a write that
+    /// has not committed yet.
+    fn hold_writes(&mut self) {
+        self.held.get_or_insert_with(Vec::new);
+    }
+
+    /// The held writes commit, in order; later ones are written at once.
+    fn commit_held(&mut self) {
+        for record in self.held.take().unwrap_or_default() {
+            self.commit(record);
+        }
+    }
+
+    /// A run created as the engine creates one: its targets judged on the
+    /// machine's view (`policy::converged_targets`), those already
+    /// converged decided in the creating "transaction", the rest started.
+    fn create(&mut self, targets: Vec<DeviceId>, force: bool) -> Uuid {
+        let machine = &self.machine;
+        let converged = crate::reconcile::policy::converged_targets(
+            |id| machine.view(id),
+            &targets,
+            force,
+            None,
+            &std::collections::HashMap::new(),
+        );
+        let run_id = Uuid::now_v7();
+        let decided: Vec<DeviceId> = converged.iter().map(|c| c.id.clone()).collect();
+        for c in converged {
+            self.outcomes.entry(run_id).or_default().push((
+                c.id.clone(),
+                OutcomeKind::AlreadyConverged,
+                None,
+            ));
+            if let Some(change) = c.change {
+                self.fleet
+                    .apply_committed([FleetChange::Engine(c.id.clone(), change)]);
+            }
+        }
+        let spec = RunSpec {
+            id: run_id,
+            trigger: Trigger::Manual,
+            targets: targets
+                .iter()
+                .filter(|id| !decided.contains(id))
+                .cloned()
+                .collect(),
+            force,
+            decided: decided.len(),
+            converged: decided,
+        };
+        self.all_targets.insert(run_id, targets);
+        self.runs.push(spec.clone());
+        self.command(EngineCommand::StartRun(spec));
+        run_id
     }
 
     fn command(&mut self, command: EngineCommand) {
@@ -640,6 +705,42 @@ fn a_target_found_converged_at_creation_ends_an_older_attempt_and_refreshes_the_
     assert_eq!(world.machine.stats(), MachineStats::default());
 }
 
+#[test]
+fn a_run_created_while_a_quarantine_is_still_being_written_sees_the_device_quarantined() {
+    let mut world = World::new(settings());
+    let device = world.device("pump", Some(2), Some(1));
+    world.run(std::slice::from_ref(&device));
+    world.rejects(&device, 2, 1);
+    world.wait(Duration::from_millis(1_100));
+    world.rejects(&device, 2, 1);
+    world.wait(Duration::from_millis(2_100));
+    world.hold_writes();
+    world.rejects(&device, 2, 1);
+    world.settle();
+    assert_ne!(
+        world.status(&device),
+        DeviceStatus::Quarantined,
+        "the quarantine has not committed yet"
+    );
+    // The device now runs its desired spec: on the cache alone, a new run
+    // would find it converged and clear the quarantine being written.
+    world.reports(&device, 2, Some(2));
+    let machine = &world.machine;
+    let converged = crate::reconcile::policy::converged_targets(
+        |id| machine.view(id),
+        std::slice::from_ref(&device),
+        false,
+        None,
+        &std::collections::HashMap::new(),
+    );
+    assert!(
+        converged.is_empty(),
+        "judged converged at creation though the machine has quarantined it"
+    );
+    world.commit_held();
+    assert_eq!(world.status(&device), DeviceStatus::Quarantined);
+}
+
 /// One thing that can happen to the engine.
 #[derive(Debug, Clone)]
 enum Step {
@@ -657,6 +758,10 @@ enum Step {
     Online(usize, bool),
     Remove(usize),
     Wait(u64),
+    /// The machine's writes stop committing for a while.
+    HoldWrites,
+    /// The held writes commit.
+    CommitHeld,
 }
 
 const DEVICES: usize = 6;
@@ -673,6 +778,8 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (device.clone(), any::<bool>()).prop_map(|(d, online)| Step::Online(d, online)),
         1 => device.prop_map(Step::Remove),
         2 => (0u64..3_000).prop_map(Step::Wait),
+        1 => Just(Step::HoldWrites),
+        1 => Just(Step::CommitHeld),
     ]
 }
 
@@ -687,8 +794,12 @@ impl World {
         };
         match step {
             Step::Run { targets, force } => {
-                let targets = targets.iter().map(|i| fleet[*i].clone()).collect();
-                self.start(Trigger::Manual, targets, *force);
+                let mut targets: Vec<DeviceId> =
+                    targets.iter().map(|i| fleet[*i].clone()).collect();
+                // Targets are distinct (the API and the engine deduplicate).
+                targets.sort();
+                targets.dedup();
+                self.create(targets, *force);
             }
             Step::Confirms(i) => {
                 if let Some(generation) = desired(self, *i) {
@@ -726,6 +837,8 @@ impl World {
                 self.command(EngineCommand::DevicesRemoved(vec![fleet[*i].clone()]));
             }
             Step::Wait(ms) => self.wait(Duration::from_millis(*ms)),
+            Step::HoldWrites => self.hold_writes(),
+            Step::CommitHeld => self.commit_held(),
         }
     }
 }
@@ -803,12 +916,18 @@ proptest! {
         for step in &steps {
             world.play(&fleet, step);
         }
+        world.commit_held();
         // Long enough for every deadline, retry and debounce window.
         for _ in 0..40 {
             world.wait(Duration::from_secs(2));
         }
         for run in &world.runs {
-            let mut expected: Vec<&DeviceId> = run.targets.iter().collect();
+            // Each target once: decided at creation (on the machine's view,
+            // also while a write was pending) or by the machine, never both.
+            let mut expected: Vec<&DeviceId> = world
+                .all_targets
+                .get(&run.id)
+                .map_or_else(|| run.targets.iter().collect(), |all| all.iter().collect());
             expected.sort();
             let mut decided: Vec<&DeviceId> = world
                 .outcomes
