@@ -10,8 +10,8 @@ use std::marker::PhantomData;
 
 use idem_protocol::{DeviceStatus, OutcomeCounts, OutcomeKind};
 
-use crate::reconcile::machine::RecheckTrigger;
 use crate::reconcile::machine::AskReason;
+use crate::reconcile::machine::RecheckTrigger;
 use metrics::{
     Counter, Gauge, Histogram, Key, Label, Level, Metadata, Recorder, SharedString, Unit,
 };
