@@ -73,10 +73,10 @@ pub async fn broker_init(
         Ok(path)
     };
     let mut config = idem_server::Config::defaults();
-    config.mqtt_url = broker.url().into();
-    config.topic_root = root.to_owned();
-    config.instance = instance.to_owned();
-    config.mqtt_ca_file = broker.ca_file().map(std::path::Path::to_path_buf);
+    config.mqtt.mqtt_url = broker.url().into();
+    config.fleet.topic_root = root.to_owned();
+    config.fleet.instance = instance.to_owned();
+    config.mqtt.mqtt_ca_file = broker.ca_file().map(std::path::Path::to_path_buf);
     let valid = config.validate().context("broker init configuration")?;
     let command = BrokerCommand::Init {
         admin_username: accounts.admin.0.clone(),

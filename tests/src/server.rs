@@ -6,6 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -125,22 +126,22 @@ impl Default for ServerSettings {
             topic_root: None,
             instance: None,
             stuck_after: Duration::from_secs(30),
-            http_max_connections: server.http_max_connections,
-            http_header_timeout: server.http_header_timeout,
-            http_body_timeout: server.http_body_timeout,
-            http_max_body_bytes: server.http_max_body_bytes,
-            sse_max_clients: server.sse_max_clients,
-            sse_client_buffer: server.sse_client_buffer,
-            sse_send_timeout: server.sse_send_timeout,
-            sse_replay_rate: server.sse_replay_rate,
+            http_max_connections: server.http.http_max_connections,
+            http_header_timeout: server.http.http_header_timeout,
+            http_body_timeout: server.http.http_body_timeout,
+            http_max_body_bytes: server.http.http_max_body_bytes,
+            sse_max_clients: server.sse.sse_max_clients,
+            sse_client_buffer: server.sse.sse_client_buffer,
+            sse_send_timeout: server.sse.sse_send_timeout,
+            sse_replay_rate: server.sse.sse_replay_rate,
             mqtt_credentials: None,
             broker_accounts: idem_server::config::BrokerAccounts::None,
             broker_accounts_file: None,
-            mqtt_keep_alive: server.mqtt_keep_alive,
-            mqtt_intake_buffer_bytes: server.mqtt_intake_buffer_bytes,
-            ready_max_intake_age: server.ready_max_intake_age,
-            recheck_after_stall: server.recheck_after_stall,
-            recheck_rate: server.recheck_rate,
+            mqtt_keep_alive: server.mqtt.mqtt_keep_alive,
+            mqtt_intake_buffer_bytes: server.mqtt.mqtt_intake_buffer_bytes,
+            ready_max_intake_age: server.readiness.ready_max_intake_age,
+            recheck_after_stall: server.engine.recheck_after_stall,
+            recheck_rate: server.engine.recheck_rate.map_or(0, NonZeroU32::get),
             mqtt_ca_file: None,
             mqtt_client_cert: None,
             https: None,
@@ -159,63 +160,63 @@ impl TestServer {
     ) -> Result<Self> {
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let mut config = idem_server::Config::defaults();
-        config.database_url = db.url().into();
-        config.mqtt_url = broker.url().into();
-        config.topic_root = format!("idem-test/{}", &unique[..12]);
-        config.instance = format!("test-{}", &unique[..12]);
-        config.push_timeout = settings.push_timeout;
-        config.insecure_no_auth = settings.insecure_no_auth;
-        config.open_metrics = settings.open_metrics;
-        config.open_events = settings.open_events;
-        config.auto_register = settings.auto_register;
-        config.max_spec_bytes = settings.max_spec_bytes;
-        config.max_attempts = settings.max_attempts;
-        config.retry_backoff = settings.retry_backoff;
-        config.retry_backoff_max = settings.retry_backoff.max(Duration::from_secs(1));
-        config.push_rate = settings.push_rate;
-        config.debounce = settings.debounce;
-        config.resync_interval = settings.resync_interval;
-        config.stale_after = settings.stale_after;
-        config.stuck_after = settings.stuck_after;
-        config.http_max_connections = settings.http_max_connections;
-        config.http_header_timeout = settings.http_header_timeout;
-        config.http_body_timeout = settings.http_body_timeout;
-        config.http_max_body_bytes = settings.http_max_body_bytes;
-        config.sse_max_clients = settings.sse_max_clients;
-        config.sse_client_buffer = settings.sse_client_buffer;
-        config.sse_send_timeout = settings.sse_send_timeout;
-        config.sse_replay_rate = settings.sse_replay_rate;
+        config.database.database_url = db.url().into();
+        config.mqtt.mqtt_url = broker.url().into();
+        config.fleet.topic_root = format!("idem-test/{}", &unique[..12]);
+        config.fleet.instance = format!("test-{}", &unique[..12]);
+        config.engine.push_timeout = settings.push_timeout;
+        config.security.insecure_no_auth = settings.insecure_no_auth;
+        config.security.open_metrics = settings.open_metrics;
+        config.security.open_events = settings.open_events;
+        config.fleet.auto_register = settings.auto_register;
+        config.fleet.max_spec_bytes = settings.max_spec_bytes;
+        config.engine.max_attempts = settings.max_attempts;
+        config.engine.retry_backoff = settings.retry_backoff;
+        config.engine.retry_backoff_max = settings.retry_backoff.max(Duration::from_secs(1));
+        config.engine.push_rate = NonZeroU32::new(settings.push_rate);
+        config.engine.debounce = settings.debounce;
+        config.engine.resync_interval = Some(settings.resync_interval).filter(|d| !d.is_zero());
+        config.engine.stale_after = settings.stale_after;
+        config.readiness.stuck_after = settings.stuck_after;
+        config.http.http_max_connections = settings.http_max_connections;
+        config.http.http_header_timeout = settings.http_header_timeout;
+        config.http.http_body_timeout = settings.http_body_timeout;
+        config.http.http_max_body_bytes = settings.http_max_body_bytes;
+        config.sse.sse_max_clients = settings.sse_max_clients;
+        config.sse.sse_client_buffer = settings.sse_client_buffer;
+        config.sse.sse_send_timeout = settings.sse_send_timeout;
+        config.sse.sse_replay_rate = settings.sse_replay_rate;
         if let Some(root) = settings.topic_root {
-            config.topic_root = root;
+            config.fleet.topic_root = root;
         }
         if let Some(instance) = settings.instance {
-            config.instance = instance;
+            config.fleet.instance = instance;
         }
-        config.broker_accounts = settings.broker_accounts;
-        config.broker_accounts_file = settings.broker_accounts_file;
-        config.mqtt_keep_alive = settings.mqtt_keep_alive;
-        config.mqtt_intake_buffer_bytes = settings.mqtt_intake_buffer_bytes;
-        config.ready_max_intake_age = settings.ready_max_intake_age;
-        config.recheck_after_stall = settings.recheck_after_stall;
-        config.recheck_rate = settings.recheck_rate;
+        config.security.broker_accounts = settings.broker_accounts;
+        config.security.broker_accounts_file = settings.broker_accounts_file;
+        config.mqtt.mqtt_keep_alive = settings.mqtt_keep_alive;
+        config.mqtt.mqtt_intake_buffer_bytes = settings.mqtt_intake_buffer_bytes;
+        config.readiness.ready_max_intake_age = settings.ready_max_intake_age;
+        config.engine.recheck_after_stall = settings.recheck_after_stall;
+        config.engine.recheck_rate = NonZeroU32::new(settings.recheck_rate);
         if let Some((username, password)) = settings.mqtt_credentials {
-            config.mqtt_username = Some(username);
-            config.mqtt_password = Some(password.into());
+            config.mqtt.mqtt_username = Some(username);
+            config.mqtt.mqtt_password = Some(password.into());
         }
-        config.mqtt_ca_file = settings
+        config.mqtt.mqtt_ca_file = settings
             .mqtt_ca_file
             .or_else(|| broker.ca_file().map(Path::to_path_buf));
         if let Some(client) = settings.mqtt_client_cert {
-            config.mqtt_client_cert = Some(client.cert);
-            config.mqtt_client_key = Some(client.key);
+            config.mqtt.mqtt_client_cert = Some(client.cert);
+            config.mqtt.mqtt_client_key = Some(client.key);
         }
         if let Some((identity, _)) = &settings.https {
-            config.tls_cert = Some(identity.cert.clone());
-            config.tls_key = Some(identity.key.clone());
+            config.http.tls_cert = Some(identity.cert.clone());
+            config.http.tls_key = Some(identity.key.clone());
         }
         let valid = config.validate().context("test server configuration")?;
-        let topic_root = valid.topic_root.clone();
-        let instance = valid.config.instance.clone();
+        let topic_root = valid.fleet.topic_root.clone();
+        let instance = valid.fleet.instance.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the API port")?;

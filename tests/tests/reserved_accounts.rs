@@ -61,8 +61,8 @@ async fn registering_a_device_named_like_a_broker_account_is_refused_and_every_a
     let (bot, bot_password) = ("ops-bot", "the-bots-own-password");
     let admin_config = {
         let mut config = idem_server::Config::defaults();
-        config.mqtt_url = scenario.broker.url().into();
-        config.mqtt_ca_file = scenario.broker.ca_file().map(std::path::Path::to_path_buf);
+        config.mqtt.mqtt_url = scenario.broker.url().into();
+        config.mqtt.mqtt_ca_file = scenario.broker.ca_file().map(std::path::Path::to_path_buf);
         config.validate().unwrap()
     };
     let made = idem_server::cli::broker::send_as_admin(
@@ -261,8 +261,8 @@ async fn in_password_file_mode_reserved_and_listed_accounts_are_refused_and_brok
     std::fs::write(&server_password_file, server_password).unwrap();
     let out = dir.path().join("broker");
     let mut config = idem_server::Config::defaults();
-    config.database_url = scenario.db.url().into();
-    config.broker_accounts_file = Some(accounts_file);
+    config.database.database_url = scenario.db.url().into();
+    config.security.broker_accounts_file = Some(accounts_file);
     let command = BrokerCommand::Files {
         out: out.clone(),
         server_username: "idem-server".into(),

@@ -7,26 +7,21 @@ pub mod state;
 
 use std::sync::Arc;
 
-use rumqttc::QoS;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::app::state::{AppState, Stalls};
-use crate::config::{Config, ValidConfig};
+use crate::config::{EventsSettings, ValidConfig};
 use crate::engine::new_run::Trigger;
-use crate::engine::{
-    Engine, EngineCommand, EngineContext, EngineInbox, EngineSettings, EngineStats, RunRequest,
-};
-use crate::events::relay::{EventRelay, Retention};
-use crate::http::connections::HttpLimits;
-use crate::http::sse::{SseClients, SseSettings};
+use crate::engine::{Engine, EngineCommand, EngineContext, EngineInbox, EngineStats, RunRequest};
+use crate::events::relay::EventRelay;
+use crate::http::sse::SseClients;
 use crate::ingest::intake::{intake, IntakeGauge, IntakeReceiver, IntakeSender};
 use crate::ingest::Ingest;
 use crate::mqtt::{self, MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
-use crate::reconcile::policy::RetryPolicy;
 use crate::reconcile::run::RunSpec;
 use crate::store::cache::Fleet;
 use crate::store::events::StoredEvent;
@@ -62,7 +57,7 @@ pub async fn run(
     let (client, eventloop) = mqtt::connect(&config);
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
     let (runs_tx, runs_rx) = mpsc::channel(RUN_REQUESTS_CAPACITY);
-    let (intake_tx, intake_rx, intake_gauge) = intake(config.config.mqtt_intake_buffer_bytes);
+    let (intake_tx, intake_rx, intake_gauge) = intake(config.mqtt.intake_buffer_bytes);
     let state = Arc::new(shared_state(
         config,
         pool,
@@ -87,7 +82,7 @@ pub async fn run(
     // Retained desired messages left behind by an earlier process (it
     // stopped between a desired change and its refresh) are refreshed now.
     let _ = state.engine.send(EngineCommand::SyncRetained).await;
-    if state.config.config.startup_reconcile {
+    if state.config.engine.startup_reconcile {
         // Nothing to do for an empty fleet; the engine skips it then.
         let _ = state
             .engine
@@ -102,8 +97,8 @@ pub async fn run(
     crate::http::connections::serve(
         listener,
         app,
-        HttpLimits::from_config(&state.config.config),
-        state.config.http_tls.as_ref().map(|tls| tls.config.clone()),
+        state.config.http.limits.fitted_to_open_files(),
+        state.config.http.tls.as_ref().map(|tls| tls.config.clone()),
         state.metrics.clone(),
         token.clone(),
     )
@@ -127,22 +122,18 @@ fn shared_state(
     let metrics = Arc::new(Metrics::new());
     let publisher = Publisher::new(
         client.clone(),
-        config.topic_root.clone(),
-        config.budget,
+        config.fleet.topic_root.clone(),
+        config.fleet.budget,
         metrics.clone(),
         token.child_token(),
     );
-    let dynsec = match config.config.broker_accounts {
+    let dynsec = match config.security.broker_accounts {
         crate::config::BrokerAccounts::Dynsec => {
             Some(crate::broker::dynsec::Dynsec::new(publisher.clone()))
         }
         crate::config::BrokerAccounts::None | crate::config::BrokerAccounts::PasswordFile => None,
     };
-    let auth = crate::http::auth::AuthSettings {
-        disabled: config.config.insecure_no_auth,
-        open_metrics: config.config.open_metrics,
-        open_events: config.config.open_events,
-    };
+    let auth = config.security.auth;
     if auth.disabled {
         tracing::warn!("--insecure-no-auth: the API answers everyone as an admin, without a token");
     }
@@ -159,9 +150,9 @@ fn shared_state(
         mqtt: Arc::new(MqttStatus::default()),
         publisher,
         engine_stats: Arc::new(EngineStats::default()),
-        event_source: format!("/idem/{}", config.config.instance),
-        sse: SseClients::new(SseSettings::from_config(&config.config), token.clone()),
-        stalls: Stalls::new(config.config.stuck_after),
+        event_source: config.fleet.event_source(),
+        sse: SseClients::new(config.http.sse, token.clone()),
+        stalls: Stalls::new(config.readiness.stuck_after),
         intake,
         config,
         run_requests,
@@ -170,58 +161,21 @@ fn shared_state(
     }
 }
 
-/// The engine's tunables, from the configuration.
-fn engine_settings(c: &Config) -> EngineSettings {
-    EngineSettings {
-        push_timeout: c.push_timeout,
-        retry: RetryPolicy {
-            max_attempts: c.max_attempts,
-            base: c.retry_backoff,
-            cap: c.retry_backoff_max,
-        },
-        push_rate: (c.push_rate > 0).then_some(c.push_rate),
-        max_in_flight: c.max_in_flight,
-        debounce: c.debounce,
-        resync_interval: (!c.resync_interval.is_zero()).then_some(c.resync_interval),
-        stale_after: c.stale_after,
-        missing_report_after: (!c.missing_report_after.is_zero()).then_some(c.missing_report_after),
-        recheck_rate: c.recheck_rate,
-    }
-}
-
 fn event_relay(
-    c: &Config,
+    settings: &EventsSettings,
     pool: &PgPool,
     publisher: &Publisher,
     live: &broadcast::Sender<Arc<StoredEvent>>,
     wake: &Arc<Notify>,
     metrics: &Arc<Metrics>,
 ) -> EventRelay {
-    let qos = if c.mqtt_events_qos == 0 {
-        QoS::AtMostOnce
-    } else {
-        QoS::AtLeastOnce
-    };
     EventRelay {
         pool: pool.clone(),
-        mqtt: c.mqtt_events.then(|| (publisher.clone(), qos)),
+        mqtt: settings.mqtt.map(|qos| (publisher.clone(), qos)),
         live: live.clone(),
         wake: wake.clone(),
         metrics: metrics.clone(),
-        retention: Retention {
-            max_age: c.event_retention,
-            max_count: c.event_retention_count,
-        },
-    }
-}
-
-fn run_retention(c: &Config) -> crate::ops::retention::RunRetention {
-    crate::ops::retention::RunRetention {
-        max_age: c.run_retention,
-        max_targets: c.run_retention_targets,
-        attempts_max_age: c.attempt_retention,
-        attempts_max_count: c.attempt_retention_count,
-        audit_max_age: c.audit_retention,
+        retention: settings.retention,
     }
 }
 
@@ -258,8 +212,8 @@ impl Workers {
         let mqtt = tokio::spawn(mqtt::run_event_loop(
             eventloop,
             client.clone(),
-            config.topic_root.clone(),
-            config.budget,
+            config.fleet.topic_root.clone(),
+            config.fleet.budget,
             intake_tx,
             state.mqtt.clone(),
             state.metrics.clone(),
@@ -269,7 +223,7 @@ impl Workers {
                     .clone()
                     .map(|d| d as Arc<dyn mqtt::ControlResponses>),
                 recheck: recheck.clone(),
-                sys_topics: config.config.broker_sys_topics,
+                sys_topics: config.mqtt.sys_topics,
             },
             mqtt_token.clone(),
         ));
@@ -277,11 +231,11 @@ impl Workers {
             crate::engine::recheck::Rechecker {
                 signal: recheck.clone(),
                 client,
-                root: config.topic_root.clone(),
+                root: config.fleet.topic_root.clone(),
                 fleet: state.fleet.clone(),
                 engine: state.engine.clone(),
                 metrics: state.metrics.clone(),
-                rate: config.config.recheck_rate,
+                rate: config.engine.machine.recheck_rate,
             },
             intake_token.clone(),
         ));
@@ -293,7 +247,7 @@ impl Workers {
             events_wake: state.events_wake.clone(),
             stats: state.engine_stats.clone(),
             event_source: state.event_source.clone(),
-            settings: engine_settings(&config.config),
+            settings: config.engine.machine.clone(),
             writer: state.writer.clone(),
             stall: state.stalls.engine.clone(),
         });
@@ -304,13 +258,13 @@ impl Workers {
             metrics: state.metrics.clone(),
             publisher: state.publisher.clone(),
             engine: state.engine.clone(),
-            root: config.topic_root.clone(),
-            budget: config.budget,
-            auto_register: config.config.auto_register,
+            root: config.fleet.topic_root.clone(),
+            budget: config.fleet.budget,
+            auto_register: config.fleet.auto_register,
             writer: state.writer.clone(),
             stall: state.stalls.ingest.clone(),
             recheck,
-            recheck_after_stall: config.config.recheck_after_stall,
+            recheck_after_stall: config.engine.recheck_after_stall,
         };
         let intake = vec![
             tokio::spawn(ingest.run(intake_rx, intake_token.clone())),
@@ -324,12 +278,12 @@ impl Workers {
             )),
             tokio::spawn(crate::ops::retention::run(
                 state.pool.clone(),
-                run_retention(&config.config),
+                config.retention,
                 intake_token.clone(),
             )),
         ];
         let relay = event_relay(
-            &config.config,
+            &config.events,
             &state.pool,
             &state.publisher,
             &state.live_events,

@@ -83,7 +83,7 @@ pub async fn run(config: &ValidConfig, command: BrokerCommand) -> anyhow::Result
         } => {
             let admin_password = read_secret(&admin_password_file)?;
             let server_password = read_secret(&server_password_file)?;
-            let root = &config.topic_root;
+            let root = &config.fleet.topic_root;
             let reader = match (&reader_username, &reader_password_file) {
                 (Some(user), Some(file)) => Some((user.clone(), read_secret(file)?)),
                 _ => None,
@@ -124,7 +124,7 @@ fn init_commands(
     server_password: &str,
     reader: Option<(String, String)>,
 ) -> Vec<serde_json::Value> {
-    let root = &config.topic_root;
+    let root = &config.fleet.topic_root;
     let mut commands = accounts::ensure_role(accounts::SERVER_ROLE, &accounts::server_acls(root));
     commands.extend(accounts::ensure_role(
         accounts::EVENTS_READER_ROLE,
@@ -132,7 +132,7 @@ fn init_commands(
     ));
     // Bound to the server's client id (one account per instance), so
     // no other account can take over the server's session.
-    let server_client_id = crate::mqtt::server_client_id(&config.config.instance);
+    let server_client_id = crate::mqtt::server_client_id(&config.fleet.instance);
     commands.extend(accounts::ensure_client(
         server_username,
         server_password,
@@ -177,17 +177,17 @@ async fn write_files(
     server_username: &str,
     server_password: &str,
 ) -> anyhow::Result<()> {
-    let accounts_file = match &config.config.broker_accounts_file {
+    let accounts_file = match &config.security.broker_accounts_file {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("reading the broker accounts file {}", path.display()))?,
         None => String::new(),
     };
-    let pool = store::connect(config.config.database_url.expose(), 2)
+    let pool = store::connect(config.database.url.expose(), 2)
         .await
         .context("cannot reach PostgreSQL: start it or set IDEM_DATABASE_URL")?;
     store::migrate(&pool).await.context("applying migrations")?;
     let devices = store::devices::broker_password_hashes(&pool).await?;
-    let mut reserved = config.config.reserved_broker_usernames();
+    let mut reserved = config.security.reserved_broker_usernames();
     reserved.insert(server_username.to_owned());
     let file = PasswordFile::build(
         server_username,
@@ -202,7 +202,7 @@ async fn write_files(
     write_private(&out.join("password_file"), &file.text)?;
     write_private(
         &out.join("acl_file"),
-        &accounts::static_acl_file(&config.topic_root, server_username),
+        &accounts::static_acl_file(&config.fleet.topic_root, server_username),
     )?;
     // Not secret, but kept beside the others: include it from mosquitto.conf.
     write_private(
@@ -309,8 +309,8 @@ pub async fn send_as_admin(
 ) -> anyhow::Result<Vec<CommandResult>> {
     let mut options = MqttOptions::new(
         format!("idem-broker-init:{}", uuid::Uuid::new_v4().simple()),
-        config.broker.host.clone(),
-        config.broker.port,
+        config.mqtt.broker.host.clone(),
+        config.mqtt.broker.port,
     );
     options
         .set_credentials(username, password)
@@ -318,7 +318,7 @@ pub async fn send_as_admin(
         .set_max_packet_size(1 << 24, 1 << 24);
     // Same TLS as the server's own connection (`--mqtt-ca-file`, client
     // certificate), so `broker init` works against an mqtts:// listener.
-    if let Some(tls) = &config.mqtt_tls {
+    if let Some(tls) = &config.mqtt.tls {
         options.set_transport(rumqttc::Transport::tls_with_config(
             rumqttc::TlsConfiguration::Rustls(tls.config.clone()),
         ));
@@ -338,7 +338,7 @@ pub async fn send_as_admin(
             .context(
                 "the broker did not answer within 20 s (is the dynamic-security plugin loaded?)",
             )?
-            .with_context(|| format!("connecting to {} as {username:?}", config.config.mqtt_url))?;
+            .with_context(|| format!("connecting to {} as {username:?}", config.mqtt.url))?;
         match event {
             Event::Incoming(Packet::SubAck(_)) if !sent => {
                 client

@@ -58,7 +58,7 @@ pub async fn run_from_env() -> ExitCode {
     secrets.add(cli.config.secret_values());
     let result = match cli.command {
         Some(Command::Token(command)) => {
-            crate::cli::token::run(cli.config.database_url.expose(), command).await
+            crate::cli::token::run(cli.config.database.database_url.expose(), command).await
         }
         Some(Command::Broker(command)) => match cli.config.validate() {
             Ok(valid) => crate::cli::broker::run(&valid, command).await,
@@ -78,36 +78,29 @@ pub async fn run_from_env() -> ExitCode {
 
 async fn run(config: Config, secrets: &Arc<SecretValues>) -> anyhow::Result<()> {
     let valid = config.validate().context("invalid configuration")?;
-    if let Some(credentials) = &valid.mqtt_credentials {
+    if let Some(credentials) = &valid.mqtt.credentials {
         secrets.add([credentials.password.expose().clone()]);
     }
-    let pool = crate::store::connect(
-        valid.config.database_url.expose(),
-        valid.config.db_max_connections,
-    )
-    .await
-    .with_context(|| {
-        format!(
-            "cannot reach PostgreSQL at {} (password not shown): start it (scripts/demo does) or set IDEM_DATABASE_URL",
-            valid.config.database_url
-        )
-    })?;
-    let listener = tokio::net::TcpListener::bind(valid.config.http_addr)
+    let database = &valid.database;
+    let pool = crate::store::connect(database.url.expose(), database.max_connections)
         .await
         .with_context(|| {
             format!(
-                "cannot listen on {} (set IDEM_HTTP_ADDR)",
-                valid.config.http_addr
+                "cannot reach PostgreSQL at {} (password not shown): start it (scripts/demo does) or set IDEM_DATABASE_URL",
+                database.url
             )
         })?;
+    let listener = tokio::net::TcpListener::bind(valid.http.addr)
+        .await
+        .with_context(|| format!("cannot listen on {} (set IDEM_HTTP_ADDR)", valid.http.addr))?;
     tracing::info!(
-        addr = %valid.config.http_addr,
-        https = valid.http_tls.is_some(),
-        broker = %valid.config.mqtt_url,
-        mqtt_tls = valid.mqtt_tls.is_some(),
-        mqtt_client_cert = valid.mqtt_tls.as_ref().is_some_and(|t| t.client.is_some()),
-        mqtt_username = valid.mqtt_credentials.as_ref().map(|c| c.username.as_str()),
-        database = %valid.config.database_url,
+        addr = %valid.http.addr,
+        https = valid.http.tls.is_some(),
+        broker = %valid.mqtt.url,
+        mqtt_tls = valid.mqtt.tls.is_some(),
+        mqtt_client_cert = valid.mqtt.tls.as_ref().is_some_and(|t| t.client.is_some()),
+        mqtt_username = valid.mqtt.credentials.as_ref().map(|c| c.username.as_str()),
+        database = %valid.database.url,
         "idem-server starting"
     );
 

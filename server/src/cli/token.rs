@@ -5,7 +5,7 @@
 use anyhow::Context as _;
 use clap::Subcommand;
 
-use crate::config::parse_duration;
+use crate::config::parse_expiry;
 use crate::http::auth::{generate_token, Role};
 use crate::store::{self, access::NewToken};
 
@@ -49,8 +49,10 @@ pub async fn run(database_url: &str, command: TokenCommand) -> anyhow::Result<()
             let expires_at = match expires_in {
                 None => None,
                 Some(raw) => {
-                    let d = parse_duration(&raw).map_err(anyhow::Error::msg)?;
-                    Some(chrono::Utc::now() + chrono::Duration::from_std(d)?)
+                    let expires_at = parse_expiry(&raw, chrono::Utc::now())
+                        .map_err(anyhow::Error::msg)
+                        .context("--expires-in")?;
+                    Some(expires_at)
                 }
             };
             let token = generate_token();

@@ -12,6 +12,7 @@
 //! It owns the signal and the cooldown only; what is asked, and how fast,
 //! is the engine's.
 
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -72,8 +73,9 @@ pub struct Rechecker {
     pub fleet: Arc<Fleet>,
     pub engine: mpsc::Sender<EngineCommand>,
     pub metrics: Arc<Metrics>,
-    /// `--recheck-rate`: requests and status re-reads per second.
-    pub rate: u32,
+    /// `--recheck-rate`: requests and status re-reads per second; `None`:
+    /// rechecks are off.
+    pub rate: Option<NonZeroU32>,
 }
 
 /// Carries out raised rechecks until cancelled.
@@ -87,10 +89,10 @@ pub async fn run(rechecker: Rechecker, token: CancellationToken) {
         metrics,
         rate,
     } = rechecker;
-    if rate == 0 {
+    let Some(rate) = rate else {
         return; // `--recheck-rate 0`: rechecks are off
-    }
-    let pause = Duration::from_secs_f64(STATUS_REREAD_CHUNK as f64 / f64::from(rate));
+    };
+    let pause = Duration::from_secs_f64(STATUS_REREAD_CHUNK as f64 / f64::from(rate.get()));
     loop {
         tokio::select! {
             () = token.cancelled() => return,

@@ -73,7 +73,8 @@ const REFUSED_CONNECTION_DRAIN_BYTES: usize = 64 * 1024;
 /// The limits one server applies to its HTTP connections.
 #[derive(Debug, Clone, Copy)]
 pub struct HttpLimits {
-    /// Open connections at most (already fitted to the open-file limit).
+    /// Open connections at most (as configured, until
+    /// [`HttpLimits::fitted_to_open_files`] lowers it).
     pub max_connections: usize,
     /// Open connections from one client address ([`PeerGroup`]) at most;
     /// never more than `max_connections`.
@@ -84,17 +85,14 @@ pub struct HttpLimits {
 }
 
 impl HttpLimits {
-    /// The configured limits, with the connection cap lowered to fit the
-    /// process's open-file limit (see [`fit_connection_cap`]) and the
-    /// per-address share lowered with it, in proportion.
-    pub fn from_config(config: &crate::Config) -> Self {
-        let max_connections = fit_connection_cap(config.http_max_connections);
-        let configured_share = config.http_connections_per_peer();
-        let max_connections_per_peer = fit_peer_share(
-            configured_share,
-            config.http_max_connections,
-            max_connections,
-        );
+    /// These limits with the connection cap lowered to fit the process's
+    /// open-file limit (see [`fit_connection_cap`]) and the per-address
+    /// share lowered with it, in proportion.
+    pub fn fitted_to_open_files(self) -> Self {
+        let max_connections = fit_connection_cap(self.max_connections);
+        let configured_share = self.max_connections_per_peer;
+        let max_connections_per_peer =
+            fit_peer_share(configured_share, self.max_connections, max_connections);
         if max_connections_per_peer < configured_share {
             tracing::warn!(
                 configured = configured_share,
@@ -106,9 +104,7 @@ impl HttpLimits {
         Self {
             max_connections,
             max_connections_per_peer,
-            header_timeout: config.http_header_timeout,
-            body_timeout: config.http_body_timeout,
-            max_body_bytes: config.http_max_body_bytes,
+            ..self
         }
     }
 

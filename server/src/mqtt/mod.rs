@@ -75,12 +75,12 @@ pub fn server_client_id(instance: &str) -> String {
 /// with a client certificate), with the configured credentials.
 pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
     let mut options = MqttOptions::new(
-        server_client_id(&config.config.instance),
-        config.broker.host.clone(),
-        config.broker.port,
+        server_client_id(&config.fleet.instance),
+        config.mqtt.broker.host.clone(),
+        config.mqtt.broker.port,
     );
     options
-        .set_keep_alive(config.config.mqtt_keep_alive)
+        .set_keep_alive(config.mqtt.keep_alive)
         // Persistent session: reports published while we are briefly away
         // are delivered when we return.
         .set_clean_session(false)
@@ -91,12 +91,12 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
         // the connection fail (and be redelivered forever by our persistent
         // session); the publisher bounds what we send.
         .set_max_packet_size(MQTT_MAX_REMAINING_LENGTH, MQTT_MAX_REMAINING_LENGTH);
-    if let Some(tls) = &config.mqtt_tls {
+    if let Some(tls) = &config.mqtt.tls {
         options.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
             tls.config.clone(),
         )));
     }
-    if let Some(credentials) = &config.mqtt_credentials {
+    if let Some(credentials) = &config.mqtt.credentials {
         // The one place the broker password leaves its `Secret`.
         options.set_credentials(
             credentials.username.clone(),

@@ -3,6 +3,7 @@
 //! the time.
 
 use std::collections::VecDeque;
+use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
 /// Pacing headroom: pushes are spaced `1.1 s / rate` apart and at most
@@ -25,8 +26,8 @@ pub struct PushPacer {
 }
 
 impl PushPacer {
-    pub fn new(rate: Option<u32>, now: Instant) -> Self {
-        let rate = rate.filter(|r| *r > 0);
+    pub fn new(rate: Option<NonZeroU32>, now: Instant) -> Self {
+        let rate = rate.map(NonZeroU32::get);
         Self {
             rate: rate.map_or(0, |r| r as usize),
             spacing: rate.map(|r| PACING_WINDOW / r),
@@ -70,7 +71,7 @@ mod tests {
     /// Slots a 200/s pacer hands out when woken every `step_ms` for
     /// `total_ms`, the first wake-up `late_ms` after it was created.
     fn slots_taken_from(late_ms: u64, step_ms: usize, total_ms: u64) -> Vec<Instant> {
-        let mut pacer = PushPacer::new(Some(200), Instant::now());
+        let mut pacer = PushPacer::new(NonZeroU32::new(200), Instant::now());
         let start = pacer.next_slot() + Duration::from_millis(late_ms);
         let mut taken = Vec::new();
         for ms in (0..total_ms).step_by(step_ms) {
@@ -144,7 +145,7 @@ mod tests {
 
     #[test]
     fn a_slot_opens_exactly_one_spacing_after_the_last() {
-        let mut pacer = PushPacer::new(Some(200), Instant::now());
+        let mut pacer = PushPacer::new(NonZeroU32::new(200), Instant::now());
         let first = pacer.next_slot();
         assert!(pacer.try_take(first));
         assert!(!pacer.try_take(first), "one slot per spacing");

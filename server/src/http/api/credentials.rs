@@ -97,9 +97,9 @@ pub(super) fn refuse_reserved<'a>(
     state: &AppState,
     ids: impl IntoIterator<Item = &'a DeviceId>,
 ) -> Result<(), ApiError> {
-    let config = &state.config.config;
-    let mut reserved = config.reserved_broker_usernames();
-    reserved.extend(config.broker_accounts_file_names().map_err(|e| {
+    let security = &state.config.security;
+    let mut reserved = security.reserved_broker_usernames();
+    reserved.extend(security.broker_accounts_file_names().map_err(|e| {
         tracing::error!(error = %e, "cannot read the broker accounts file");
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -207,7 +207,7 @@ pub(super) async fn apply_on_broker(state: &AppState, issued: &[Issued]) -> Resu
     };
     let ids: Vec<DeviceId> = issued.iter().map(|i| i.id.clone()).collect();
     let owners = account_owners(state, &ids).await?;
-    let root = &state.config.topic_root;
+    let root = &state.config.fleet.topic_root;
     let mut commands = Vec::new();
     let mut foreign = Vec::new();
     for (i, owner) in issued.iter().zip(owners) {
@@ -281,7 +281,7 @@ pub(super) async fn rotate(
         })?
     };
     let id = registered(&state, &raw_id)?;
-    if !state.config.config.broker_accounts.issues_passwords() {
+    if !state.config.security.broker_accounts.issues_passwords() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             "broker_accounts_unmanaged",

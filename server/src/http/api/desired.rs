@@ -39,7 +39,7 @@ pub(super) async fn set_device_desired(
     ApiJson(body): ApiJson<DeviceDesired>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
-    input::check_spec(state.config.budget, &body.spec)?;
+    input::check_spec(state.config.fleet.budget, &body.spec)?;
     let note = AuditNote {
         targets: Some(1),
         detail: Some(
@@ -78,7 +78,7 @@ pub(super) async fn set_desired_bulk(
             "`spec` is required; to re-check without a change use POST /v1/runs",
         ));
     };
-    input::check_spec(state.config.budget, &spec)?;
+    input::check_spec(state.config.fleet.budget, &spec)?;
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
     let digest = SpecDigest::of(&spec).to_string();

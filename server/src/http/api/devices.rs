@@ -72,7 +72,7 @@ fn check_registrations(
             ));
         }
         if let Some(spec) = item.spec {
-            input::check_spec(state.config.budget, &spec)?;
+            input::check_spec(state.config.fleet.budget, &spec)?;
             checked
                 .specs
                 .entry(SpecDigest::of(&spec))
@@ -101,7 +101,7 @@ pub(super) async fn register_devices(
 ) -> Result<Response, ApiError> {
     let mut checked = check_registrations(&state, body)?;
     credentials::refuse_reserved(&state, &checked.ids)?;
-    if state.config.config.broker_accounts.issues_passwords() {
+    if state.config.security.broker_accounts.issues_passwords() {
         // New devices only: an existing one's account was checked when it
         // was registered, and a registration changes no existing account.
         let new: Vec<DeviceId> = checked
@@ -116,7 +116,7 @@ pub(super) async fn register_devices(
     let (counts, created) =
         store::devices::register_returning_new(write.tx(), &checked.rows).await?;
     // Every new device gets its broker password, when the server issues them.
-    let issued = if state.config.config.broker_accounts.issues_passwords() {
+    let issued = if state.config.security.broker_accounts.issues_passwords() {
         let wanted = store::device_ids(&created, "reading the ids of new devices")?
             .into_iter()
             .map(|id| {

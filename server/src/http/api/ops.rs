@@ -70,7 +70,7 @@ pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     })
     .collect();
     let backlog = state.intake.backlog(now);
-    if backlog.oldest > state.config.config.ready_max_intake_age {
+    if backlog.oldest > state.config.readiness.max_intake_age {
         stuck.insert(
             "intake".to_owned(),
             format!(

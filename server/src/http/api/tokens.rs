@@ -15,7 +15,7 @@ use serde_json::json;
 
 use super::command::recorded;
 use crate::app::state::AppState;
-use crate::config::parse_duration;
+use crate::config::parse_expiry;
 use crate::http::auth::{AuditNote, Call, Role};
 use crate::http::error::{ApiError, ApiJson};
 use crate::store::access::{NewToken, TokenRow};
@@ -58,11 +58,9 @@ pub(super) async fn create_token(
     let expires_at = match &body.expires_in {
         None => None,
         Some(raw) => {
-            let duration =
-                parse_duration(raw).map_err(|e| ApiError::bad_request("invalid_expiry", e))?;
-            let duration = chrono::Duration::from_std(duration)
-                .map_err(|_| ApiError::bad_request("invalid_expiry", "expiry is too far away"))?;
-            Some(chrono::Utc::now() + duration)
+            let expires_at = parse_expiry(raw, chrono::Utc::now())
+                .map_err(|e| ApiError::bad_request("invalid_expiry", e))?;
+            Some(expires_at)
         }
     };
     let generated = crate::http::auth::generate_token();

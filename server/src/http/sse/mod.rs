@@ -54,7 +54,8 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// up at no predictable time; this keeps retries cheap and spaced.
 const REFUSED_RETRY_AFTER: Duration = Duration::from_secs(5);
 
-/// Limits for the SSE clients of one server.
+/// Limits for the SSE clients of one server (built by the configuration,
+/// `config::SseArgs`).
 #[derive(Debug, Clone, Copy)]
 pub struct SseSettings {
     pub max_clients: usize,
@@ -73,17 +74,6 @@ pub struct SseSettings {
 }
 
 impl SseSettings {
-    pub fn from_config(config: &crate::Config) -> Self {
-        Self {
-            max_clients: config.sse_max_clients,
-            max_clients_per_token: config.sse_clients_per_token(),
-            admin_reserve: admin_reserve(config.sse_max_clients),
-            client_buffer: config.sse_client_buffer,
-            send_timeout: config.sse_send_timeout,
-            replay_rate: config.sse_replay_rate,
-        }
-    }
-
     fn replay_page(&self) -> i64 {
         (i64::from(self.replay_rate) / 4).clamp(1, REPLAY_PAGE)
     }

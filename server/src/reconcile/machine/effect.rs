@@ -1,6 +1,7 @@
 //! What goes into the engine's state machine and what comes out: commands,
 //! the time, effects for the caller to carry out, settings and live numbers.
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -122,7 +123,7 @@ pub struct EngineSettings {
     pub push_timeout: Duration,
     pub retry: RetryPolicy,
     /// Pushes per second; `None` = unlimited.
-    pub push_rate: Option<u32>,
+    pub push_rate: Option<NonZeroU32>,
     /// Pushes awaiting confirmation at once.
     pub max_in_flight: usize,
     /// Drift and reconnect triggers within this window make one run.
@@ -134,8 +135,8 @@ pub struct EngineSettings {
     /// A device that came online and sent no report for this long is
     /// asked for one; `None` = never.
     pub missing_report_after: Option<Duration>,
-    /// Asks per second of a recheck; 0 = rechecks off.
-    pub recheck_rate: u32,
+    /// Asks per second of a recheck; `None` = rechecks off.
+    pub recheck_rate: Option<NonZeroU32>,
 }
 
 /// Live numbers for the API and metrics.

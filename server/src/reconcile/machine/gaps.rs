@@ -9,6 +9,7 @@
 //! is and carries it out.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
 use idem_protocol::DeviceId;
@@ -18,8 +19,8 @@ use idem_protocol::DeviceId;
 pub(super) struct Gaps {
     /// How long a device that came online may stay silent (`None`: off).
     missing_after: Option<Duration>,
-    /// Asks per second of a recheck (0: rechecks off).
-    recheck_rate: u32,
+    /// Asks per second of a recheck (`None`: rechecks off).
+    recheck_rate: Option<NonZeroU32>,
     /// When each device that came online is asked, unless it reports first.
     awaiting: HashMap<DeviceId, Instant>,
     /// The same in deadline order (deadlines only grow: one grace period
@@ -34,7 +35,7 @@ pub(super) struct Gaps {
 }
 
 impl Gaps {
-    pub(super) fn new(missing_after: Option<Duration>, recheck_rate: u32) -> Self {
+    pub(super) fn new(missing_after: Option<Duration>, recheck_rate: Option<NonZeroU32>) -> Self {
         Self {
             missing_after,
             recheck_rate,
@@ -82,7 +83,7 @@ impl Gaps {
 
     /// Queues `ids` for a recheck (each once, in the given order).
     pub(super) fn recheck(&mut self, ids: impl IntoIterator<Item = DeviceId>) {
-        if self.recheck_rate == 0 {
+        if self.recheck_rate.is_none() {
             return;
         }
         for id in ids {
@@ -99,7 +100,7 @@ impl Gaps {
             self.allowance = 0.0;
             return Vec::new();
         }
-        let rate = f64::from(self.recheck_rate);
+        let rate = self.recheck_rate.map_or(0.0, |r| f64::from(r.get()));
         let elapsed = self
             .last_paced
             .map_or(0.05, |at| now.saturating_duration_since(at).as_secs_f64());
@@ -134,7 +135,7 @@ mod tests {
     fn a_device_that_comes_online_and_stays_silent_is_due_after_the_grace_period_once() {
         let t0 = Instant::now();
         let grace = Duration::from_secs(5);
-        let mut gaps = Gaps::new(Some(grace), 100);
+        let mut gaps = Gaps::new(Some(grace), NonZeroU32::new(100));
         gaps.came_online(&id(1), t0);
         gaps.came_online(&id(2), t0);
         gaps.settled(&id(2)); // it reported
@@ -147,7 +148,7 @@ mod tests {
     fn coming_online_again_restarts_the_grace_period() {
         let t0 = Instant::now();
         let grace = Duration::from_secs(5);
-        let mut gaps = Gaps::new(Some(grace), 100);
+        let mut gaps = Gaps::new(Some(grace), NonZeroU32::new(100));
         gaps.came_online(&id(1), t0);
         gaps.came_online(&id(1), t0 + Duration::from_secs(3));
         assert!(gaps.silent(t0 + grace).is_empty());
@@ -157,7 +158,7 @@ mod tests {
     #[test]
     fn without_a_grace_period_nothing_is_ever_missing() {
         let t0 = Instant::now();
-        let mut gaps = Gaps::new(None, 100);
+        let mut gaps = Gaps::new(None, NonZeroU32::new(100));
         gaps.came_online(&id(1), t0);
         assert!(gaps.silent(t0 + Duration::from_secs(3_600)).is_empty());
     }
@@ -165,7 +166,7 @@ mod tests {
     #[test]
     fn a_recheck_asks_each_device_once_at_its_rate() {
         let t0 = Instant::now();
-        let mut gaps = Gaps::new(None, 100);
+        let mut gaps = Gaps::new(None, NonZeroU32::new(100));
         gaps.recheck((0..250).map(id));
         gaps.recheck((0..10).map(id)); // already queued
         let mut asked = Vec::new();
@@ -187,8 +188,8 @@ mod tests {
     }
 
     #[test]
-    fn a_recheck_rate_of_zero_turns_rechecks_off() {
-        let mut gaps = Gaps::new(None, 0);
+    fn without_a_recheck_rate_rechecks_are_off() {
+        let mut gaps = Gaps::new(None, None);
         gaps.recheck((0..5).map(id));
         assert!(gaps.paced_recheck(Instant::now()).is_empty());
     }

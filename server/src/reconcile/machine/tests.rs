@@ -3,6 +3,7 @@
 //! record and applies it to the cache) and the devices (reports).
 
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -33,7 +34,7 @@ fn settings() -> EngineSettings {
         resync_interval: None,
         stale_after: Duration::from_secs(3_600),
         missing_report_after: None,
-        recheck_rate: 0,
+        recheck_rate: None,
     }
 }
 
@@ -870,7 +871,7 @@ fn a_device_that_comes_online_and_stays_silent_is_asked_once_for_its_report() {
 #[test]
 fn a_recheck_asks_every_device_not_known_offline_and_not_heard_from_since_at_its_rate() {
     let mut world = World::new(EngineSettings {
-        recheck_rate: 100,
+        recheck_rate: NonZeroU32::new(100),
         ..settings()
     });
     let quiet: Vec<DeviceId> = (0..150)

@@ -1,0 +1,101 @@
+//! The fleet group (`--help` heading "Fleet"): what the server shares with
+//! its devices (the topic root and the spec budget), the instance name, and
+//! whether unknown devices register themselves.
+
+use idem_protocol::limits::{MAX_MAX_SPEC_BYTES, MIN_MAX_SPEC_BYTES};
+use idem_protocol::{SpecBudget, TopicRoot, DEFAULT_MAX_SPEC_BYTES};
+
+use super::ConfigError;
+
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Fleet")]
+pub struct FleetArgs {
+    /// Name of this server instance: CloudEvents `source` is `/idem/{instance}`
+    /// and the MQTT client id is `idem-server:{instance}`.
+    #[arg(long, env = "IDEM_INSTANCE", default_value = "idem-1")]
+    pub instance: String,
+
+    /// Topic root shared with the devices.
+    #[arg(long, env = "IDEM_TOPIC_ROOT", default_value = idem_protocol::DEFAULT_TOPIC_ROOT)]
+    pub topic_root: String,
+
+    /// The spec budget: the largest desired or reported spec, in canonical
+    /// JSON bytes. The API refuses larger specs, reports may be up to
+    /// `2 × budget + 8 KiB` raw, and the MQTT packet limits derive from it.
+    #[arg(long, env = "IDEM_MAX_SPEC_BYTES", default_value_t = DEFAULT_MAX_SPEC_BYTES)]
+    pub max_spec_bytes: usize,
+
+    /// Accept reports from device ids that were never registered, registering them.
+    #[arg(long, env = "IDEM_AUTO_REGISTER", default_value_t = false)]
+    pub auto_register: bool,
+}
+
+/// The fleet group, validated.
+#[derive(Debug, Clone)]
+pub struct FleetSettings {
+    /// 1-64 letters, digits, `-` or `_`.
+    pub instance: String,
+    pub topic_root: TopicRoot,
+    /// The one size budget every limit derives from.
+    pub budget: SpecBudget,
+    pub auto_register: bool,
+}
+
+impl FleetSettings {
+    /// The CloudEvents `source` of this server's events.
+    pub fn event_source(&self) -> String {
+        format!("/idem/{}", self.instance)
+    }
+}
+
+impl FleetArgs {
+    pub fn validate(&self) -> Result<FleetSettings, ConfigError> {
+        let topic_root = TopicRoot::new(self.topic_root.clone())
+            .map_err(|_| ConfigError::TopicRoot(self.topic_root.clone()))?;
+        let instance_ok = !self.instance.is_empty()
+            && self.instance.len() <= 64
+            && self
+                .instance
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !instance_ok {
+            return Err(ConfigError::Instance(self.instance.clone()));
+        }
+        if !(MIN_MAX_SPEC_BYTES..=MAX_MAX_SPEC_BYTES).contains(&self.max_spec_bytes) {
+            return Err(ConfigError::MaxSpec(self.max_spec_bytes));
+        }
+        Ok(FleetSettings {
+            instance: self.instance.clone(),
+            topic_root,
+            budget: SpecBudget::new(self.max_spec_bytes),
+            auto_register: self.auto_register,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Config;
+
+    #[test]
+    fn an_instance_name_outside_the_alphabet_or_too_long_is_refused_naming_the_variable() {
+        for bad in ["", "idem 1", "idem:1", &"x".repeat(65)] {
+            let mut config = Config::defaults();
+            config.fleet.instance = bad.to_owned();
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains("IDEM_INSTANCE"), "{bad:?}: {err}");
+        }
+        let mut config = Config::defaults();
+        config.fleet.instance = "idem_2-b".into();
+        let valid = config.validate().unwrap();
+        assert_eq!(valid.fleet.event_source(), "/idem/idem_2-b");
+    }
+
+    #[test]
+    fn a_spec_budget_outside_its_range_is_refused_naming_the_variable() {
+        let mut config = Config::defaults();
+        config.fleet.max_spec_bytes = 10;
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains("IDEM_MAX_SPEC_BYTES"), "{err}");
+    }
+}
