@@ -38,8 +38,7 @@ pub use events::{EventsArgs, EventsSettings};
 pub use fleet::{FleetArgs, FleetSettings};
 pub use http::{HttpArgs, HttpSettings, SseArgs};
 pub use mqtt::{
-    parse_mqtt_url, BrokerAddr, MqttArgs, MqttCredentials, MqttSettings, MqttUrlError, MQTTS_PORT,
-    MQTT_PORT,
+    parse_mqtt_url, BrokerAddr, MqttArgs, MqttCredentials, MqttSettings, MqttUrlError,
 };
 pub use readiness::{ReadinessArgs, ReadinessSettings};
 pub use retention::RetentionArgs;
@@ -134,7 +133,7 @@ impl Config {
 /// A configuration value that cannot work, with the fix in the message.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("IDEM_MQTT_URL / --mqtt-url {url:?} {reason} (examples: mqtt://127.0.0.1:1883, mqtts://broker.example:8883)")]
+    #[error("IDEM_MQTT_URL / --mqtt-url {url:?} {reason}{} (examples: mqtt://127.0.0.1:1883, mqtts://broker.example:8883)", mqtt::mqtt_url_hint(.reason))]
     MqttUrl {
         /// Redacted: a password typed into the URL is never echoed.
         url: String,

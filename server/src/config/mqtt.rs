@@ -198,34 +198,7 @@ impl MqttArgs {
     }
 }
 
-/// Broker address parsed from `mqtt://host:port` or `mqtts://host:port`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BrokerAddr {
-    pub host: String,
-    pub port: u16,
-    /// `mqtts://`: the connection is TLS.
-    pub tls: bool,
-}
-
-/// Default port of `mqtt://`.
-pub const MQTT_PORT: u16 = 1883;
-/// Default port of `mqtts://`.
-pub const MQTTS_PORT: u16 = 8883;
-
-/// Why an MQTT URL was refused; the message says what to write instead.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum MqttUrlError {
-    #[error("has an unknown scheme: use mqtt:// (plain) or mqtts:// (TLS)")]
-    Scheme,
-    #[error("carries credentials: put the user name in --mqtt-username / IDEM_MQTT_USERNAME and the password in --mqtt-password-file / IDEM_MQTT_PASSWORD_FILE (or --mqtt-password / IDEM_MQTT_PASSWORD)")]
-    Credentials,
-    #[error("has a path or query: write only mqtt[s]://host[:port]")]
-    Path,
-    #[error("has no host")]
-    Host,
-    #[error("has a port that is not a number from 1 to 65535")]
-    Port,
-}
+pub use idem_protocol::{parse_mqtt_url, BrokerAddr, MqttUrlError};
 
 /// Credentials the server presents to the broker.
 #[derive(Debug, Clone)]
@@ -235,51 +208,20 @@ pub struct MqttCredentials {
     pub password: Secret<String>,
 }
 
-/// Parses `mqtt://host[:port]` (also `tcp://`) and `mqtts://host[:port]`
-/// (also `ssl://`); IPv6 hosts in brackets.
-pub fn parse_mqtt_url(url: &str) -> Result<BrokerAddr, MqttUrlError> {
-    let (scheme, rest) = url.split_once("://").ok_or(MqttUrlError::Scheme)?;
-    let (tls, default_port) = match scheme {
-        "mqtt" | "tcp" => (false, MQTT_PORT),
-        "mqtts" | "ssl" => (true, MQTTS_PORT),
-        _ => return Err(MqttUrlError::Scheme),
-    };
-    let rest = rest.strip_suffix('/').unwrap_or(rest);
-    if rest.contains('@') {
-        return Err(MqttUrlError::Credentials);
-    }
-    if rest.contains(['/', '?', '#']) {
-        return Err(MqttUrlError::Path);
-    }
-    let (host, port) = if let Some(bracketed) = rest.strip_prefix('[') {
-        let (host, after) = bracketed.split_once(']').ok_or(MqttUrlError::Host)?;
-        match after.strip_prefix(':') {
-            Some(port) => (host, Some(port)),
-            None if after.is_empty() => (host, None),
-            None => return Err(MqttUrlError::Port),
+/// What the server adds after a refused URL's reason: where credentials go.
+pub(super) fn mqtt_url_hint(reason: &MqttUrlError) -> &'static str {
+    match reason {
+        MqttUrlError::Credentials => {
+            ": put the user name in --mqtt-username / IDEM_MQTT_USERNAME and the password in --mqtt-password-file / IDEM_MQTT_PASSWORD_FILE (or --mqtt-password / IDEM_MQTT_PASSWORD)"
         }
-    } else {
-        match rest.rsplit_once(':') {
-            Some((host, port)) => (host, Some(port)),
-            None => (rest, None),
-        }
-    };
-    if host.is_empty() || host.contains(['[', ']']) {
-        return Err(MqttUrlError::Host);
+        MqttUrlError::Scheme
+        | MqttUrlError::Websockets
+        | MqttUrlError::Path
+        | MqttUrlError::Host
+        | MqttUrlError::UnclosedIpv6Host
+        | MqttUrlError::TextAfterIpv6Host
+        | MqttUrlError::Port => "",
     }
-    let port = match port {
-        None => default_port,
-        Some(p) => p
-            .parse::<u16>()
-            .ok()
-            .filter(|p| *p != 0)
-            .ok_or(MqttUrlError::Port)?,
-    };
-    Ok(BrokerAddr {
-        host: host.to_owned(),
-        port,
-        tls,
-    })
 }
 
 /// Reads a password file: its content without one trailing newline.
@@ -308,39 +250,6 @@ fn read_password_file(path: &std::path::Path) -> Result<Secret<String>, ConfigEr
 mod tests {
     use super::*;
     use crate::Config;
-
-    #[test]
-    fn mqtt_urls_default_to_port_1883_and_mqtts_to_8883() {
-        let addr = |host: &str, port, tls| BrokerAddr {
-            host: host.into(),
-            port,
-            tls,
-        };
-        let cases = [
-            ("mqtt://broker.local", addr("broker.local", 1883, false)),
-            ("tcp://h:2000/", addr("h", 2000, false)),
-            ("mqtts://broker.local", addr("broker.local", 8883, true)),
-            ("mqtts://10.0.0.1:9883", addr("10.0.0.1", 9883, true)),
-            ("ssl://[::1]:8884", addr("::1", 8884, true)),
-            ("mqtt://[::1]", addr("::1", 1883, false)),
-        ];
-        for (url, expected) in cases {
-            assert_eq!(parse_mqtt_url(url), Ok(expected), "{url}");
-        }
-        let refused = [
-            ("mqtt://h:notaport", MqttUrlError::Port),
-            ("mqtt://h:0", MqttUrlError::Port),
-            ("http://h", MqttUrlError::Scheme),
-            ("broker:1883", MqttUrlError::Scheme),
-            ("mqtt://", MqttUrlError::Host),
-            ("mqtt://h/x", MqttUrlError::Path),
-            ("mqtt://user@h", MqttUrlError::Credentials),
-            ("mqtts://user:pw@h:8883", MqttUrlError::Credentials),
-        ];
-        for (url, reason) in refused {
-            assert_eq!(parse_mqtt_url(url), Err(reason), "{url}");
-        }
-    }
 
     #[test]
     fn credentials_in_the_mqtt_url_are_refused_without_echoing_the_password() {
