@@ -46,7 +46,15 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
             .filter(|(id, _, _)| !drifted.contains(id))
             .collect::<Vec<_>>()
     };
-    let before_first_run = converged_rows().await;
+    // The engine records that status within a write interval of the report.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let before_first_run = loop {
+        let rows = converged_rows().await;
+        if rows.iter().all(|(_, _, status)| status == "converged") || Instant::now() > deadline {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(
         before_first_run.iter().all(|(_, _, status)| status == "converged"),
         "devices reporting their desired state are not converged before any run: {before_first_run:?}"

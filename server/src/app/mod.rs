@@ -1,5 +1,5 @@
 //! Wiring: builds the shared state, starts the MQTT loop, the ingest, the
-//! engine and the HTTP server (`http.rs`), and shuts them down in order when the token is
+//! engine and the HTTP server (`crate::http`), and shuts them down in order when the token is
 //! cancelled. Takes an injected listener, pool and token so tests can run the
 //! whole server in-process on port 0.
 

@@ -37,9 +37,7 @@ pub use engine::{EngineArgs, ReconcileSettings};
 pub use events::{EventsArgs, EventsSettings};
 pub use fleet::{FleetArgs, FleetSettings};
 pub use http::{HttpArgs, HttpSettings, SseArgs};
-pub use mqtt::{
-    parse_mqtt_url, BrokerAddr, MqttArgs, MqttCredentials, MqttSettings, MqttUrlError,
-};
+pub use mqtt::{parse_mqtt_url, BrokerAddr, MqttArgs, MqttCredentials, MqttSettings, MqttUrlError};
 pub use readiness::{ReadinessArgs, ReadinessSettings};
 pub use retention::RetentionArgs;
 pub use security::{BrokerAccounts, SecurityArgs, SecuritySettings};

@@ -18,7 +18,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use idem_protocol::limits::seq_ceiling;
 use idem_protocol::{
-    Channel, DeviceId, DeviceStatus, Health, Reported, SpecBudget, SpecDigest, Status, TopicRoot,
+    Channel, DeviceId, Health, Reported, SpecBudget, SpecDigest, Status, TopicRoot,
 };
 use sqlx::PgPool;
 use tokio::sync::mpsc;
@@ -29,10 +29,9 @@ use crate::mqtt::{Publisher, Received};
 use crate::ops::metrics::{Metrics, ReportResult};
 use crate::ops::retry::Backoff;
 use crate::ops::stall::Stall;
-use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::ReportedState;
 use crate::store::cache::{Fleet, FleetChange};
-use crate::store::devices::{DeviceChangeRow, ReportRow};
+use crate::store::devices::ReportRow;
 use crate::store::{self, DeviceWriter, StoreError};
 
 /// Most messages stored in one database batch.
@@ -329,7 +328,6 @@ impl Ingest {
             .iter()
             .map(|(device, (report, digest))| PendingReport {
                 device: device.clone(),
-                digest: *digest,
                 row: report_row(device, report, digest),
                 state: ReportedState {
                     seq: report.seq,
@@ -420,46 +418,16 @@ impl Ingest {
         store::devices::apply_reports(&mut write, &reports, self.auto_register)
             .await
             .map_err(classify_failure)?;
-        // A device never reconciled that reports exactly its desired state
-        // is converged: written with its report (under the same lock as
-        // desired changes, so the cache's desired state is the committed
-        // one), so the fleet's first run has no row to rewrite for it.
-        let converged: Vec<&DeviceId> = rows
-            .iter()
-            .filter(|r| write.cache().first_report_converges(&r.device, &r.digest))
-            .map(|r| &r.device)
-            .collect();
-        let changes: Vec<DeviceChangeRow<'_>> = converged
-            .iter()
-            .map(|id| DeviceChangeRow {
-                id: id.as_str(),
-                status: Some(DeviceStatus::Converged.as_str()),
-                ..DeviceChangeRow::default()
-            })
-            .collect();
-        store::devices::apply_changes(&mut write, &changes)
-            .await
-            .map_err(classify_failure)?;
         let online_rows: Vec<(String, bool)> =
             online.iter().map(|(d, o)| (d.to_string(), *o)).collect();
         store::devices::set_online(&mut write, &online_rows)
             .await
             .map_err(classify_failure)?;
-        let change = DeviceChange {
-            status: Some(DeviceStatus::Converged),
-            ..DeviceChange::default()
-        };
-        let converged: Vec<DeviceId> = converged.into_iter().cloned().collect();
         write.mirror(rows.iter().map(|r| FleetChange::Reported {
             id: r.device.clone(),
             reported: r.state.clone(),
             health: r.health,
         }));
-        write.mirror(
-            converged
-                .into_iter()
-                .map(|id| FleetChange::Engine(id, change.clone())),
-        );
         write.mirror(
             online
                 .iter()
@@ -476,7 +444,6 @@ impl Ingest {
 /// One report of a batch on its way to PostgreSQL.
 struct PendingReport {
     device: DeviceId,
-    digest: SpecDigest,
     row: ReportRow,
     /// What the cache holds once the row has committed.
     state: ReportedState,

@@ -1,6 +1,9 @@
-//! Reconciliation: the pure decision core (`decide`, `outcome`, `policy`),
-//! the engine's state machine (`machine`, with `pacer` and `run`), the loop
-//! that carries its effects out (`engine`), and starting runs (`runs`).
+//! The pure core of reconciliation: the decision (`decide`, `outcome`,
+//! `policy`), what the core knows of a device (`device`, `change`), runs
+//! (`run`), push pacing (`pacer`), event drafts and the sans-IO state
+//! machine (`machine`). No IO: `scripts/core-check` fails when anything here
+//! imports beyond std, idem-protocol and a few pure crates. The loop that
+//! feeds the machine and carries its effects out is `crate::engine`.
 
 pub mod change;
 pub mod decide;

@@ -127,7 +127,8 @@ pub fn converged_targets(
 
 /// Whether a stored report makes a device `converged` without a run: it
 /// was never reconciled (`unknown`) and the report carries its desired
-/// digest. The ingest writes that status with the report, so the fleet's
+/// digest. The state machine records that status when the report arrives
+/// (`Machine::reports_applied`), so the fleet's
 /// first run has no row to rewrite for it.
 pub fn converged_by_report(
     status: DeviceStatus,

@@ -8,14 +8,13 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use dashmap::DashMap;
-use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Health};
 use serde_json::Value;
 
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::device::FleetRead;
 pub use crate::reconcile::device::{DesiredState, DeviceEntry};
-use crate::reconcile::policy;
 
 /// A committed change to mirror in the cache. [`Fleet::apply`] is the only
 /// way the cache changes, always after the transaction that wrote the change
@@ -227,14 +226,6 @@ impl Fleet {
     /// The device's last known connection state (`None`: unknown or not registered).
     pub fn online(&self, id: &DeviceId) -> Option<bool> {
         self.devices.get(id).and_then(|e| e.online)
-    }
-
-    /// Whether a report with `digest` makes the device converged without a
-    /// run ([`policy::converged_by_report`]).
-    pub fn first_report_converges(&self, id: &DeviceId, digest: &SpecDigest) -> bool {
-        self.devices.get(id).is_some_and(|e| {
-            policy::converged_by_report(e.status, e.desired_for_decision().as_ref(), digest)
-        })
     }
 
     pub fn reported_seq(&self, id: &DeviceId) -> Option<Option<u64>> {

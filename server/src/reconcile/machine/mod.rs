@@ -29,7 +29,7 @@ use uuid::Uuid;
 use super::decide::{decide, Decision};
 use super::outcome::{Outcome, SkipReason};
 use super::pacer::PushPacer;
-use super::policy::{gate, DeviceStatus};
+use super::policy::{self, gate, DeviceStatus};
 use super::run::{RunProgress, RunSpec, Trigger};
 pub use crate::reconcile::change::{DeviceChange, LastOutcome};
 use crate::reconcile::device::{DeviceEntry, FleetRead};
@@ -424,10 +424,31 @@ impl Machine {
             self.gaps.settled(&id);
             if self.in_flight.contains_key(&id) {
                 self.advance(&id, false, now, out);
-            } else {
+            } else if !self.converged_by_report(&id) {
                 self.check_drift(&id, now.at);
             }
         }
+    }
+
+    /// A device never reconciled whose report carries its desired digest
+    /// is `converged` without a run ([`policy::converged_by_report`]), so
+    /// the fleet's first run has no row to rewrite for it.
+    fn converged_by_report(&mut self, id: &DeviceId) -> bool {
+        let Some(entry) = self.entry(id) else {
+            return false;
+        };
+        let Some(reported) = &entry.reported else {
+            return false;
+        };
+        let converged = policy::converged_by_report(
+            entry.status,
+            entry.desired_for_decision().as_ref(),
+            &reported.digest,
+        );
+        if converged {
+            self.record.device(id).status = Some(DeviceStatus::Converged);
+        }
+        converged
     }
 
     /// Decides for one in-flight device and carries the decision out.
