@@ -240,7 +240,6 @@ impl Workers {
             intake_token.clone(),
         ));
         let engine = Engine::new(EngineContext {
-            pool: state.pool.clone(),
             fleet: state.fleet.clone(),
             metrics: state.metrics.clone(),
             publisher: state.publisher.clone(),

@@ -3,7 +3,7 @@
 //! queues must be for a fleet (`sizing`).
 
 pub mod accounts;
-pub mod dynsec;
+pub(crate) mod dynsec;
 pub mod sizing;
 
 /// Mosquitto's count of messages it dropped (for any client), and of the

@@ -4,7 +4,7 @@
 //! and by the test harness's out-of-process server; holds no server logic.
 
 pub mod broker;
-pub mod token;
+pub(crate) mod token;
 
 use std::process::ExitCode;
 use std::sync::Arc;

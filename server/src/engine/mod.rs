@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use idem_protocol::DeviceId;
-use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -33,7 +32,6 @@ pub use new_run::CommitRunError;
 use new_run::{commit_run, NewRun};
 
 pub use crate::reconcile::machine::{EngineCommand, EngineSettings};
-pub use crate::reconcile::run::COMPLETED_EVENT_OUTCOME_CAP;
 
 /// Most commands handled before the machine's effects are carried out.
 const MAX_COMMANDS_PER_BATCH: usize = 256;
@@ -48,7 +46,6 @@ pub struct EngineStats {
 
 /// What the engine works with, shared with the rest of the server.
 pub struct EngineContext {
-    pub pool: PgPool,
     pub fleet: Arc<Fleet>,
     pub metrics: Arc<Metrics>,
     pub publisher: Publisher,

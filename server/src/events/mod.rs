@@ -5,7 +5,7 @@
 //! Builds events only; storing them is `store::events`, in the same
 //! transaction as the state change they report.
 
-pub mod relay;
+pub(crate) mod relay;
 
 use chrono::{DateTime, Utc};
 use cloudevents::{EventBuilder, EventBuilderV10};

@@ -3,9 +3,9 @@
 //! may call what (`auth`), the JSON error answer (`error`) and the bounds on
 //! operator input (`input`).
 
-pub mod api;
+pub(crate) mod api;
 pub mod auth;
-pub mod connections;
-pub mod error;
-pub mod input;
-pub mod sse;
+pub(crate) mod connections;
+pub(crate) mod error;
+pub(crate) mod input;
+pub(crate) mod sse;

@@ -96,6 +96,7 @@ impl Outbox {
     }
 
     /// Requests waiting for room in the client's channel.
+    #[cfg(test)]
     pub fn backlog(&self) -> usize {
         self.lock().len()
     }

@@ -3,6 +3,6 @@
 //! loops that retry the database or the broker.
 
 pub mod metrics;
-pub mod retention;
-pub mod retry;
-pub mod stall;
+pub(crate) mod retention;
+pub(crate) mod retry;
+pub(crate) mod stall;

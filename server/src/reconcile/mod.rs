@@ -14,5 +14,3 @@ pub mod outcome;
 pub mod pacer;
 pub mod policy;
 pub mod run;
-
-pub use outcome::{FailureReason, Outcome, OutcomeCounts, OutcomeKind, SkipReason};

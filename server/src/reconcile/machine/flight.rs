@@ -69,12 +69,4 @@ impl InFlight {
             Phase::RetryAt(at) => now >= *at,
         }
     }
-
-    pub fn wakes_at(&self) -> Option<Instant> {
-        match &self.phase {
-            Phase::Fresh | Phase::Queued => None,
-            Phase::AwaitingReport { deadline } | Phase::Pushed { deadline, .. } => Some(*deadline),
-            Phase::RetryAt(at) => Some(*at),
-        }
-    }
 }

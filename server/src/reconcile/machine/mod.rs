@@ -39,7 +39,7 @@ pub use effect::{
 };
 use flight::{InFlight, Phase};
 use gaps::Gaps;
-pub use record::{AttemptRecord, OutcomeRecord, Record, Tally};
+pub use record::{AttemptRecord, OutcomeRecord, Record};
 
 /// Results are written at least this often while there are any.
 pub const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
@@ -179,11 +179,6 @@ impl Machine {
         out
     }
 
-    /// These devices' reports were committed and are in the fleet cache.
-    pub fn on_reports(&mut self, ids: Vec<DeviceId>, now: Now) -> Vec<Effect> {
-        self.on_command(EngineCommand::ReportsApplied(ids), now)
-    }
-
     /// Time passed: deadlines, retries, debounce windows, resync, the push
     /// queue and the write interval.
     pub fn on_tick(&mut self, now: Now) -> Vec<Effect> {
@@ -256,12 +251,6 @@ impl Machine {
             wake = wake.min(self.last_write);
         }
         wake
-    }
-
-    /// The earliest deadline or retry of any attempt in flight (tests use
-    /// it to jump straight to the next thing that happens).
-    pub fn next_attempt_timer(&self) -> Option<Instant> {
-        self.in_flight.values().filter_map(InFlight::wakes_at).min()
     }
 
     pub fn stats(&self) -> MachineStats {

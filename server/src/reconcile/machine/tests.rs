@@ -301,7 +301,10 @@ impl World {
             reported,
             health: None,
         }]);
-        let effects = self.machine.on_reports(vec![device.clone()], self.now());
+        let effects = self.machine.on_command(
+            EngineCommand::ReportsApplied(vec![device.clone()]),
+            self.now(),
+        );
         self.carry(effects);
     }
 
