@@ -17,6 +17,36 @@ fn writer(pool: &PgPool) -> DeviceWriter {
     DeviceWriter::new(pool.clone(), std::sync::Arc::new(Fleet::default()))
 }
 
+/// Returns `task` once it waits on a database lock; fails with `finished`'s
+/// message if it finishes instead (it was not held back), or after 10 s.
+async fn waits_on_a_lock<T: std::fmt::Display>(
+    pool: &PgPool,
+    task: tokio::task::JoinHandle<T>,
+    finished: impl Fn(T) -> String,
+) -> tokio::task::JoinHandle<T> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return task;
+        }
+        if task.is_finished() {
+            panic!("{}", finished(task.await.unwrap()));
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second writer neither waited nor finished"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 async fn register(pool: &PgPool, ids: &[&str]) {
     let writer = writer(pool);
     let mut tx = writer.begin().await.unwrap();
@@ -153,29 +183,10 @@ async fn a_second_event_writer_waits_for_the_first_to_commit_so_sequences_commit
             got
         }
     });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            !second.is_finished(),
-            "the second writer reserved sequence {:?} while the first had not committed",
-            second.await.unwrap()
-        );
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the second writer neither waited nor finished"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let second = waits_on_a_lock(&pool, second, |got| {
+        format!("the second writer reserved sequence {got} while the first had not committed")
+    })
+    .await;
     first.commit().await.unwrap();
     assert_eq!(second.await.unwrap(), 3);
 }
@@ -204,29 +215,10 @@ async fn a_device_writer_of_another_process_waits_until_the_first_commits(pool: 
             visible
         }
     });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            !second.is_finished(),
-            "the other process's writer began while ours was open (it saw generation {})",
-            second.await.unwrap()
-        );
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the other process's writer neither waited nor finished"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let second = waits_on_a_lock(&pool, second, |got| {
+        format!("the other process's writer began while ours was open (it saw generation {got})")
+    })
+    .await;
     first.commit("our write").await.unwrap();
     assert_eq!(
         second.await.unwrap(),
