@@ -433,7 +433,7 @@ impl Ingest {
             .iter()
             .map(|id| DeviceChangeRow {
                 id: id.as_str(),
-                status: Some(DeviceStatus::Converged.as_str()),
+                status: Some(DeviceStatus::Converged),
                 ..DeviceChangeRow::default()
             })
             .collect();
@@ -492,7 +492,7 @@ fn report_row(device: &DeviceId, report: &Reported, digest: &SpecDigest) -> Repo
         generation: report.generation,
         error_generation: report.error.as_ref().map(|e| e.generation),
         error: report.error.as_ref().map(|e| e.message.clone()),
-        health: report.health.map(|h| h.as_str().to_owned()),
+        health: report.health,
     }
 }
 
