@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 /// Device status, as stored and shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceStatus {
     #[default]

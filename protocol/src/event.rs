@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::digest::SpecDigest;
 use crate::outcome::{OutcomeCounts, OutcomeKind};
 use crate::payload::Health;
+use crate::run::Trigger;
 
 /// The CloudEvents `type` of an outcome event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -118,7 +119,7 @@ pub struct DeviceQuarantinedData {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunStartedData {
     /// Why the run was started (`desired`, `manual`, `drift`, …).
-    pub trigger: String,
+    pub trigger: Trigger,
     pub target_count: u64,
     pub force: bool,
     /// The operator token that started it; `null` for the server's own runs.
@@ -128,7 +129,7 @@ pub struct RunStartedData {
 /// `data` of `io.idem.run.completed`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunCompletedData {
-    pub trigger: String,
+    pub trigger: Trigger,
     pub target_count: u64,
     pub counts: OutcomeCounts,
     /// `counts` as the summary line ([`OutcomeCounts::summary`]).
@@ -241,7 +242,7 @@ mod tests {
     #[test]
     fn run_started_data_has_the_trigger_targets_force_and_starter() {
         let data = RunStartedData {
-            trigger: "manual".to_owned(),
+            trigger: Trigger::Manual,
             target_count: 50,
             force: true,
             started_by: None,
@@ -260,7 +261,7 @@ mod tests {
             ..OutcomeCounts::default()
         };
         let data = RunCompletedData {
-            trigger: "desired".to_owned(),
+            trigger: Trigger::Desired,
             target_count: 2,
             counts,
             summary: counts.summary(),

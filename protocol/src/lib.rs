@@ -7,7 +7,9 @@
 //! the retry backoff (`backoff`).
 //!
 //! This crate is pure: serde only, no IO, no async runtime. With the
-//! `openapi` feature the API types also derive `utoipa::ToSchema`. `docs/PROTOCOL.md`
+//! `openapi` feature the API types also derive `utoipa::ToSchema`; with the
+//! `sqlx` feature the enums are PostgreSQL `text` (`sql`), the server's one
+//! database mapping of them. `docs/PROTOCOL.md`
 //! is the normative prose copy of what is encoded here.
 
 pub mod api;
@@ -17,9 +19,13 @@ pub mod device_id;
 pub mod device_status;
 pub mod digest;
 pub mod event;
+pub mod generation;
 pub mod limits;
 pub mod outcome;
 pub mod payload;
+pub mod run;
+#[cfg(feature = "sqlx")]
+pub mod sql;
 pub mod topic;
 
 pub use backoff::Backoff;
@@ -30,7 +36,9 @@ pub use broker_address::{
 pub use device_id::{DeviceId, InvalidDeviceId};
 pub use device_status::DeviceStatus;
 pub use digest::{canonical_json, InvalidDigest, SpecDigest};
+pub use generation::Generation;
 pub use limits::{SpecBudget, SpecError, DEFAULT_MAX_SPEC_BYTES, MAX_COUNTER};
 pub use outcome::{OutcomeCounts, OutcomeKind};
 pub use payload::{DecodeError, Desired, Health, Rejection, Reported, Status, GET_PAYLOAD};
+pub use run::{RunState, Trigger};
 pub use topic::{Channel, ParsedTopic, TopicError, TopicRoot, DEFAULT_TOPIC_ROOT};

@@ -45,6 +45,7 @@ pub struct Rejection {
 /// health recorded as `Unknown` (a newer firmware's vocabulary must not cost
 /// the server the spec it reported).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Health {
     Healthy,

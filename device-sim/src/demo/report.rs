@@ -155,7 +155,7 @@ pub(super) async fn judge(
             reports_counted_s: times.reports_counted.as_secs_f64(),
             reports_stored_s: times.reports_stored.as_secs_f64(),
             run_s: times.run.as_secs_f64(),
-            server_run_ms: run.duration_ms.and_then(|ms| u64::try_from(ms).ok()),
+            server_run_ms: run.duration_ms,
             convergence,
             apply,
         },

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::DeviceId;
+use crate::{DeviceId, DeviceStatus, Generation, Health, OutcomeKind};
 
 /// One item of `POST /v1/devices` (the body is a list of them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -72,8 +72,7 @@ pub struct DeviceUpsert {
 pub struct DeviceView {
     pub id: String,
     pub labels: Value,
-    /// A `DeviceStatus` name.
-    pub status: String,
+    pub status: DeviceStatus,
     /// `None` until the device has said.
     pub online: Option<bool>,
     pub desired: Option<DesiredView>,
@@ -81,7 +80,7 @@ pub struct DeviceView {
     pub reported: Option<ReportedView>,
     /// Whether the digests match; `None` while one is missing.
     pub in_sync: Option<bool>,
-    pub attempts: i32,
+    pub attempts: u32,
     pub next_attempt_at: Option<DateTime<Utc>>,
     pub last_error: Option<String>,
     pub last_outcome: Option<LastOutcome>,
@@ -95,7 +94,7 @@ pub struct DeviceView {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DesiredView {
-    pub generation: i64,
+    pub generation: Generation,
     pub spec: Value,
     pub digest: Option<String>,
     pub updated_at: Option<DateTime<Utc>>,
@@ -105,11 +104,11 @@ pub struct DesiredView {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReportedView {
-    pub seq: Option<i64>,
-    pub generation: Option<i64>,
+    pub seq: Option<u64>,
+    pub generation: Option<Generation>,
     pub spec: Value,
     pub digest: Option<String>,
-    pub health: Option<String>,
+    pub health: Option<Health>,
     pub error: Option<ReportedError>,
     pub at: Option<DateTime<Utc>>,
 }
@@ -118,7 +117,7 @@ pub struct ReportedView {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReportedError {
-    pub generation: i64,
+    pub generation: Generation,
     pub message: String,
 }
 
@@ -126,8 +125,7 @@ pub struct ReportedError {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LastOutcome {
-    /// An `OutcomeKind` name.
-    pub outcome: String,
+    pub outcome: OutcomeKind,
     pub reason: Option<String>,
     pub run_id: Option<Uuid>,
 }
@@ -137,9 +135,9 @@ pub struct LastOutcome {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Attempt {
     pub run_id: Option<Uuid>,
-    pub attempt: i32,
-    pub generation: Option<i64>,
-    pub result: String,
+    pub attempt: u32,
+    pub generation: Option<Generation>,
+    pub result: OutcomeKind,
     pub reason: Option<String>,
     pub at: DateTime<Utc>,
 }
@@ -194,7 +192,7 @@ pub struct DeviceDesired {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DesiredSet {
     /// The device's desired generation after the change.
-    pub generation: Option<u64>,
+    pub generation: Option<Generation>,
     pub run_id: Uuid,
 }
 

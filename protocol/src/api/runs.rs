@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::{OutcomeCounts, OutcomeKind};
+use crate::{Generation, Health, OutcomeCounts, OutcomeKind, RunState, Trigger};
 
 /// The answer of every call that starts a run (`POST /v1/runs`,
 /// `POST /v1/desired`, the retries).
@@ -27,9 +27,8 @@ pub struct RunStarted {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunView {
     pub id: Uuid,
-    pub trigger: String,
-    /// `running` or `completed`.
-    pub state: String,
+    pub trigger: Trigger,
+    pub state: RunState,
     pub force: bool,
     pub target_count: u64,
     pub counts: OutcomeCounts,
@@ -37,7 +36,7 @@ pub struct RunView {
     pub summary: String,
     pub started_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
-    pub duration_ms: Option<i64>,
+    pub duration_ms: Option<u64>,
     /// The operator token that started the run; `None` for runs the server
     /// started itself (see `trigger`).
     pub started_by: Option<String>,
@@ -45,7 +44,7 @@ pub struct RunView {
 
 impl RunView {
     pub fn is_completed(&self) -> bool {
-        self.state == "completed"
+        self.state == RunState::Completed
     }
 }
 
@@ -73,8 +72,8 @@ pub struct OutcomeRow {
     /// `None` while the device is undecided.
     pub outcome: Option<OutcomeKind>,
     pub reason: Option<String>,
-    pub generation: Option<i64>,
-    pub health: Option<String>,
+    pub generation: Option<Generation>,
+    pub health: Option<Health>,
     pub decided_at: Option<DateTime<Utc>>,
 }
 
@@ -102,11 +101,11 @@ pub struct OutcomeQuery {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FleetSummary {
     /// Registered devices.
-    pub devices: i64,
+    pub devices: u64,
     /// Devices per `DeviceStatus` name (every status, 0 included).
-    pub by_status: BTreeMap<String, i64>,
+    pub by_status: BTreeMap<String, u64>,
     /// Converged devices that report bad health.
-    pub unhealthy_converged: i64,
+    pub unhealthy_converged: u64,
     pub pushes: PushCounts,
     pub attempts_in_flight: u64,
 }

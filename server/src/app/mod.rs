@@ -334,7 +334,7 @@ async fn resume_unfinished_runs(
         let targets = store::device_ids(&undecided, "resuming an unfinished run")?;
         tracing::info!(run_id = %run.id, undecided = targets.len(), "resuming unfinished run");
         let target_count = usize::try_from(run.target_count).unwrap_or(0);
-        let spec = RunSpec::resumed(run.id, &run.trigger, run.force, target_count, targets);
+        let spec = RunSpec::resumed(run.id, run.trigger, run.force, target_count, targets);
         let command = EngineCommand::StartRun(spec);
         if engine.send(command).await.is_err() {
             break;

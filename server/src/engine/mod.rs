@@ -347,13 +347,13 @@ impl Engine {
             .iter()
             .map(|(id, c)| DeviceChangeRow {
                 id: id.as_str(),
-                status: c.status.map(|s| s.as_str()),
+                status: c.status,
                 failures: c.failures,
                 last_error: c.last_error.as_deref(),
                 last_outcome: c
                     .last_outcome
                     .as_ref()
-                    .map(|o| (o.run_id, o.kind.as_str(), o.reason.as_deref())),
+                    .map(|o| (o.run_id, o.kind, o.reason.as_deref())),
                 retained_generation: c.retained,
             })
             .collect();

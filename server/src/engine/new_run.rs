@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
+use idem_protocol::{DeviceId, OutcomeKind, SpecDigest};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -130,14 +130,14 @@ pub async fn commit_run(
     let converged = converged_targets(view, &targets, run.force, new_digest, &new_generations);
     let (undecided, undecided_ids) = split_undecided(&targets, &converged);
     let started = RunStartedData {
-        trigger: run.trigger.as_str().to_owned(),
+        trigger: run.trigger,
         target_count: target_ids.len() as u64,
         force: run.force,
         started_by: run.started_by.clone(),
     };
     let row = store::runs::NewRunRow {
         id: run_id,
-        trigger: run.trigger.as_str(),
+        trigger: run.trigger,
         force: run.force,
         started_by: run.started_by.as_deref(),
     };
@@ -204,7 +204,7 @@ async fn write_run(
         .map(|c| ConvergedTarget {
             device_id: c.id.as_str(),
             generation: c.generation,
-            health: c.health.map(Health::as_str),
+            health: c.health,
         })
         .collect();
     store::runs::create(write.tx(), row, undecided_ids, &targets).await?;
@@ -246,7 +246,7 @@ fn split_undecided(targets: &[DeviceId], converged: &[Converged]) -> (Vec<Device
 fn change_row<'a>(id: &'a DeviceId, change: &DeviceChange) -> DeviceChangeRow<'a> {
     DeviceChangeRow {
         id: id.as_str(),
-        status: change.status.map(DeviceStatus::as_str),
+        status: change.status,
         failures: change.failures,
         ..DeviceChangeRow::default()
     }

@@ -174,7 +174,7 @@ mod tests {
         let started = EventDraft::run_started(
             run_id,
             RunStartedData {
-                trigger: "desired".to_owned(),
+                trigger: idem_protocol::Trigger::Desired,
                 target_count: 2,
                 force: false,
                 started_by: Some("ci".to_owned()),
@@ -200,7 +200,7 @@ mod tests {
         let completed = EventDraft::run_completed(
             run_id,
             RunCompletedData {
-                trigger: "desired".to_owned(),
+                trigger: idem_protocol::Trigger::Desired,
                 target_count: 2,
                 counts,
                 summary: counts.summary(),

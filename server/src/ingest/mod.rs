@@ -459,7 +459,7 @@ fn report_row(device: &DeviceId, report: &Reported, digest: &SpecDigest) -> Repo
         generation: report.generation,
         error_generation: report.error.as_ref().map(|e| e.generation),
         error: report.error.as_ref().map(|e| e.message.clone()),
-        health: report.health.map(|h| h.as_str().to_owned()),
+        health: report.health,
     }
 }
 

@@ -513,11 +513,11 @@ impl Metrics {
 
     /// Sets `idem_devices{status}` from a count per status; statuses not in
     /// `counts` are 0.
-    pub fn set_devices_by_status(&self, counts: &[(String, i64)]) {
+    pub fn set_devices_by_status(&self, counts: &[(DeviceStatus, i64)]) {
         for (status, gauge) in DeviceStatus::ALL.iter().zip(&self.devices_by_status) {
             let n = counts
                 .iter()
-                .find(|(s, _)| s == status.as_str())
+                .find(|(s, _)| s == status)
                 .map_or(0, |(_, n)| *n);
             gauge.set(n as f64);
         }

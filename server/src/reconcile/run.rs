@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use idem_protocol::DeviceId;
+pub use idem_protocol::Trigger;
 use uuid::Uuid;
 
 use super::outcome::{OutcomeCounts, OutcomeKind};
@@ -15,52 +16,6 @@ use idem_protocol::event::RunCompletedData;
 /// Most device outcomes listed in a `run.completed` event; the full list
 /// stays queryable through the API.
 pub const COMPLETED_EVENT_OUTCOME_CAP: usize = 1_000;
-
-/// Why a run was started; stored as `runs.trigger`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Trigger {
-    /// An operator changed desired state.
-    Desired,
-    /// An operator asked for a re-check.
-    Manual,
-    Startup,
-    Resync,
-    /// Converged devices reported a different spec.
-    Drift,
-    /// Devices that were offline came back.
-    Reconnect,
-    /// An operator released quarantined devices.
-    Retry,
-}
-
-impl Trigger {
-    pub const ALL: [Trigger; 7] = [
-        Trigger::Desired,
-        Trigger::Manual,
-        Trigger::Startup,
-        Trigger::Resync,
-        Trigger::Drift,
-        Trigger::Reconnect,
-        Trigger::Retry,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Trigger::Desired => "desired",
-            Trigger::Manual => "manual",
-            Trigger::Startup => "startup",
-            Trigger::Resync => "resync",
-            Trigger::Drift => "drift",
-            Trigger::Reconnect => "reconnect",
-            Trigger::Retry => "retry",
-        }
-    }
-
-    /// The trigger stored as `raw` (`None` for a word this version does not know).
-    pub fn parse(raw: &str) -> Option<Self> {
-        Trigger::ALL.into_iter().find(|t| t.as_str() == raw)
-    }
-}
 
 /// A committed run, as the engine starts it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,17 +35,17 @@ pub struct RunSpec {
 
 impl RunSpec {
     /// A run resumed after a restart, from its stored row and undecided
-    /// targets. A trigger word this version does not know resumes as manual.
+    /// targets.
     pub fn resumed(
         id: Uuid,
-        trigger: &str,
+        trigger: Trigger,
         force: bool,
         target_count: usize,
         undecided: Vec<DeviceId>,
     ) -> Self {
         RunSpec {
             id,
-            trigger: Trigger::parse(trigger).unwrap_or(Trigger::Manual),
+            trigger,
             decided: target_count.saturating_sub(undecided.len()),
             targets: undecided,
             force,
@@ -161,7 +116,7 @@ impl RunProgress {
         EventDraft::run_completed(
             self.id,
             RunCompletedData {
-                trigger: self.trigger.as_str().to_owned(),
+                trigger: self.trigger,
                 target_count: u64::try_from(target_count).unwrap_or(0),
                 counts: *counts,
                 summary: counts.summary(),
@@ -188,14 +143,6 @@ mod tests {
             decided,
             converged: Vec::new(),
         }
-    }
-
-    #[test]
-    fn every_trigger_parses_back_from_its_stored_word() {
-        for trigger in Trigger::ALL {
-            assert_eq!(Trigger::parse(trigger.as_str()), Some(trigger));
-        }
-        assert_eq!(Trigger::parse("sometimes"), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use uuid::Uuid;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
 
 use super::writer::DeviceTx;
 use super::{to_i64, to_u64, Context, StoreError};
@@ -31,14 +31,14 @@ pub struct DeviceRow {
     pub reported_generation: Option<i64>,
     pub reported_error_generation: Option<i64>,
     pub reported_error: Option<String>,
-    pub reported_health: Option<String>,
+    pub reported_health: Option<Health>,
     pub reported_at: Option<DateTime<Utc>>,
-    pub status: String,
+    pub status: DeviceStatus,
     pub online: Option<bool>,
     pub attempts: i32,
     pub next_attempt_at: Option<DateTime<Utc>>,
     pub last_error: Option<String>,
-    pub last_outcome: Option<String>,
+    pub last_outcome: Option<OutcomeKind>,
     pub last_outcome_reason: Option<String>,
     pub last_run_id: Option<Uuid>,
     pub retained_generation: Option<i64>,
@@ -101,9 +101,9 @@ fn entry_from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) 
         desired,
         reported,
         reported_at: row.reported_at,
-        health: row.reported_health.as_deref().and_then(Health::parse),
+        health: row.reported_health,
         online: row.online,
-        status: DeviceStatus::parse(&row.status).unwrap_or_default(),
+        status: row.status,
         failures: u32::try_from(row.attempts).unwrap_or(0),
         retained_generation: row.retained_generation.map(to_u64),
     }
@@ -135,8 +135,8 @@ pub async fn get(pool: &PgPool, id: &str) -> Result<Option<DeviceRow>, StoreErro
 /// Filters for the paged device list.
 #[derive(Debug, Default, Clone)]
 pub struct DeviceFilter {
-    pub status: Option<String>,
-    pub health: Option<String>,
+    pub status: Option<DeviceStatus>,
+    pub health: Option<Health>,
     /// Label subset the device must carry (`labels @> this`).
     pub labels: Option<Value>,
     /// Keyset cursor: ids strictly after this one.
@@ -153,18 +153,18 @@ pub async fn list(pool: &PgPool, filter: &DeviceFilter) -> Result<Vec<DeviceRow>
            AND ($5::text IS NULL OR reported_health = $5) \
          ORDER BY id LIMIT $4"
     ))
-    .bind(&filter.status)
+    .bind(filter.status)
     .bind(&filter.labels)
     .bind(&filter.after)
     .bind(filter.limit)
-    .bind(&filter.health)
+    .bind(filter.health)
     .fetch_all(pool)
     .await
     .context("listing devices")
 }
 
 /// Devices per status.
-pub async fn count_by_status(pool: &PgPool) -> Result<Vec<(String, i64)>, StoreError> {
+pub async fn count_by_status(pool: &PgPool) -> Result<Vec<(DeviceStatus, i64)>, StoreError> {
     sqlx::query_as("SELECT status, count(*) FROM devices GROUP BY status ORDER BY status")
         .fetch_all(pool)
         .await
@@ -323,7 +323,7 @@ pub struct ReportRow {
     pub generation: Option<u64>,
     pub error_generation: Option<u64>,
     pub error: Option<String>,
-    pub health: Option<String>,
+    pub health: Option<Health>,
 }
 
 /// Stores a batch of reports (at most one per device); a row whose stored
@@ -356,7 +356,7 @@ pub async fn apply_reports(
         .map(|r| r.error_generation.map(to_i64))
         .collect();
     let errors: Vec<Option<&str>> = reports.iter().map(|r| r.error.as_deref()).collect();
-    let health: Vec<Option<&str>> = reports.iter().map(|r| r.health.as_deref()).collect();
+    let health: Vec<Option<Health>> = reports.iter().map(|r| r.health).collect();
     let changed = sqlx::query(
         "UPDATE devices d SET reported_spec = r.spec::jsonb, reported_digest = r.digest, reported_seq = r.seq, \
              reported_generation = r.generation, reported_error_generation = r.error_generation, \
@@ -420,7 +420,7 @@ pub async fn record_attempts(
         .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
         .collect();
     let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
-    let results: Vec<&str> = rows.iter().map(|r| r.result.as_str()).collect();
+    let results: Vec<OutcomeKind> = rows.iter().map(|r| r.result).collect();
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
     // Joined with devices: an attempt of a device deleted meanwhile is
     // dropped, not a foreign-key error that would fail the whole batch.
@@ -447,12 +447,12 @@ pub async fn record_attempts(
 #[derive(Debug, Clone, Default)]
 pub struct DeviceChangeRow<'a> {
     pub id: &'a str,
-    pub status: Option<&'static str>,
+    pub status: Option<DeviceStatus>,
     /// Consecutive failed attempts and when the next is due (set together).
     pub failures: Option<(u32, Option<DateTime<Utc>>)>,
     pub last_error: Option<&'a str>,
     /// `(run, outcome, reason)` of the device's last outcome.
-    pub last_outcome: Option<(Uuid, &'static str, Option<&'a str>)>,
+    pub last_outcome: Option<(Uuid, OutcomeKind, Option<&'a str>)>,
     pub retained_generation: Option<u64>,
 }
 
@@ -467,7 +467,7 @@ pub async fn apply_changes(
         return Ok(());
     }
     let ids: Vec<&str> = rows.iter().map(|r| r.id).collect();
-    let statuses: Vec<Option<&str>> = rows.iter().map(|r| r.status).collect();
+    let statuses: Vec<Option<DeviceStatus>> = rows.iter().map(|r| r.status).collect();
     let set_attempts: Vec<bool> = rows.iter().map(|r| r.failures.is_some()).collect();
     let attempts: Vec<i32> = rows
         .iter()
@@ -483,7 +483,8 @@ pub async fn apply_changes(
     let errors: Vec<Option<&str>> = rows.iter().map(|r| r.last_error).collect();
     let set_outcome: Vec<bool> = rows.iter().map(|r| r.last_outcome.is_some()).collect();
     let run_ids: Vec<Option<Uuid>> = rows.iter().map(|r| r.last_outcome.map(|o| o.0)).collect();
-    let outcomes: Vec<Option<&str>> = rows.iter().map(|r| r.last_outcome.map(|o| o.1)).collect();
+    let outcomes: Vec<Option<OutcomeKind>> =
+        rows.iter().map(|r| r.last_outcome.map(|o| o.1)).collect();
     let reasons: Vec<Option<&str>> = rows
         .iter()
         .map(|r| r.last_outcome.and_then(|o| o.2))
@@ -579,7 +580,7 @@ pub async fn release_quarantine(
     let quarantined: Vec<String> =
         sqlx::query_scalar("SELECT id FROM devices WHERE id = ANY($1) AND status = $2 FOR UPDATE")
             .bind(ids)
-            .bind(idem_protocol::DeviceStatus::Quarantined.as_str())
+            .bind(DeviceStatus::Quarantined)
             .fetch_all(&mut **tx)
             .await
             .context("finding quarantined devices")?;
@@ -587,7 +588,7 @@ pub async fn release_quarantine(
         .iter()
         .map(|id| DeviceChangeRow {
             id,
-            status: Some(idem_protocol::DeviceStatus::Failed.as_str()),
+            status: Some(DeviceStatus::Failed),
             failures: Some((0, None)),
             ..DeviceChangeRow::default()
         })
@@ -600,9 +601,10 @@ pub async fn release_quarantine(
 pub async fn quarantined_in_run(pool: &PgPool, run_id: Uuid) -> Result<Vec<String>, StoreError> {
     sqlx::query_scalar(
         "SELECT d.id FROM devices d JOIN run_targets t ON t.device_id = d.id \
-         WHERE t.run_id = $1 AND d.status = 'quarantined' ORDER BY d.id",
+         WHERE t.run_id = $1 AND d.status = $2 ORDER BY d.id",
     )
     .bind(run_id)
+    .bind(DeviceStatus::Quarantined)
     .fetch_all(pool)
     .await
     .context("listing quarantined devices of a run")
@@ -613,7 +615,7 @@ pub struct HistoryRow {
     pub run_id: Option<Uuid>,
     pub attempt: i32,
     pub generation: Option<i64>,
-    pub result: String,
+    pub result: OutcomeKind,
     pub reason: Option<String>,
     pub at: DateTime<Utc>,
 }
@@ -634,8 +636,10 @@ pub async fn history(pool: &PgPool, id: &str, limit: i64) -> Result<Vec<HistoryR
 /// Converged devices whose last report says they are not healthy.
 pub async fn count_unhealthy_converged(pool: &PgPool) -> Result<i64, StoreError> {
     sqlx::query_scalar(
-        "SELECT count(*) FROM devices WHERE status = 'converged' AND reported_health IN ('degraded', 'unhealthy')",
+        "SELECT count(*) FROM devices WHERE status = $1 AND reported_health = ANY($2)",
     )
+    .bind(DeviceStatus::Converged)
+    .bind([Health::Degraded, Health::Unhealthy])
     .fetch_one(pool)
     .await
     .context("counting unhealthy converged devices")

@@ -14,6 +14,7 @@ pub mod writer;
 
 use std::time::Duration;
 
+use idem_protocol::sql::UnknownName;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
@@ -104,8 +105,25 @@ pub(crate) trait Context<T> {
 }
 
 impl<T> Context<T> for Result<T, sqlx::Error> {
+    /// A stored word that names no value of its enum (`idem_protocol::sql`,
+    /// the one mapping of each) is corrupt data, not a database error.
     fn context(self, context: &'static str) -> Result<T, StoreError> {
-        self.map_err(|source| StoreError::Db { context, source })
+        self.map_err(|source| match unknown_name(&source) {
+            Some(unknown) => StoreError::Corrupt {
+                context,
+                detail: unknown.to_string(),
+            },
+            None => StoreError::Db { context, source },
+        })
+    }
+}
+
+/// The unknown enum word a column failed to decode with, if that is why.
+fn unknown_name(error: &sqlx::Error) -> Option<&UnknownName> {
+    if let sqlx::Error::ColumnDecode { source, .. } = error {
+        source.downcast_ref::<UnknownName>()
+    } else {
+        None
     }
 }
 
@@ -142,4 +160,44 @@ pub(crate) fn to_i64(n: u64) -> i64 {
 
 pub(crate) fn to_u64(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
+}
+
+/// A stored (bigint) generation.
+pub(crate) fn generation(n: i64) -> idem_protocol::Generation {
+    idem_protocol::Generation(to_u64(n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unknown_stored_word_is_corrupt_data_with_its_context() {
+        let decoding: Result<(), sqlx::Error> = Err(sqlx::Error::ColumnDecode {
+            index: "\"status\"".to_owned(),
+            source: Box::new(UnknownName {
+                kind: "device status",
+                name: "online".to_owned(),
+            }),
+        });
+        match decoding.context("loading all devices") {
+            Err(StoreError::Corrupt { context, detail }) => {
+                assert_eq!(context, "loading all devices");
+                assert_eq!(detail, "unknown device status \"online\"");
+            }
+            other => panic!("expected corrupt data, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn other_decoding_errors_stay_database_errors() {
+        let decoding: Result<(), sqlx::Error> = Err(sqlx::Error::ColumnDecode {
+            index: "\"status\"".to_owned(),
+            source: "not text".into(),
+        });
+        assert!(matches!(
+            decoding.context("loading all devices"),
+            Err(StoreError::Db { .. })
+        ));
+    }
 }

@@ -1,7 +1,7 @@
 //! Runs and their per-device targets/outcomes.
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use idem_protocol::{Health, OutcomeCounts, OutcomeKind};
+use idem_protocol::{Health, OutcomeCounts, OutcomeKind, RunState, Trigger};
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
@@ -12,8 +12,8 @@ use crate::reconcile::machine::OutcomeRecord;
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct RunRow {
     pub id: Uuid,
-    pub trigger: String,
-    pub state: String,
+    pub trigger: Trigger,
+    pub state: RunState,
     pub force: bool,
     pub target_count: i32,
     pub already_converged: i32,
@@ -47,7 +47,7 @@ const RUN_COLUMNS: &str =
 #[derive(Debug, Clone, Copy)]
 pub struct NewRunRow<'a> {
     pub id: Uuid,
-    pub trigger: &'a str,
+    pub trigger: Trigger,
     pub force: bool,
     pub started_by: Option<&'a str>,
 }
@@ -58,7 +58,7 @@ pub struct NewRunRow<'a> {
 pub struct ConvergedTarget<'a> {
     pub device_id: &'a str,
     pub generation: u64,
-    pub health: Option<&'static str>,
+    pub health: Option<Health>,
 }
 
 /// Inserts the run and its targets: `undecided` without an outcome,
@@ -109,7 +109,7 @@ pub async fn create(
                 Some(target) => row
                     .plain(OutcomeKind::AlreadyConverged.as_str())
                     .plain(to_i64(target.generation))
-                    .optional_text(target.health)
+                    .optional_text(target.health.map(Health::as_str))
                     .plain(&decided_at),
             };
         },
@@ -130,10 +130,10 @@ pub async fn record_outcomes(
     }
     let run_ids: Vec<Uuid> = rows.iter().map(|r| r.run_id).collect();
     let device_ids: Vec<&str> = rows.iter().map(|r| r.device.as_str()).collect();
-    let outcomes: Vec<&str> = rows.iter().map(|r| r.kind.as_str()).collect();
+    let outcomes: Vec<OutcomeKind> = rows.iter().map(|r| r.kind).collect();
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
     let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
-    let health: Vec<Option<&str>> = rows.iter().map(|r| r.health.map(Health::as_str)).collect();
+    let health: Vec<Option<Health>> = rows.iter().map(|r| r.health).collect();
     sqlx::query(
         "UPDATE run_targets t SET outcome = r.outcome, reason = r.reason, generation = r.generation, \
              health = r.health, decided_at = now() \
@@ -179,10 +179,12 @@ pub async fn complete(
     ids: &[Uuid],
 ) -> Result<Vec<RunRow>, StoreError> {
     sqlx::query_as(&format!(
-        "UPDATE runs SET state = 'completed', finished_at = now() \
-         WHERE id = ANY($1) AND state = 'running' RETURNING {RUN_COLUMNS}"
+        "UPDATE runs SET state = $2, finished_at = now() \
+         WHERE id = ANY($1) AND state = $3 RETURNING {RUN_COLUMNS}"
     ))
     .bind(ids)
+    .bind(RunState::Completed)
+    .bind(RunState::Running)
     .fetch_all(&mut **tx)
     .await
     .context("completing runs")
@@ -216,8 +218,9 @@ pub async fn list(
 /// Runs left `running` by an earlier process.
 pub async fn unfinished(pool: &PgPool) -> Result<Vec<RunRow>, StoreError> {
     sqlx::query_as(&format!(
-        "SELECT {RUN_COLUMNS} FROM runs WHERE state = 'running' ORDER BY started_at"
+        "SELECT {RUN_COLUMNS} FROM runs WHERE state = $1 ORDER BY started_at"
     ))
+    .bind(RunState::Running)
     .fetch_all(pool)
     .await
     .context("listing unfinished runs")
@@ -235,10 +238,10 @@ pub async fn undecided_targets(pool: &PgPool, run_id: Uuid) -> Result<Vec<String
 #[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
 pub struct TargetRow {
     pub device_id: String,
-    pub outcome: Option<String>,
+    pub outcome: Option<OutcomeKind>,
     pub reason: Option<String>,
     pub generation: Option<i64>,
-    pub health: Option<String>,
+    pub health: Option<Health>,
     pub decided_at: Option<DateTime<Utc>>,
 }
 
@@ -246,7 +249,7 @@ pub struct TargetRow {
 pub async fn outcomes(
     pool: &PgPool,
     run_id: Uuid,
-    outcome: Option<&str>,
+    outcome: Option<OutcomeKind>,
     after: Option<&str>,
     limit: i64,
 ) -> Result<Vec<TargetRow>, StoreError> {
@@ -283,13 +286,14 @@ pub async fn prune(
              SELECT id FROM ( \
                  SELECT id, finished_at, \
                         sum(target_count) OVER (ORDER BY started_at DESC, id DESC) AS newer_targets \
-                 FROM runs WHERE state = 'completed' \
+                 FROM runs WHERE state = $4 \
              ) r WHERE r.finished_at < $1 OR r.newer_targets > $2 \
              ORDER BY id LIMIT $3)",
     )
     .bind(cutoff)
     .bind(max_targets)
     .bind(batch)
+    .bind(RunState::Completed)
     .execute(pool)
     .await
     .context("pruning old runs")?

@@ -11,7 +11,7 @@ use axum::Extension;
 use idem_protocol::api::{
     DesiredSet, DeviceDesired, ErrorBody, RunStarted, TargetedRequest, Targeting,
 };
-use idem_protocol::{DeviceId, SpecDigest};
+use idem_protocol::{DeviceId, Generation, SpecDigest};
 use serde_json::{json, Value};
 
 use super::command::{audited_ids, recorded, start_run};
@@ -54,7 +54,7 @@ pub(super) async fn set_device_desired(
     let generation = state
         .fleet
         .get(&id)
-        .and_then(|e| e.desired.map(|d| d.generation));
+        .and_then(|e| e.desired.map(|d| Generation(d.generation)));
     let answer = DesiredSet {
         generation,
         run_id: run,

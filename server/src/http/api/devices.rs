@@ -26,7 +26,7 @@ use crate::http::error::{ApiError, ApiJson};
 use crate::http::input;
 use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::{DeviceFilter, DeviceRow, HistoryRow, Registration};
-use crate::store::{self};
+use crate::store::{self, generation, to_u64};
 
 /// A device page stops growing once its JSON reaches this many bytes (it
 /// always holds at least one device); `next_after` continues it.
@@ -330,17 +330,19 @@ pub(super) async fn reset_reported(
 
 /// The store's filter for a device list query, each parameter checked.
 fn device_filter(query: DeviceListQuery) -> Result<(DeviceFilter, i64), ApiError> {
-    if let Some(status) = &query.status {
-        if DeviceStatus::parse(status).is_none() {
+    let status = match query.status.as_deref().map(DeviceStatus::parse) {
+        None => None,
+        Some(Some(status)) => Some(status),
+        Some(None) => {
             return Err(ApiError::bad_request(
                 "invalid_status",
                 format!(
                     "status must be one of {:?}",
                     DeviceStatus::ALL.map(DeviceStatus::as_str)
                 ),
-            ));
+            ))
         }
-    }
+    };
     if let Some(after) = &query.after {
         input::check_query_text("after", after)?;
     }
@@ -360,17 +362,19 @@ fn device_filter(query: DeviceListQuery) -> Result<(DeviceFilter, i64), ApiError
         },
     };
     let limit = page_limit(query.limit)?;
-    if let Some(health) = &query.health {
-        if idem_protocol::Health::parse(health).is_none() {
+    let health = match query.health.as_deref().map(idem_protocol::Health::parse) {
+        None => None,
+        Some(Some(health)) => Some(health),
+        Some(None) => {
             return Err(ApiError::bad_request(
                 "invalid_health",
                 "health must be healthy, degraded or unhealthy",
-            ));
+            ))
         }
-    }
+    };
     let filter = DeviceFilter {
-        status: query.status,
-        health: query.health,
+        status,
+        health,
         labels,
         after: query.after,
         limit: limit.min(LIST_CHUNK),
@@ -416,20 +420,20 @@ pub(super) async fn list_devices(
 /// A stored device as the API shows it.
 pub(super) fn device_view(row: DeviceRow) -> DeviceView {
     let desired = row.desired_spec.map(|spec| DesiredView {
-        generation: row.desired_generation,
+        generation: generation(row.desired_generation),
         spec,
         digest: row.desired_digest.clone(),
         updated_at: row.desired_at,
     });
     let reported = row.reported_spec.map(|spec| ReportedView {
-        seq: row.reported_seq,
-        generation: row.reported_generation,
+        seq: row.reported_seq.map(to_u64),
+        generation: row.reported_generation.map(generation),
         spec,
         digest: row.reported_digest.clone(),
         health: row.reported_health,
         error: match (row.reported_error_generation, row.reported_error) {
-            (Some(generation), Some(message)) => Some(ReportedError {
-                generation,
+            (Some(refused), Some(message)) => Some(ReportedError {
+                generation: generation(refused),
                 message,
             }),
             _ => None,
@@ -453,7 +457,7 @@ pub(super) fn device_view(row: DeviceRow) -> DeviceView {
         desired,
         reported,
         in_sync,
-        attempts: row.attempts,
+        attempts: u32::try_from(row.attempts).unwrap_or(0),
         next_attempt_at: row.next_attempt_at,
         last_error: row.last_error,
         last_outcome,
@@ -465,8 +469,8 @@ pub(super) fn device_view(row: DeviceRow) -> DeviceView {
 fn attempt(row: HistoryRow) -> Attempt {
     Attempt {
         run_id: row.run_id,
-        attempt: row.attempt,
-        generation: row.generation,
+        attempt: u32::try_from(row.attempt).unwrap_or(0),
+        generation: row.generation.map(generation),
         result: row.result,
         reason: row.reason,
         at: row.at,

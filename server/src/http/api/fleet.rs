@@ -12,6 +12,7 @@ use idem_protocol::DeviceStatus;
 use crate::app::state::AppState;
 use crate::http::error::ApiError;
 use crate::store;
+use crate::store::to_u64;
 
 /// `GET /v1/fleet`.
 #[utoipa::path(get, path = "/v1/fleet", tag = "fleet",
@@ -20,18 +21,19 @@ pub(super) async fn fleet_summary(
     State(state): State<Arc<AppState>>,
 ) -> Result<Json<FleetSummary>, ApiError> {
     let counts = store::devices::count_by_status(&state.pool).await?;
-    let mut by_status: BTreeMap<String, i64> = DeviceStatus::ALL
+    let mut by_status: BTreeMap<String, u64> = DeviceStatus::ALL
         .iter()
         .map(|s| (s.as_str().to_owned(), 0))
         .collect();
     let mut devices = 0;
-    for (status, n) in &counts {
+    for &(status, n) in &counts {
+        let n = to_u64(n);
         if let Some(slot) = by_status.get_mut(status.as_str()) {
-            *slot = *n;
+            *slot = n;
         }
         devices += n;
     }
-    let unhealthy_converged = store::devices::count_unhealthy_converged(&state.pool).await?;
+    let unhealthy_converged = to_u64(store::devices::count_unhealthy_converged(&state.pool).await?);
     let stats = &state.engine_stats;
     Ok(Json(FleetSummary {
         devices,

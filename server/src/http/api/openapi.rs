@@ -126,4 +126,53 @@ mod tests {
             "routes missing from the document: {missing:?}"
         );
     }
+
+    #[test]
+    fn the_vocabulary_enums_are_described_with_their_names() {
+        let json = serde_json::to_value(document()).unwrap();
+        let schemas = &json["components"]["schemas"];
+        let names = |schema: &str| -> Vec<String> {
+            let values = schemas[schema]["enum"].as_array();
+            values
+                .unwrap_or_else(|| panic!("{schema} is an enum: {}", schemas[schema]))
+                .iter()
+                .map(|v| v.as_str().unwrap().to_owned())
+                .collect()
+        };
+        let words = |all: Vec<&str>| -> Vec<String> { all.into_iter().map(String::from).collect() };
+        use idem_protocol::{DeviceStatus, Health, OutcomeKind, RunState, Trigger};
+        assert_eq!(
+            names("DeviceStatus"),
+            words(DeviceStatus::ALL.map(DeviceStatus::as_str).to_vec())
+        );
+        assert_eq!(
+            names("Health"),
+            words(Health::ALL.map(Health::as_str).to_vec())
+        );
+        assert_eq!(
+            names("OutcomeKind"),
+            words(OutcomeKind::ALL.map(OutcomeKind::as_str).to_vec())
+        );
+        assert_eq!(
+            names("RunState"),
+            words(RunState::ALL.map(RunState::as_str).to_vec())
+        );
+        assert_eq!(
+            names("Trigger"),
+            words(Trigger::ALL.map(Trigger::as_str).to_vec())
+        );
+        assert_eq!(
+            schemas["DeviceView"]["properties"]["status"]["$ref"],
+            "#/components/schemas/DeviceStatus"
+        );
+        assert_eq!(
+            schemas["RunView"]["properties"]["state"]["$ref"],
+            "#/components/schemas/RunState"
+        );
+        assert_eq!(
+            schemas["Generation"]["type"], "integer",
+            "{}",
+            schemas["Generation"]
+        );
+    }
 }

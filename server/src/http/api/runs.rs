@@ -23,8 +23,8 @@ use crate::engine::new_run::{NewRun, Trigger};
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::{ApiError, ApiJson};
 use crate::http::input;
-use crate::store;
 use crate::store::runs::{RunRow, TargetRow};
+use crate::store::{self, generation};
 
 /// `POST /v1/runs`: re-checks the targeted devices without a change. A
 /// re-check over exactly the targets (and force) of a manual run still in
@@ -177,7 +177,7 @@ fn run_view(row: RunRow) -> RunView {
         counts,
         duration_ms: row
             .finished_at
-            .map(|f| (f - row.started_at).num_milliseconds()),
+            .map(|f| u64::try_from((f - row.started_at).num_milliseconds()).unwrap_or(0)),
         trigger: row.trigger,
         state: row.state,
         force: row.force,
@@ -201,27 +201,23 @@ pub(super) async fn run_outcomes(
     if let Some(after) = &query.after {
         input::check_query_text("after", after)?;
     }
-    if let Some(o) = &query.outcome {
-        if OutcomeKind::parse(o).is_none() {
+    let outcome = match query.outcome.as_deref().map(OutcomeKind::parse) {
+        None => None,
+        Some(Some(kind)) => Some(kind),
+        Some(None) => {
             let names: Vec<&str> = OutcomeKind::ALL.iter().map(|k| k.as_str()).collect();
             return Err(ApiError::bad_request(
                 "invalid_outcome",
                 format!("outcome must be one of {names:?}"),
             ));
         }
-    }
+    };
     if store::runs::get(&state.pool, id).await?.is_none() {
         return Err(unknown_run(id));
     }
     let limit = page_limit(query.limit)?;
-    let rows = store::runs::outcomes(
-        &state.pool,
-        id,
-        query.outcome.as_deref(),
-        query.after.as_deref(),
-        limit,
-    )
-    .await?;
+    let rows =
+        store::runs::outcomes(&state.pool, id, outcome, query.after.as_deref(), limit).await?;
     let next_after = (rows.len() as i64 == limit)
         .then(|| rows.last().map(|r| r.device_id.clone()))
         .flatten();
@@ -232,14 +228,13 @@ pub(super) async fn run_outcomes(
     }))
 }
 
-/// A stored outcome row; the store holds only `OutcomeKind` names (or
-/// nothing, while undecided).
+/// A stored outcome row (no outcome while undecided).
 fn outcome_row(row: TargetRow) -> OutcomeRow {
     OutcomeRow {
-        outcome: row.outcome.as_deref().and_then(OutcomeKind::parse),
+        outcome: row.outcome,
         device_id: row.device_id,
         reason: row.reason,
-        generation: row.generation,
+        generation: row.generation.map(generation),
         health: row.health,
         decided_at: row.decided_at,
     }

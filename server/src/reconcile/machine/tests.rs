@@ -672,7 +672,7 @@ fn a_run_larger_than_one_write_is_started_in_slices() {
 #[test]
 fn a_resumed_run_with_every_target_decided_completes_at_once() {
     let mut world = World::new(settings());
-    let run = RunSpec::resumed(Uuid::now_v7(), "manual", false, 5, Vec::new());
+    let run = RunSpec::resumed(Uuid::now_v7(), Trigger::Manual, false, 5, Vec::new());
     world.command(EngineCommand::StartRun(run.clone()));
     world.settle();
     assert!(world.is_completed(run.id));

@@ -115,7 +115,7 @@ pub struct Measured {
     pub write_floor: Duration,
     pub normal_wall: Duration,
     /// The normal run's duration as the server measured it.
-    pub normal_server_ms: i64,
+    pub normal_server_ms: u64,
     pub forced_wall: Duration,
     pub normal_pushes: f64,
     pub forced_pushes: f64,
