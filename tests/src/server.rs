@@ -88,6 +88,8 @@ pub struct ServerSettings {
     pub mqtt_keep_alive: Duration,
     /// `--mqtt-intake-buffer-bytes`.
     pub mqtt_intake_buffer_bytes: usize,
+    /// `--mqtt-events-qos`.
+    pub mqtt_events_qos: u8,
     /// `--ready-max-intake-age`.
     pub ready_max_intake_age: Duration,
     /// `--recheck-after-stall`.
@@ -138,6 +140,7 @@ impl Default for ServerSettings {
             broker_accounts_file: None,
             mqtt_keep_alive: server.mqtt_keep_alive,
             mqtt_intake_buffer_bytes: server.mqtt_intake_buffer_bytes,
+            mqtt_events_qos: server.mqtt_events_qos,
             ready_max_intake_age: server.ready_max_intake_age,
             recheck_after_stall: server.recheck_after_stall,
             recheck_rate: server.recheck_rate,
@@ -195,6 +198,7 @@ impl TestServer {
         config.broker_accounts_file = settings.broker_accounts_file;
         config.mqtt_keep_alive = settings.mqtt_keep_alive;
         config.mqtt_intake_buffer_bytes = settings.mqtt_intake_buffer_bytes;
+        config.mqtt_events_qos = settings.mqtt_events_qos;
         config.ready_max_intake_age = settings.ready_max_intake_age;
         config.recheck_after_stall = settings.recheck_after_stall;
         config.recheck_rate = settings.recheck_rate;
