@@ -89,6 +89,8 @@ pub struct ServerSettings {
     pub mqtt_keep_alive: Duration,
     /// `--mqtt-intake-buffer-bytes`.
     pub mqtt_intake_buffer_bytes: usize,
+    /// `--mqtt-events-qos`.
+    pub mqtt_events_qos: u8,
     /// `--ready-max-intake-age`.
     pub ready_max_intake_age: Duration,
     /// `--recheck-after-stall`.
@@ -139,6 +141,7 @@ impl Default for ServerSettings {
             broker_accounts_file: None,
             mqtt_keep_alive: server.mqtt.mqtt_keep_alive,
             mqtt_intake_buffer_bytes: server.mqtt.mqtt_intake_buffer_bytes,
+            mqtt_events_qos: server.events.mqtt_events_qos,
             ready_max_intake_age: server.readiness.ready_max_intake_age,
             recheck_after_stall: server.engine.recheck_after_stall,
             recheck_rate: server.engine.recheck_rate.map_or(0, NonZeroU32::get),
@@ -196,6 +199,7 @@ impl TestServer {
         config.security.broker_accounts_file = settings.broker_accounts_file;
         config.mqtt.mqtt_keep_alive = settings.mqtt_keep_alive;
         config.mqtt.mqtt_intake_buffer_bytes = settings.mqtt_intake_buffer_bytes;
+        config.events.mqtt_events_qos = settings.mqtt_events_qos;
         config.readiness.ready_max_intake_age = settings.ready_max_intake_age;
         config.engine.recheck_after_stall = settings.recheck_after_stall;
         config.engine.recheck_rate = NonZeroU32::new(settings.recheck_rate);

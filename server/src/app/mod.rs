@@ -33,6 +33,14 @@ const ENGINE_CAPACITY: usize = 1_024;
 const RUN_REQUESTS_CAPACITY: usize = 256;
 /// Live events buffered per SSE subscriber before it must catch up from the log.
 const LIVE_EVENTS_CAPACITY: usize = 16_384;
+/// How long each of the last two shutdown steps may take: the event relay
+/// passing on what was committed, then MQTT writing what was handed to it
+/// and the broker closing the connection on our DISCONNECT. A step still
+/// running then (the broker unreachable, say) is cut short: the relay's
+/// cursor brings what it had not relayed at the next start, the broker's
+/// persistent session redelivers unacknowledged reports, unfinished runs
+/// resume; event publishes not written are lost to MQTT subscribers only.
+pub const SHUTDOWN_FLUSH_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -125,7 +133,6 @@ fn shared_state(
         config.fleet.topic_root.clone(),
         config.fleet.budget,
         metrics.clone(),
-        token.child_token(),
     );
     let dynsec = match config.security.broker_accounts {
         crate::config::BrokerAccounts::Dynsec => {
@@ -302,24 +309,47 @@ impl Workers {
         }
     }
 
-    /// Stops in order: intake first, then the engine writes what it holds,
-    /// the relay passes on what was committed, and MQTT disconnects last.
-    async fn stop(self, publisher: &Publisher) {
+    /// Stops in order, each step once the one before has ended: intake
+    /// first, then the engine writes what it holds, the relay passes on
+    /// what was committed, and MQTT sends what it was handed, then
+    /// disconnects. The last two are bounded by [`SHUTDOWN_FLUSH_LIMIT`].
+    async fn stop(mut self, publisher: &Publisher) {
         self.intake_token.cancel();
         for task in self.intake {
             let _ = task.await;
         }
+        // The ingest is gone: every report it stored has its ack queued.
         self.engine_token.cancel();
         let _ = self.engine.await;
-        // Let the relay pass on what the engine's last write committed.
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        // Nothing of this process writes events any more: the relay relays
+        // what is committed and ends.
         self.relay_token.cancel();
-        let _ = self.relay.await;
-        publisher.disconnect().await;
-        // Give the event loop a moment to send DISCONNECT before it stops.
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        self.mqtt_token.cancel();
-        let _ = self.mqtt.await;
+        if tokio::time::timeout(SHUTDOWN_FLUSH_LIMIT, &mut self.relay)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the event relay had not caught up {SHUTDOWN_FLUSH_LIMIT:?} into the shutdown; \
+                 it relays the rest at the next start"
+            );
+            self.relay.abort();
+            let _ = (&mut self.relay).await;
+        }
+        // The outbox hands over what waits, DISCONNECT is queued behind it,
+        // and the event loop ends once the broker closed the connection.
+        let disconnected = tokio::time::timeout(SHUTDOWN_FLUSH_LIMIT, async {
+            publisher.disconnect().await;
+            let _ = (&mut self.mqtt).await;
+        })
+        .await;
+        if disconnected.is_err() {
+            tracing::warn!(
+                "the MQTT connection had not closed {SHUTDOWN_FLUSH_LIMIT:?} after the shutdown's \
+                 DISCONNECT; stopping it with what it has not sent"
+            );
+            self.mqtt_token.cancel();
+            let _ = self.mqtt.await;
+        }
     }
 }
 

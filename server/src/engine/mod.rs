@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use idem_protocol::DeviceId;
+use idem_protocol::{Backoff, DeviceId};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -21,7 +21,6 @@ use uuid::Uuid;
 use crate::events::{self, EventDraft};
 use crate::mqtt::Publisher;
 use crate::ops::metrics::Metrics;
-use crate::ops::retry::Backoff;
 use crate::reconcile::machine::{Effect, Machine, Now, PublishReason, Record};
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::run::Trigger;

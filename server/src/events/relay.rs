@@ -3,7 +3,10 @@
 //! relayed events past the retention limits.
 //!
 //! Reads only what is committed, so nothing is emitted that was not. Its
-//! cursor is persisted, so a restart neither skips nor republishes.
+//! cursor is persisted after each batch, so a restart neither skips nor
+//! republishes (but for the part of a batch a crash, or a shutdown past its
+//! limit, cut short). Cancelled at shutdown, once every writer of this
+//! process has stopped, it first relays what is committed by then.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,9 +71,28 @@ impl EventRelay {
                 self.prune(cursor).await;
             }
             tokio::select! {
-                () = token.cancelled() => return,
+                () = token.cancelled() => break,
                 () = self.wake.notified() => {}
                 () = tokio::time::sleep(POLL_INTERVAL) => {}
+            }
+        }
+        self.catch_up(cursor).await;
+    }
+
+    /// Relays batch after batch until none is left, or until a read fails
+    /// (the rest then goes out at the next start, from the cursor).
+    async fn catch_up(&self, mut cursor: i64) {
+        loop {
+            match self.relay_batch(cursor).await {
+                Ok(Some(next)) => cursor = next,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "the event relay stops before it caught up; it relays the rest at the next start"
+                    );
+                    return;
+                }
             }
         }
     }

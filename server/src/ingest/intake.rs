@@ -49,9 +49,13 @@ struct Shared {
     queue: Mutex<Queue>,
     /// Wakes the consumer when a message arrives or the producer leaves.
     arrived: Notify,
-    /// Wakes the producer when the queue fell below half its budget.
+    /// Wakes the producer when the queue fell below half its budget or the
+    /// consumer left.
     drained: Notify,
+    /// The producer left.
     closed: AtomicBool,
+    /// The consumer left (shutdown): nothing will drain the queue again.
+    consumer_gone: AtomicBool,
     budget_bytes: usize,
 }
 
@@ -87,6 +91,7 @@ pub fn intake(budget_bytes: usize) -> (IntakeSender, IntakeReceiver, IntakeGauge
         arrived: Notify::new(),
         drained: Notify::new(),
         closed: AtomicBool::new(false),
+        consumer_gone: AtomicBool::new(false),
         budget_bytes: budget_bytes.max(1),
     });
     (
@@ -124,11 +129,15 @@ impl IntakeSender {
         within
     }
 
-    /// Waits until the queue holds at most half its budget.
+    /// Waits until the queue holds at most half its budget, or until the
+    /// ingest is gone (shutdown): then waiting would only stop the event
+    /// loop from sending what the server still has to send.
     pub async fn wait_for_room(&self) {
         loop {
             let drained = self.shared.drained.notified();
-            if self.shared.lock().bytes <= self.shared.budget_bytes / 2 {
+            if self.shared.consumer_gone.load(Ordering::Acquire)
+                || self.shared.lock().bytes <= self.shared.budget_bytes / 2
+            {
                 return;
             }
             drained.await;
@@ -140,6 +149,13 @@ impl Drop for IntakeSender {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.arrived.notify_one();
+    }
+}
+
+impl Drop for IntakeReceiver {
+    fn drop(&mut self) {
+        self.shared.consumer_gone.store(true, Ordering::Release);
+        self.shared.drained.notify_one();
     }
 }
 
@@ -236,5 +252,19 @@ mod tests {
             .unwrap();
         drop(tx);
         assert_eq!(rx.recv_many(&mut got, 10).await, 0, "closed and empty");
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_stops_holding_the_event_loop_once_the_ingest_is_gone() {
+        let (tx, rx, _gauge) = intake(1_000);
+        assert!(!tx.push(message(2_000)), "over the budget");
+        let waiting = tokio::spawn(async move { tx.wait_for_room().await });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "the ingest may still drain it");
+        drop(rx);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the event loop still waits for an ingest that is gone")
+            .unwrap();
     }
 }

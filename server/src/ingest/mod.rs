@@ -18,7 +18,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use idem_protocol::limits::seq_ceiling;
 use idem_protocol::{
-    Channel, DeviceId, Health, Reported, SpecBudget, SpecDigest, Status, TopicRoot,
+    Backoff, Channel, DeviceId, Health, Reported, SpecBudget, SpecDigest, Status, TopicRoot,
 };
 use sqlx::PgPool;
 use tokio::sync::mpsc;
@@ -27,7 +27,6 @@ use tokio_util::sync::CancellationToken;
 use crate::engine::EngineCommand;
 use crate::mqtt::{Publisher, Received};
 use crate::ops::metrics::{Metrics, ReportResult};
-use crate::ops::retry::Backoff;
 use crate::ops::stall::Stall;
 use crate::reconcile::decide::ReportedState;
 use crate::store::cache::{Fleet, FleetChange};

@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_protocol::{Channel, DeviceId, SpecBudget, TopicRoot, GET_PAYLOAD};
+use idem_protocol::{Backoff, Channel, DeviceId, SpecBudget, TopicRoot, GET_PAYLOAD};
 use rumqttc::{
-    AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, Packet, Publish, QoS,
+    AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, Outgoing, Packet, Publish, QoS,
     SubscribeFilter, TlsConfiguration, Transport,
 };
 use serde::Serialize;
@@ -34,7 +34,6 @@ use crate::engine::recheck::{RecheckSignal, RecheckTrigger};
 use crate::ingest::intake::IntakeSender;
 use crate::mqtt::outbox::Outbox;
 use crate::ops::metrics::Metrics;
-use crate::ops::retry::Backoff;
 
 /// Requests the client may queue before `publish` waits for the event loop.
 const REQUEST_CHANNEL_CAPACITY: usize = 10_000;
@@ -106,7 +105,7 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
     AsyncClient::new(options, REQUEST_CHANNEL_CAPACITY)
 }
 
-/// Polls the event loop until cancelled, forwarding every inbound publish.
+/// Marks the connection up (and counts a reconnect).
 fn mark_connected(status: &MqttStatus, metrics: &Metrics, reconnect: bool) {
     status.connected.store(true, Ordering::Release);
     metrics.mqtt_connected.set(1.0);
@@ -195,6 +194,11 @@ pub trait ControlResponses: Send + Sync {
     fn on_response(&self, payload: &[u8]);
 }
 
+/// Polls the event loop, forwarding every inbound publish, until `token`
+/// is cancelled or, after [`Publisher::disconnect`], the broker closed the
+/// connection on the DISCONNECT it was sent: MQTT has the broker close the
+/// connection once it has read DISCONNECT, which it reads after everything
+/// the server wrote before it.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_event_loop(
     mut eventloop: EventLoop,
@@ -233,6 +237,8 @@ pub async fn run_event_loop(
     let intake_budget = intake.budget_bytes();
     let mut backoff = Backoff::store_and_broker();
     let mut failures = ConnectFailures::default();
+    // DISCONNECT was written: the next error is the broker closing.
+    let mut disconnected = false;
     loop {
         let event = tokio::select! {
             () = token.cancelled() => break,
@@ -314,7 +320,15 @@ pub async fn run_event_loop(
             Ok(Event::Incoming(Packet::SubAck(_))) => {
                 status.subscribed.store(true, Ordering::Release);
             }
+            Ok(Event::Outgoing(Outgoing::Disconnect)) => {
+                tracing::debug!("DISCONNECT sent; waiting for the broker to close the connection");
+                disconnected = true;
+            }
             Ok(Event::Incoming(_) | Event::Outgoing(_)) => {}
+            Err(e) if disconnected => {
+                tracing::debug!(error = %e, "the broker closed the connection after DISCONNECT");
+                break;
+            }
             Err(e) => {
                 if ever_connected && lost_at.is_none() {
                     lost_at = Some(tokio::time::Instant::now());
@@ -441,16 +455,16 @@ struct DesiredMessage<'a> {
 }
 
 impl Publisher {
-    /// The publisher of `client`; its outbox drains until `token` ends.
+    /// The publisher of `client`; its outbox drains until
+    /// [`Publisher::disconnect`].
     pub fn new(
         client: AsyncClient,
         root: TopicRoot,
         budget: SpecBudget,
         metrics: Arc<Metrics>,
-        token: CancellationToken,
     ) -> Self {
         Self {
-            outbox: Outbox::start(client.clone(), token),
+            outbox: Outbox::start(client.clone()),
             client,
             root,
             budget,
@@ -550,9 +564,16 @@ impl Publisher {
         &self.root
     }
 
-    /// Disconnects cleanly (shutdown).
+    /// Shutdown, once nothing sends any more: hands every send still
+    /// waiting in the outbox to the client, then queues DISCONNECT behind
+    /// them. The event loop ends once the broker has closed the connection
+    /// on it (see [`run_event_loop`]), so everything sent before has been
+    /// written by then.
     pub async fn disconnect(&self) {
-        let _ = self.client.disconnect().await;
+        self.outbox.close().await;
+        if let Err(e) = self.client.disconnect().await {
+            tracing::warn!(error = %e, "could not queue the MQTT DISCONNECT");
+        }
     }
 }
 

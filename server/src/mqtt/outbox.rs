@@ -9,13 +9,18 @@
 //! waiter on the client's channel is woken and re-scanned on every free
 //! slot, so thousands of waiters cost time quadratic in their number
 //! (measured: half the server's CPU during a 100,000-report burst).
+//!
+//! At shutdown [`Outbox::close`] waits until the task has handed over
+//! everything that waits and ended, so a DISCONNECT queued after it follows
+//! every send.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use rumqttc::{AsyncClient, ClientError, Publish, QoS, Request};
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
+use tokio::task::JoinHandle;
 
 /// A request that found the client's channel full.
 #[derive(Debug, Clone)]
@@ -24,25 +29,41 @@ enum Pending {
     Ack(Publish),
 }
 
+/// What waits, and whether the task that hands it over has ended.
+#[derive(Debug, Default)]
+struct Queue {
+    /// In send order; the head stays until the client took it, so nothing
+    /// sent later overtakes it.
+    items: VecDeque<Pending>,
+    /// Set by the task, under this lock, as it ends: nothing queued after
+    /// that would ever be handed over.
+    ended: bool,
+}
+
 /// See the module documentation. Shared by every clone of the publisher.
 #[derive(Debug)]
 pub struct Outbox {
     client: AsyncClient,
-    /// In send order; the head stays until the client took it, so nothing
-    /// sent later overtakes it.
-    waiting: Mutex<VecDeque<Pending>>,
+    waiting: Mutex<Queue>,
     wake: Notify,
+    /// Set by [`Outbox::close`]: the task ends once nothing waits.
+    closing: AtomicBool,
+    /// The task, until [`Outbox::close`] waits for it.
+    task: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Outbox {
-    /// The outbox of `client` and its draining task, which ends with `token`.
-    pub fn start(client: AsyncClient, token: CancellationToken) -> Arc<Self> {
+    /// The outbox of `client` and its task, which runs until [`Outbox::close`].
+    pub fn start(client: AsyncClient) -> Arc<Self> {
         let outbox = Arc::new(Self {
             client,
-            waiting: Mutex::new(VecDeque::new()),
+            waiting: Mutex::new(Queue::default()),
             wake: Notify::new(),
+            closing: AtomicBool::new(false),
+            task: Mutex::new(None),
         });
-        tokio::spawn(Arc::clone(&outbox).drain(token));
+        let task = tokio::spawn(Arc::clone(&outbox).drain());
+        *outbox.task.lock().unwrap_or_else(PoisonError::into_inner) = Some(task);
         outbox
     }
 
@@ -56,8 +77,8 @@ impl Outbox {
         payload: Vec<u8>,
         what: &'static str,
     ) {
-        let mut waiting = self.lock();
-        let publish = if waiting.is_empty() {
+        let waiting = self.lock();
+        let publish = if waiting.items.is_empty() {
             match self.client.try_publish(topic, qos, retain, payload) {
                 Ok(()) => return,
                 // The channel is full: the client hands the publish back.
@@ -72,15 +93,13 @@ impl Outbox {
             publish.retain = retain;
             publish
         };
-        waiting.push_back(Pending::Publish(publish));
-        drop(waiting);
-        self.wake.notify_one();
+        self.enqueue(waiting, Pending::Publish(publish), what);
     }
 
     /// Acknowledges an inbound QoS 1 publish without waiting.
     pub fn ack(&self, publish: &Publish) {
-        let mut waiting = self.lock();
-        if waiting.is_empty() {
+        let waiting = self.lock();
+        if waiting.items.is_empty() {
             match self.client.try_ack(publish) {
                 Ok(()) => return,
                 Err(ClientError::TryRequest(_)) => {}
@@ -90,38 +109,72 @@ impl Outbox {
                 }
             }
         }
-        waiting.push_back(Pending::Ack(publish.clone()));
-        drop(waiting);
-        self.wake.notify_one();
+        self.enqueue(waiting, Pending::Ack(publish.clone()), "ack");
     }
 
     /// Requests waiting for room in the client's channel.
     #[cfg(test)]
     pub fn backlog(&self) -> usize {
-        self.lock().len()
+        self.lock().items.len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pending>> {
+    /// Shutdown: lets the task hand every waiting request to the client,
+    /// oldest first, and returns once it has and the task ended. A send
+    /// after that which finds the channel full is dropped (and logged).
+    pub async fn close(&self) {
+        self.closing.store(true, Ordering::Release);
+        self.wake.notify_one();
+        let task = self
+            .task
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(task) = task {
+            if let Err(e) = task.await {
+                tracing::warn!(error = %e, "the MQTT outbox's task failed");
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Queue> {
         // A panic while holding the lock leaves a consistent queue.
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Queues a request that found the channel full (or others waiting).
+    fn enqueue(&self, mut waiting: MutexGuard<'_, Queue>, pending: Pending, what: &'static str) {
+        if waiting.ended {
+            drop(waiting);
+            tracing::warn!(
+                what,
+                "the MQTT client's channel is full after shutdown began; not sent"
+            );
+            return;
+        }
+        waiting.items.push_back(pending);
+        drop(waiting);
+        self.wake.notify_one();
+    }
+
     /// Hands waiting requests to the client, oldest first, each once the
-    /// channel has room.
-    async fn drain(self: Arc<Self>, token: CancellationToken) {
+    /// channel has room; ends once closing and nothing waits.
+    async fn drain(self: Arc<Self>) {
         loop {
-            let head = self.lock().front().cloned();
-            let Some(head) = head else {
-                tokio::select! {
-                    () = token.cancelled() => return,
-                    () = self.wake.notified() => continue,
+            let head = {
+                let mut waiting = self.lock();
+                let head = waiting.items.front().cloned();
+                if head.is_none() && self.closing.load(Ordering::Acquire) {
+                    waiting.ended = true;
+                    return;
                 }
+                head
             };
-            let sent = tokio::select! {
-                () = token.cancelled() => return,
-                sent = self.send(head) => sent,
+            let Some(head) = head else {
+                self.wake.notified().await;
+                continue;
             };
-            self.lock().pop_front();
+            let sent = self.send(head).await;
+            self.lock().items.pop_front();
             if let Err(e) = sent {
                 tracing::warn!(error = %e, "could not hand a waiting request to the MQTT client");
             }
@@ -145,7 +198,6 @@ mod tests {
     use std::time::Duration;
 
     use rumqttc::{AsyncClient, Publish, QoS, Request};
-    use tokio_util::sync::CancellationToken;
 
     use super::Outbox;
 
@@ -183,8 +235,7 @@ mod tests {
     async fn sends_beyond_a_full_channel_wait_and_reach_the_client_in_send_order() {
         // A channel of two, drained only after everything was sent.
         let (tx, rx) = flume::bounded(2);
-        let token = CancellationToken::new();
-        let outbox = Outbox::start(AsyncClient::from_senders(tx), token.clone());
+        let outbox = Outbox::start(AsyncClient::from_senders(tx));
         let mut expected = Vec::new();
         for i in 0..6u16 {
             let topic = format!("r/d{i}/desired");
@@ -196,33 +247,63 @@ mod tests {
         assert_eq!(outbox.backlog(), 10, "two fit in the channel, ten wait");
         assert_eq!(received(&rx, expected.len()).await, expected);
         assert_eq!(outbox.backlog(), 0);
-        token.cancel();
     }
 
     #[tokio::test]
     async fn a_send_after_the_queue_emptied_goes_straight_to_the_client() {
         let (tx, rx) = flume::bounded(1);
-        let token = CancellationToken::new();
-        let outbox = Outbox::start(AsyncClient::from_senders(tx), token.clone());
+        let outbox = Outbox::start(AsyncClient::from_senders(tx));
         outbox.ack(&inbound(1));
         assert_eq!(outbox.backlog(), 0);
         assert_eq!(describe(&rx.recv_async().await.unwrap()), "ack 1");
         outbox.ack(&inbound(2));
         assert_eq!(outbox.backlog(), 0);
-        token.cancel();
     }
 
     #[tokio::test]
     async fn a_send_while_others_wait_never_overtakes_them_even_when_the_channel_has_room() {
         let (tx, rx) = flume::bounded(1);
-        let token = CancellationToken::new();
-        let outbox = Outbox::start(AsyncClient::from_senders(tx), token.clone());
+        let outbox = Outbox::start(AsyncClient::from_senders(tx));
         outbox.ack(&inbound(1));
         outbox.ack(&inbound(2));
         // A slot frees up before the outbox's task had a chance to run.
         assert_eq!(describe(&rx.try_recv().unwrap()), "ack 1");
         outbox.ack(&inbound(3));
         assert_eq!(received(&rx, 2).await, ["ack 2", "ack 3"]);
-        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn closing_hands_every_waiting_send_to_the_client_before_it_returns() {
+        let (tx, rx) = flume::bounded(1);
+        let outbox = Outbox::start(AsyncClient::from_senders(tx));
+        for pkid in 1..=4 {
+            outbox.ack(&inbound(pkid));
+        }
+        assert_eq!(outbox.backlog(), 3, "one fits in the channel, three wait");
+        let closing = tokio::spawn({
+            let outbox = outbox.clone();
+            async move { outbox.close().await }
+        });
+        assert_eq!(received(&rx, 3).await, ["ack 1", "ack 2", "ack 3"]);
+        tokio::time::timeout(Duration::from_secs(5), closing)
+            .await
+            .expect("close never returned")
+            .unwrap();
+        let last = rx
+            .try_recv()
+            .expect("close returned before the last waiting ack reached the client");
+        assert_eq!(describe(&last), "ack 4");
+        assert_eq!(outbox.backlog(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_send_after_closing_that_finds_the_channel_full_is_dropped_not_left_waiting() {
+        let (tx, rx) = flume::bounded(1);
+        let outbox = Outbox::start(AsyncClient::from_senders(tx));
+        outbox.close().await;
+        outbox.ack(&inbound(1));
+        outbox.ack(&inbound(2));
+        assert_eq!(outbox.backlog(), 0, "nothing would ever hand it over");
+        assert_eq!(describe(&rx.try_recv().unwrap()), "ack 1");
     }
 }

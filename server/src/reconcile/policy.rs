@@ -9,7 +9,7 @@ pub use idem_protocol::DeviceStatus;
 
 use std::collections::HashMap;
 
-use idem_protocol::{DeviceId, Health, SpecDigest};
+use idem_protocol::{Backoff, DeviceId, Health, SpecDigest};
 
 use super::decide::{decide, Actual, Attempt, Decision, Desired};
 use super::outcome::{Outcome, SkipReason};
@@ -156,15 +156,16 @@ pub enum AfterFailure {
 }
 
 impl RetryPolicy {
-    /// Capped exponential backoff, `base · 2^(failures-1)` up to `cap`, scaled
-    /// by `jitter` in `[0.5, 1.0]` (full range kept as given, clamped).
+    /// Quarantine at `max_attempts` failures; before that, the workspace's
+    /// one backoff ([`Backoff`]): `base · 2^(failures-1)` up to `cap`, scaled
+    /// by `jitter`, clamped into [`Backoff::JITTER_FACTORS`] (50 % to 100 %).
     pub fn after_failure(&self, failures: u32, jitter: f64) -> AfterFailure {
         if failures >= self.max_attempts {
             return AfterFailure::Quarantine;
         }
-        let exponent = failures.saturating_sub(1).min(30);
-        let delay = self.base.saturating_mul(1u32 << exponent).min(self.cap);
-        AfterFailure::RetryAfter(delay.mul_f64(jitter.clamp(0.5, 1.0)))
+        AfterFailure::RetryAfter(
+            Backoff::new(self.base, self.cap).jittered_delay_after(failures, jitter),
+        )
     }
 }
 

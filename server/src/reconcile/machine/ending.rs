@@ -2,7 +2,7 @@
 //! outcome row and event per waiting run, the device's merged change, and
 //! run completion.
 
-use idem_protocol::DeviceId;
+use idem_protocol::{Backoff, DeviceId};
 use rand::Rng;
 use uuid::Uuid;
 
@@ -41,7 +41,7 @@ impl Machine {
         };
         match &outcome {
             Outcome::Failed(reason) => {
-                let jitter = self.rng.random_range(0.5..=1.0);
+                let jitter = self.rng.random_range(Backoff::JITTER_FACTORS);
                 let after = self.settings.retry.after_failure(attempt, jitter);
                 self.record
                     .attempts
