@@ -5,7 +5,7 @@
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use idem_server::store::cache::Fleet;
+use idem_server::store::cache::FleetCache;
 use idem_server::store::devices::{self, Registration, ReportRow};
 use idem_server::store::events;
 use idem_server::store::DeviceWriter;
@@ -14,7 +14,7 @@ use sqlx::PgPool;
 
 /// A device writer of its own, as another server process would have.
 fn writer(pool: &PgPool) -> DeviceWriter {
-    DeviceWriter::new(pool.clone(), std::sync::Arc::new(Fleet::default()))
+    DeviceWriter::new(pool.clone(), std::sync::Arc::new(FleetCache::default()))
 }
 
 /// Returns `task` once it waits on a database lock; fails with `finished`'s

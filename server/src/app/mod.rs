@@ -23,7 +23,7 @@ use crate::ingest::Ingest;
 use crate::mqtt::{self, MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
 use crate::reconcile::run::RunSpec;
-use crate::store::cache::Fleet;
+use crate::store::cache::FleetCache;
 use crate::store::events::StoredEvent;
 use crate::store::{self, DeviceWriter, StoreError};
 
@@ -58,7 +58,9 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     store::migrate(&pool).await?;
     let rows = store::devices::load_all(&pool).await?;
-    let fleet = Arc::new(Fleet::from_entries(store::devices::cache_entries(&rows)?));
+    let fleet = Arc::new(FleetCache::from_entries(store::devices::cache_entries(
+        &rows,
+    )?));
     drop(rows);
     tracing::info!(devices = fleet.len(), "device cache loaded");
 
@@ -121,7 +123,7 @@ pub async fn run(
 fn shared_state(
     config: ValidConfig,
     pool: PgPool,
-    fleet: Arc<Fleet>,
+    fleet: Arc<FleetCache>,
     client: &rumqttc::AsyncClient,
     (engine, run_requests): (mpsc::Sender<EngineCommand>, mpsc::Sender<RunRequest>),
     intake: IntakeGauge,
@@ -378,7 +380,7 @@ async fn resume_unfinished_runs(
 async fn metrics_upkeep(
     metrics: Arc<Metrics>,
     pool: PgPool,
-    fleet: Arc<Fleet>,
+    fleet: Arc<FleetCache>,
     intake: IntakeGauge,
     token: CancellationToken,
 ) {

@@ -14,7 +14,7 @@ use crate::http::sse::SseClients;
 use crate::mqtt::{MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
 use crate::ops::stall::Stall;
-use crate::store::cache::Fleet;
+use crate::store::cache::FleetCache;
 use crate::store::events::StoredEvent;
 use crate::store::DeviceWriter;
 
@@ -22,7 +22,7 @@ use crate::store::DeviceWriter;
 pub struct AppState {
     pub pool: PgPool,
     /// The fleet cache, to read; it changes only through `writer`.
-    pub fleet: Arc<Fleet>,
+    pub fleet: Arc<FleetCache>,
     /// The one writer of device rows and of the cache.
     pub writer: Arc<DeviceWriter>,
     pub metrics: Arc<Metrics>,

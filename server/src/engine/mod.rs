@@ -24,7 +24,7 @@ use crate::ops::metrics::Metrics;
 use crate::reconcile::machine::{Effect, Machine, Now, PublishReason, Record};
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::run::Trigger;
-use crate::store::cache::{Fleet, FleetChange};
+use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::DeviceChangeRow;
 use crate::store::{self, DeviceWriter, StoreError};
 pub use new_run::CommitRunError;
@@ -45,7 +45,7 @@ pub struct EngineStats {
 
 /// What the engine works with, shared with the rest of the server.
 pub struct EngineContext {
-    pub fleet: Arc<Fleet>,
+    pub fleet: Arc<FleetCache>,
     pub metrics: Arc<Metrics>,
     pub publisher: Publisher,
     /// Woken after every commit that wrote events (the relay waits on it).

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::engine::EngineCommand;
 use crate::ops::metrics::Metrics;
 pub use crate::reconcile::machine::RecheckTrigger;
-use crate::store::cache::Fleet;
+use crate::store::cache::FleetCache;
 
 /// Rechecks start at most this often; signs meanwhile join the next one
 /// (which asks only the devices not heard from since it began).
@@ -70,7 +70,7 @@ pub struct Rechecker {
     /// For the status re-reads.
     pub client: AsyncClient,
     pub root: TopicRoot,
-    pub fleet: Arc<Fleet>,
+    pub fleet: Arc<FleetCache>,
     pub engine: mpsc::Sender<EngineCommand>,
     pub metrics: Arc<Metrics>,
     /// `--recheck-rate`: requests and status re-reads per second; `None`:

@@ -29,7 +29,7 @@ use crate::mqtt::{Publisher, Received};
 use crate::ops::metrics::{Metrics, ReportResult};
 use crate::ops::stall::Stall;
 use crate::reconcile::decide::ReportedState;
-use crate::store::cache::{Fleet, FleetChange};
+use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::ReportRow;
 use crate::store::{self, DeviceWriter, StoreError};
 
@@ -163,7 +163,7 @@ fn current_rules(budget: SpecBudget) -> IngestRules {
 
 pub struct Ingest {
     pub pool: PgPool,
-    pub fleet: Arc<Fleet>,
+    pub fleet: Arc<FleetCache>,
     pub metrics: Arc<Metrics>,
     pub publisher: Publisher,
     pub engine: mpsc::Sender<EngineCommand>,

@@ -340,7 +340,7 @@ const ASKED_TO_REPORT: Family<Counter> = Family::new(
 );
 const RECHECKS: Family<Counter> = Family::new(
     "idem_rechecks_total",
-    "Fleet rechecks started because the broker may have dropped messages, by trigger",
+    "FleetCache rechecks started because the broker may have dropped messages, by trigger",
 );
 const BROKER_DROPPED: Family<Gauge> = Family::new(
     "idem_broker_messages_dropped",

@@ -16,7 +16,7 @@ use crate::reconcile::decide::ReportedState;
 use crate::reconcile::device::FleetRead;
 pub use crate::reconcile::device::{DesiredState, DeviceEntry};
 
-/// A committed change to mirror in the cache. [`Fleet::apply`] is the only
+/// A committed change to mirror in the cache. [`FleetCache::apply`] is the only
 /// way the cache changes, always after the transaction that wrote the change
 /// has committed: the one place a cross-instance invalidation hooks into.
 #[derive(Debug, Clone)]
@@ -41,35 +41,35 @@ pub enum FleetChange {
 }
 
 /// The state machine reads the cache through the core's [`FleetRead`].
-impl FleetRead for Fleet {
+impl FleetRead for FleetCache {
     fn get(&self, id: &DeviceId) -> Option<DeviceEntry> {
-        Fleet::get(self, id)
+        FleetCache::get(self, id)
     }
 
     fn ids_with_desired_state(&self) -> Vec<DeviceId> {
-        Fleet::ids_with_desired_state(self)
+        FleetCache::ids_with_desired_state(self)
     }
 
     fn ids_with_retained_behind(&self) -> Vec<DeviceId> {
-        Fleet::ids_with_retained_behind(self)
+        FleetCache::ids_with_retained_behind(self)
     }
 
     fn ids_reported_before(&self, cutoff: DateTime<Utc>) -> Vec<DeviceId> {
-        Fleet::ids_reported_before(self, cutoff)
+        FleetCache::ids_reported_before(self, cutoff)
     }
 
     fn ids_not_offline(&self) -> Vec<DeviceId> {
-        Fleet::ids_not_offline(self)
+        FleetCache::ids_not_offline(self)
     }
 }
 
 /// Every registered device, by id.
 #[derive(Debug, Default)]
-pub struct Fleet {
+pub struct FleetCache {
     devices: DashMap<DeviceId, DeviceEntry>,
 }
 
-impl Fleet {
+impl FleetCache {
     /// The cache of the devices `store::devices::cache_entries` read.
     pub fn from_entries(entries: Vec<(DeviceId, DeviceEntry)>) -> Self {
         let devices = DashMap::with_capacity(entries.len());

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio::sync::{Mutex, MutexGuard};
 
-use super::cache::{Fleet, FleetChange};
+use super::cache::{FleetCache, FleetChange};
 use super::{Context, StoreError};
 
 /// The advisory lock key every device-writing transaction holds (any
@@ -32,12 +32,12 @@ pub const DEVICE_WRITES_LOCK: i64 = 0x6964_656d_2064_6576;
 #[derive(Debug)]
 pub struct DeviceWriter {
     pool: PgPool,
-    cache: Arc<Fleet>,
+    cache: Arc<FleetCache>,
     queue: Mutex<()>,
 }
 
 impl DeviceWriter {
-    pub fn new(pool: PgPool, cache: Arc<Fleet>) -> Self {
+    pub fn new(pool: PgPool, cache: Arc<FleetCache>) -> Self {
         Self {
             pool,
             cache,
@@ -46,7 +46,7 @@ impl DeviceWriter {
     }
 
     /// The cache this writer keeps, to read.
-    pub fn cache(&self) -> &Arc<Fleet> {
+    pub fn cache(&self) -> &Arc<FleetCache> {
         &self.cache
     }
 
@@ -72,7 +72,7 @@ impl DeviceWriter {
 /// One device-writing transaction: the only handle through which device
 /// rows change, collecting the cache changes that mirror them.
 pub struct DeviceTx<'w> {
-    cache: &'w Fleet,
+    cache: &'w FleetCache,
     /// Held until the cache mirrors the commit, so the cache sees commits
     /// in their order.
     _turn: MutexGuard<'w, ()>,
@@ -96,7 +96,7 @@ impl DeviceTx<'_> {
     }
 
     /// The cache as it stands (committed changes only), to read.
-    pub fn cache(&self) -> &Fleet {
+    pub fn cache(&self) -> &FleetCache {
         self.cache
     }
 

@@ -16,7 +16,7 @@ use crate::events::EventType;
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::policy::RetryPolicy;
-use crate::store::cache::{DesiredState, Fleet, FleetChange};
+use crate::store::cache::{DesiredState, FleetCache, FleetChange};
 
 const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -48,7 +48,7 @@ fn spec(version: u64) -> Value {
 
 /// The engine loop and the devices, around one machine.
 struct World {
-    fleet: Arc<Fleet>,
+    fleet: Arc<FleetCache>,
     machine: Machine,
     clock: Instant,
     wall: DateTime<Utc>,
@@ -70,7 +70,7 @@ struct World {
 
 impl World {
     fn new(settings: EngineSettings) -> Self {
-        let fleet = Arc::new(Fleet::default());
+        let fleet = Arc::new(FleetCache::default());
         let clock = Instant::now();
         let machine = Machine::new(settings, fleet.clone(), clock, 7);
         Self {
