@@ -105,6 +105,19 @@ async fn metric(server: &TestServer, series: &str) -> f64 {
 }
 
 /// Waits until `series` reaches `at_least`.
+/// The device as the API shows it once its stored report has `seq` (or
+/// after 10 s, for the caller's assertion to say what it holds).
+async fn device_with_seq(server: &TestServer, id: &str, seq: u64) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, device) = server.get(&format!("/v1/devices/{id}")).await.unwrap();
+        if device["reported"]["seq"] == seq || tokio::time::Instant::now() >= deadline {
+            return device;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn wait_metric(server: &TestServer, series: &str, at_least: f64) {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -707,7 +720,9 @@ async fn reports_in_unusual_shapes_are_handled_as_the_protocol_says() {
         )
         .await;
     wait_metric(server, "idem_reports_health_unknown_total", 1.0).await;
-    let (_, device) = server.get("/v1/devices/shape-00001").await.unwrap();
+    // The counter moves when the report is read, the row when its batch
+    // commits: wait for the row.
+    let device = device_with_seq(server, "shape-00001", seq).await;
     assert_eq!(device["reported"]["seq"], seq, "{device}");
     assert_eq!(device["reported"]["spec"], json!({"fw": "new"}), "{device}");
     assert_eq!(device["reported"]["health"], "unknown", "{device}");

@@ -10,6 +10,7 @@
 
 mod access;
 mod devices;
+mod error_code;
 mod runs;
 mod targeting;
 
@@ -26,6 +27,7 @@ pub use devices::{
     DeviceListQuery, DevicePage, DeviceRegistration, DeviceUpsert, DeviceView, IssuedCredential,
     LastOutcome, Registered, ReportedError, ReportedView,
 };
+pub use error_code::ErrorCode;
 pub use runs::{
     FleetSummary, OutcomePage, OutcomeQuery, OutcomeRow, PushCounts, RunListQuery, RunPage,
     RunStarted, RunView,
@@ -43,6 +45,9 @@ pub struct ErrorBody {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ErrorDetail {
+    /// An [`ErrorCode`]; kept as text so that a client reads the codes of
+    /// a newer server too (`ErrorCode::parse`).
+    #[cfg_attr(feature = "openapi", schema(value_type = ErrorCode))]
     pub code: String,
     pub message: String,
 }

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::is_false;
+use super::{is_false, ErrorCode};
 use crate::DeviceId;
 
 /// `{"labels": {"key": "value", …}}`: devices carrying every label.
@@ -73,13 +73,13 @@ pub enum TargetingError {
 
 impl TargetingError {
     /// The `code` of the API's error answer.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            TargetingError::NotExactlyOne => "invalid_targets",
-            TargetingError::EmptyDevices => "empty_targets",
-            TargetingError::TooManyDevices { .. } => "too_many_items",
-            TargetingError::InvalidDeviceId { .. } => "invalid_device_id",
-            TargetingError::EmptySelector => "empty_selector",
+            TargetingError::NotExactlyOne => ErrorCode::InvalidTargets,
+            TargetingError::EmptyDevices => ErrorCode::EmptyTargets,
+            TargetingError::TooManyDevices { .. } => ErrorCode::TooManyItems,
+            TargetingError::InvalidDeviceId { .. } => ErrorCode::InvalidDeviceId,
+            TargetingError::EmptySelector => ErrorCode::EmptySelector,
         }
     }
 }
@@ -197,7 +197,7 @@ mod tests {
         ] {
             let error = body(bad.clone()).targeting(10).unwrap_err();
             assert_eq!(error, TargetingError::NotExactlyOne, "{bad}");
-            assert_eq!(error.code(), "invalid_targets");
+            assert_eq!(error.code(), ErrorCode::InvalidTargets);
         }
         assert_eq!(
             TargetingError::NotExactlyOne.to_string(),

@@ -66,3 +66,16 @@ impl Stalls {
         }
     }
 }
+
+/// The streams' share of the server's state (cheap clones: a pool, a
+/// sender and shared counters).
+impl axum::extract::FromRef<Arc<AppState>> for crate::http::sse::SseState {
+    fn from_ref(state: &Arc<AppState>) -> Self {
+        crate::http::sse::SseState {
+            pool: state.pool.clone(),
+            clients: state.sse.clone(),
+            live_events: state.live_events.clone(),
+            metrics: state.metrics.clone(),
+        }
+    }
+}

@@ -18,10 +18,12 @@ use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
+use idem_protocol::api::ErrorCode;
 use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 use uuid::Uuid;
 
+use crate::http::api::Route;
 use crate::http::error::ApiError;
 use crate::ops::metrics::Metrics;
 use crate::store::{self, access::AuditRecord};
@@ -69,54 +71,6 @@ pub enum Access {
     Needs(Role),
 }
 
-/// Every route of the API with the access it needs: the single source the
-/// middleware, the docs and the route × role test use. `/metrics` and
-/// `/v1/events` are opened by `--open-metrics` / `--open-events`.
-pub const ROUTES: &[(&str, &str, Access)] = &[
-    ("GET", "/healthz", Access::Open),
-    ("GET", "/readyz", Access::Open),
-    ("GET", "/metrics", Access::Needs(Role::Viewer)),
-    ("GET", "/v1/events", Access::Needs(Role::Viewer)),
-    ("GET", "/v1/fleet", Access::Needs(Role::Viewer)),
-    ("GET", "/v1/devices", Access::Needs(Role::Viewer)),
-    ("POST", "/v1/devices", Access::Needs(Role::Operator)),
-    ("GET", "/v1/devices/{id}", Access::Needs(Role::Viewer)),
-    ("PUT", "/v1/devices/{id}", Access::Needs(Role::Operator)),
-    ("DELETE", "/v1/devices/{id}", Access::Needs(Role::Admin)),
-    (
-        "DELETE",
-        "/v1/devices/{id}/reported",
-        Access::Needs(Role::Operator),
-    ),
-    (
-        "PUT",
-        "/v1/devices/{id}/desired",
-        Access::Needs(Role::Operator),
-    ),
-    (
-        "POST",
-        "/v1/devices/{id}/retry",
-        Access::Needs(Role::Operator),
-    ),
-    (
-        "POST",
-        "/v1/devices/{id}/credentials",
-        Access::Needs(Role::Admin),
-    ),
-    ("POST", "/v1/desired", Access::Needs(Role::Operator)),
-    ("GET", "/v1/runs", Access::Needs(Role::Viewer)),
-    ("POST", "/v1/runs", Access::Needs(Role::Operator)),
-    ("GET", "/v1/runs/{id}", Access::Needs(Role::Viewer)),
-    ("GET", "/v1/runs/{id}/outcomes", Access::Needs(Role::Viewer)),
-    ("POST", "/v1/runs/{id}/retry", Access::Needs(Role::Operator)),
-    ("GET", "/v1/tokens", Access::Needs(Role::Admin)),
-    ("POST", "/v1/tokens", Access::Needs(Role::Admin)),
-    ("DELETE", "/v1/tokens/{name}", Access::Needs(Role::Admin)),
-    ("GET", "/v1/audit", Access::Needs(Role::Admin)),
-    // The API's own description; readable by every token, like the API.
-    ("GET", "/v1/openapi.json", Access::Needs(Role::Viewer)),
-];
-
 /// What the middleware needs: the tokens and the audit trail (the pool),
 /// the settings and the refusal counter; narrower than the handlers' state.
 #[derive(Clone)]
@@ -124,6 +78,8 @@ pub struct AuthState {
     pub pool: sqlx::PgPool,
     pub settings: AuthSettings,
     pub metrics: Arc<Metrics>,
+    /// The route table (`crate::http::api::routes`).
+    pub routes: Arc<[Route]>,
 }
 
 /// How the server decides access.
@@ -135,19 +91,31 @@ pub struct AuthSettings {
     pub open_events: bool,
 }
 
-/// The access `method` on the route `route` needs. Routes missing from
-/// [`ROUTES`] (a wrong method on a known path) need a viewer token, so an
-/// unauthenticated caller learns nothing about them.
-pub fn access_for(settings: AuthSettings, method: &Method, route: &str) -> Access {
+/// The access `method` on the route `route` needs, by the route table
+/// `routes`. `HEAD` is answered by the `GET` handler and needs what `GET`
+/// needs. Methods missing from the table (a wrong method on a known path)
+/// need a viewer token, so an unauthenticated caller learns nothing about
+/// them.
+pub fn access_for(
+    settings: AuthSettings,
+    routes: &[Route],
+    method: &Method,
+    route: &str,
+) -> Access {
     if (settings.open_metrics && route == "/metrics")
         || (settings.open_events && route == "/v1/events")
     {
         return Access::Open;
     }
-    ROUTES
+    let method = if method == Method::HEAD {
+        &Method::GET
+    } else {
+        method
+    };
+    routes
         .iter()
-        .find(|(m, r, _)| *m == method.as_str() && *r == route)
-        .map_or(Access::Needs(Role::Viewer), |(_, _, access)| *access)
+        .find(|r| r.method == method && r.path == route)
+        .map_or(Access::Needs(Role::Viewer), |r| r.access)
 }
 
 /// The authenticated caller, handed to handlers as a request extension.
@@ -258,27 +226,27 @@ impl Refusal {
         let (status, code, message) = match &self {
             Refusal::MissingToken => (
                 StatusCode::UNAUTHORIZED,
-                "unauthorized",
+                ErrorCode::Unauthorized,
                 "this call needs an operator token: send `Authorization: Bearer <token>` (create one with `idem-server token create`)".to_owned(),
             ),
             Refusal::UnknownToken => (
                 StatusCode::UNAUTHORIZED,
-                "unauthorized",
+                ErrorCode::Unauthorized,
                 "the token is not valid".to_owned(),
             ),
             Refusal::Expired => (
                 StatusCode::UNAUTHORIZED,
-                "unauthorized",
+                ErrorCode::Unauthorized,
                 "the token has expired".to_owned(),
             ),
             Refusal::Revoked => (
                 StatusCode::UNAUTHORIZED,
-                "unauthorized",
+                ErrorCode::Unauthorized,
                 "the token was revoked".to_owned(),
             ),
             Refusal::Forbidden { needs, has, name } => (
                 StatusCode::FORBIDDEN,
-                "forbidden",
+                ErrorCode::Forbidden,
                 format!("this call needs the {needs} role; token `{name}` has {has}"),
             ),
         };
@@ -356,7 +324,7 @@ enum AuthFailure {
     Store(store::StoreError),
 }
 
-/// The middleware: authenticates, authorises by [`ROUTES`], runs the
+/// The middleware: authenticates, authorises by the route table, runs the
 /// handler with the [`Actor`] attached, and records mutating calls.
 pub async fn authorize(
     State(state): State<AuthState>,
@@ -371,7 +339,7 @@ pub async fn authorize(
     let method = request.method().clone();
     let mutating = !matches!(method, Method::GET | Method::HEAD | Method::OPTIONS);
     let path = request.uri().path().to_owned();
-    let access = access_for(state.settings, &method, &route);
+    let access = access_for(state.settings, &state.routes, &method, &route);
     // Copied out: a request body is not `Sync`, so no reference to the
     // request may live across an await.
     let secret = bearer(&request).map(str::to_owned);
@@ -508,39 +476,64 @@ mod tests {
 
     #[test]
     fn every_route_needs_a_token_except_health_and_readiness() {
-        for (method, route, access) in ROUTES {
-            let expected = if matches!(*route, "/healthz" | "/readyz") {
+        let routes = crate::http::api::routes(secure());
+        assert!(routes.len() >= 25, "{routes:?}");
+        for route in &routes {
+            let expected = if matches!(route.path.as_str(), "/healthz" | "/readyz") {
                 Access::Open
             } else {
-                *access
+                route.access
             };
-            assert_eq!(*access, expected, "{method} {route}");
-            let method = Method::from_bytes(method.as_bytes()).unwrap();
-            assert_eq!(access_for(secure(), &method, route), *access);
+            assert_eq!(route.access, expected, "{} {}", route.method, route.path);
+            assert_eq!(
+                access_for(secure(), &routes, &route.method, &route.path),
+                route.access
+            );
         }
         assert_eq!(
-            access_for(secure(), &Method::PATCH, "/v1/devices"),
+            access_for(secure(), &routes, &Method::PATCH, "/v1/devices"),
             Access::Needs(Role::Viewer)
         );
     }
 
     #[test]
+    fn head_needs_what_get_needs() {
+        let routes = crate::http::api::routes(secure());
+        assert_eq!(
+            access_for(secure(), &routes, &Method::HEAD, "/healthz"),
+            Access::Open
+        );
+        assert_eq!(
+            access_for(secure(), &routes, &Method::HEAD, "/v1/tokens"),
+            Access::Needs(Role::Admin)
+        );
+    }
+
+    #[test]
     fn metrics_and_events_are_opened_only_by_their_flags() {
+        let routes = crate::http::api::routes(secure());
         let open = AuthSettings {
             open_metrics: true,
             open_events: true,
             ..secure()
         };
-        assert_eq!(access_for(open, &Method::GET, "/metrics"), Access::Open);
-        assert_eq!(access_for(open, &Method::GET, "/v1/events"), Access::Open);
         assert_eq!(
-            access_for(secure(), &Method::GET, "/metrics"),
+            access_for(open, &routes, &Method::GET, "/metrics"),
+            Access::Open
+        );
+        assert_eq!(
+            access_for(open, &routes, &Method::GET, "/v1/events"),
+            Access::Open
+        );
+        assert_eq!(
+            access_for(secure(), &routes, &Method::GET, "/metrics"),
             Access::Needs(Role::Viewer)
         );
     }
 
     #[test]
     fn only_admins_manage_tokens_and_delete_devices() {
+        let routes = crate::http::api::routes(secure());
         for (method, route) in [
             ("POST", "/v1/tokens"),
             ("DELETE", "/v1/tokens/{name}"),
@@ -549,7 +542,7 @@ mod tests {
         ] {
             let method = Method::from_bytes(method.as_bytes()).unwrap();
             assert_eq!(
-                access_for(secure(), &method, route),
+                access_for(secure(), &routes, &method, route),
                 Access::Needs(Role::Admin)
             );
         }

@@ -30,7 +30,7 @@ use axum::response::IntoResponse;
 use axum::Router;
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use idem_protocol::api::{ErrorBody, ErrorDetail};
+use idem_protocol::api::{ErrorBody, ErrorCode, ErrorDetail};
 use metrics::Gauge;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -292,7 +292,7 @@ impl ConnectionRefusal {
         let error = match self {
             ConnectionRefusal::PerPeer => RawError {
                 status: StatusCode::TOO_MANY_REQUESTS,
-                code: "too_many_connections_from_peer",
+                code: ErrorCode::TooManyConnectionsFromPeer,
                 message: format!(
                     "too many connections from your address: at most {} may be open at once \
                      (--http-max-connections-per-peer / IDEM_HTTP_MAX_CONNECTIONS_PER_PEER); \
@@ -302,7 +302,7 @@ impl ConnectionRefusal {
             },
             ConnectionRefusal::MaxConnections => RawError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
-                code: "too_many_connections",
+                code: ErrorCode::TooManyConnections,
                 message: format!(
                     "the server has its limit of {} connections open \
                      (--http-max-connections / IDEM_HTTP_MAX_CONNECTIONS); retry later",
@@ -319,7 +319,7 @@ impl ConnectionRefusal {
 /// `Connection: close`.
 struct RawError {
     status: StatusCode,
-    code: &'static str,
+    code: ErrorCode,
     message: String,
 }
 
@@ -327,7 +327,7 @@ impl RawError {
     fn to_http(&self, retry_after: Option<Duration>) -> Vec<u8> {
         let body = ErrorBody {
             error: ErrorDetail {
-                code: self.code.to_owned(),
+                code: self.code.as_str().to_owned(),
                 message: self.message.clone(),
             },
         };
@@ -403,7 +403,7 @@ impl BodyRejection {
         let error = match self {
             BodyRejection::TooLarge => ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
+                ErrorCode::BodyTooLarge,
                 format!(
                     "the request body is too large: the limit is {} bytes (--http-max-body-bytes / IDEM_HTTP_MAX_BODY_BYTES)",
                     limits.max_body_bytes
@@ -411,7 +411,7 @@ impl BodyRejection {
             ),
             BodyRejection::Timeout => ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
+                ErrorCode::BodyTimeout,
                 format!(
                     "the request body did not arrive within {:?} (--http-body-timeout / IDEM_HTTP_BODY_TIMEOUT)",
                     limits.body_timeout
@@ -737,14 +737,14 @@ impl HeadRejection {
         match self {
             HeadRejection::UriTooLong => RawError {
                 status: StatusCode::URI_TOO_LONG,
-                code: "uri_too_long",
+                code: ErrorCode::UriTooLong,
                 message: format!(
                     "the request target (path and query) is longer than {MAX_URI_BYTES} bytes"
                 ),
             },
             HeadRejection::HeadersTooLarge => RawError {
                 status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                code: "headers_too_large",
+                code: ErrorCode::HeadersTooLarge,
                 message: format!(
                     "the request head (request line and header fields) is larger than \
                      {MAX_HEAD_BYTES} bytes or has more than {MAX_HEADER_FIELDS} header fields"
@@ -752,7 +752,7 @@ impl HeadRejection {
             },
             HeadRejection::Malformed => RawError {
                 status: StatusCode::BAD_REQUEST,
-                code: "malformed_request",
+                code: ErrorCode::MalformedRequest,
                 message: "the request is not valid HTTP/1.1".to_owned(),
             },
         }
@@ -1075,7 +1075,7 @@ mod tests {
         );
         let ours = RawError {
             status: StatusCode::BAD_REQUEST,
-            code: "invalid_json",
+            code: ErrorCode::InvalidJson,
             message: "x".to_owned(),
         }
         .to_http(None);

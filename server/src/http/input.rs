@@ -6,6 +6,7 @@
 
 use serde_json::{Map, Value};
 
+use idem_protocol::api::ErrorCode;
 use idem_protocol::{SpecBudget, SpecError};
 
 /// Most labels one device may carry.
@@ -42,13 +43,13 @@ pub enum InputError {
 
 impl InputError {
     /// Stable error code for the JSON answer.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            InputError::SpecTooLarge(_) => "spec_too_large",
-            InputError::InvalidSpec(_) => "invalid_spec",
-            InputError::InvalidLabels(_) => "invalid_labels",
-            InputError::TooManyItems { .. } => "too_many_items",
-            InputError::InvalidQuery { .. } => "invalid_query",
+            InputError::SpecTooLarge(_) => ErrorCode::SpecTooLarge,
+            InputError::InvalidSpec(_) => ErrorCode::InvalidSpec,
+            InputError::InvalidLabels(_) => ErrorCode::InvalidLabels,
+            InputError::TooManyItems { .. } => ErrorCode::TooManyItems,
+            InputError::InvalidQuery { .. } => ErrorCode::InvalidQuery,
         }
     }
 
@@ -177,7 +178,7 @@ mod tests {
     #[test]
     fn a_nul_in_a_spec_is_a_bad_request() {
         let err = check_spec(SpecBudget::default(), &json!({"x": "\u{0}"})).unwrap_err();
-        assert_eq!(err.code(), "invalid_spec");
+        assert_eq!(err.code(), ErrorCode::InvalidSpec);
         assert!(!err.is_too_large());
     }
 

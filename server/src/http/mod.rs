@@ -1,11 +1,15 @@
 //! The HTTP side: connection handling (`connections`: our own accept loop,
 //! TLS, per-peer limits), the API (`api`), Server-Sent Events (`sse`), who
-//! may call what (`auth`), the JSON error answer (`error`) and the bounds on
-//! operator input (`input`).
+//! may call what (`auth`), the JSON error answer (`error`), the extractors
+//! whose rejections are that answer (`extract`) and the bounds on operator
+//! input (`input`).
 
 pub(crate) mod api;
 pub mod auth;
 pub(crate) mod connections;
 pub(crate) mod error;
+pub(crate) mod extract;
 pub(crate) mod input;
 pub(crate) mod sse;
+
+pub use api::{routes, Route};

@@ -3,13 +3,14 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::Json;
 use idem_protocol::api::{AuditEntry, AuditPage, AuditQuery, ErrorBody};
 
 use super::params::page_limit;
 use crate::app::state::AppState;
 use crate::http::error::ApiError;
+use crate::http::extract::ApiQuery;
 use crate::http::input;
 use crate::store;
 use crate::store::access::{AuditFilter, AuditRow};
@@ -19,7 +20,7 @@ use crate::store::access::{AuditFilter, AuditRow};
     responses((status = 200, body = AuditPage), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn list_audit(
     State(state): State<Arc<AppState>>,
-    Query(query): Query<AuditQuery>,
+    ApiQuery(query): ApiQuery<AuditQuery>,
 ) -> Result<Json<AuditPage>, ApiError> {
     if let Some(actor) = &query.actor {
         input::check_query_text("actor", actor)?;

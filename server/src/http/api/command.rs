@@ -10,6 +10,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+use idem_protocol::api::ErrorCode;
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -148,7 +149,7 @@ async fn ask_engine(
     let shutting_down = || {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "shutting_down",
+            ErrorCode::ShuttingDown,
             "the server is shutting down; nothing was started, try again once it is back",
         )
     };
@@ -169,7 +170,7 @@ async fn ask_engine(
         CommitRunError::Event(e) => ApiError::from(e),
         CommitRunError::NothingQuarantined => ApiError::new(
             StatusCode::CONFLICT,
-            "not_quarantined",
+            ErrorCode::NotQuarantined,
             "none of the devices to retry is quarantined (any more)",
         ),
     })

@@ -3,9 +3,10 @@
 //! new one, and creating or removing the account on the broker when the
 //! server manages it (`--broker-accounts dynsec`).
 
+use idem_protocol::api::ErrorCode;
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Extension;
@@ -19,6 +20,7 @@ use crate::app::state::AppState;
 use crate::broker::accounts::{self, AccountOwner};
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
+use crate::http::extract::{decode_strictly, ApiPath};
 use crate::store;
 
 /// Shortest and longest password an operator may supply.
@@ -52,7 +54,7 @@ pub(super) fn check_password(password: &str) -> Result<(), ApiError> {
         Ok(())
     } else {
         Err(ApiError::bad_request(
-            "invalid_broker_password",
+            ErrorCode::InvalidBrokerPassword,
             format!(
                 "a broker password is {MIN_PASSWORD_BYTES} to {MAX_PASSWORD_BYTES} bytes without control characters"
             ),
@@ -80,7 +82,7 @@ pub(super) async fn issue(
         tracing::error!(error = %e, "hashing broker passwords failed");
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+            ErrorCode::Internal,
             "issuing broker passwords failed (details are in the server log)",
         )
     })
@@ -103,7 +105,7 @@ pub(super) fn refuse_reserved<'a>(
         tracing::error!(error = %e, "cannot read the broker accounts file");
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "broker_accounts_file_unreadable",
+            ErrorCode::BrokerAccountsFileUnreadable,
             "the server cannot read its --broker-accounts-file (details are in the server log)",
         )
     })?);
@@ -135,7 +137,7 @@ fn refuse_named(ids: &[&str], why: &str) -> Result<(), ApiError> {
     };
     Err(ApiError::new(
         StatusCode::CONFLICT,
-        "reserved_broker_account",
+        ErrorCode::ReservedBrokerAccount,
         message,
     ))
 }
@@ -144,7 +146,7 @@ fn broker_unavailable(e: impl std::fmt::Display, devices: usize) -> ApiError {
     tracing::error!(error = %e, devices, "the broker's dynamic-security plugin failed");
     ApiError::new(
         StatusCode::BAD_GATEWAY,
-        "broker_accounts_failed",
+        ErrorCode::BrokerAccountsFailed,
         format!(
             "the broker did not answer for the devices' accounts: {e}; issue new credentials with POST /v1/devices/{{id}}/credentials"
         ),
@@ -265,17 +267,19 @@ pub(super) async fn remove_from_broker(state: &AppState, id: &DeviceId) -> Optio
 pub(super) async fn rotate(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
-    Path(raw_id): Path<String>,
+    ApiPath(raw_id): ApiPath<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
     // The body is optional: no body means "generate a password".
     let request: CredentialsRequest = if body.iter().all(u8::is_ascii_whitespace) {
         CredentialsRequest::default()
     } else {
-        serde_json::from_slice(&body).map_err(|e| {
+        let value: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(ErrorCode::InvalidJson, e.to_string()))?;
+        decode_strictly(&value).map_err(|e| {
             ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_body",
+                ErrorCode::InvalidBody,
                 e.to_string(),
             )
         })?
@@ -284,7 +288,7 @@ pub(super) async fn rotate(
     if !state.config.security.broker_accounts.issues_passwords() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
-            "broker_accounts_unmanaged",
+            ErrorCode::BrokerAccountsUnmanaged,
             "this server does not issue broker credentials (--broker-accounts none); set IDEM_BROKER_ACCOUNTS=dynsec or password-file",
         ));
     }

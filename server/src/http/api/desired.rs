@@ -2,9 +2,10 @@
 //! each committing the change with its run through [`super::command`];
 //! and what a bulk call targets (shared with `POST /v1/runs`).
 
+use idem_protocol::api::ErrorCode;
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Extension;
@@ -19,7 +20,8 @@ use super::params::registered;
 use crate::app::state::AppState;
 use crate::engine::new_run::{NewRun, Trigger};
 use crate::http::auth::{AuditNote, Call};
-use crate::http::error::{ApiError, ApiJson};
+use crate::http::error::ApiError;
+use crate::http::extract::{ApiJson, ApiPath};
 use crate::http::input;
 use crate::store;
 
@@ -35,7 +37,7 @@ const MAX_IDS_SHOWN: usize = 20;
 pub(super) async fn set_device_desired(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
-    Path(raw_id): Path<String>,
+    ApiPath(raw_id): ApiPath<String>,
     ApiJson(body): ApiJson<DeviceDesired>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
@@ -74,7 +76,7 @@ pub(super) async fn set_desired_bulk(
 ) -> Result<Response, ApiError> {
     let Some(spec) = body.spec.take() else {
         return Err(ApiError::bad_request(
-            "missing_spec",
+            ErrorCode::MissingSpec,
             "`spec` is required; to re-check without a change use POST /v1/runs",
         ));
     };
@@ -137,7 +139,7 @@ pub(super) async fn resolve_targets(
     };
     if rows.is_empty() {
         return Err(ApiError::not_found(
-            "no_matching_devices",
+            ErrorCode::NoMatchingDevices,
             "no registered device matches the selector",
         ));
     }
@@ -159,7 +161,7 @@ fn known(state: &AppState, ids: Vec<DeviceId>) -> Result<Vec<DeviceId>, ApiError
     }
     let shown: Vec<&str> = unknown.iter().take(MAX_IDS_SHOWN).copied().collect();
     Err(ApiError::not_found(
-        "unknown_device",
+        ErrorCode::UnknownDevice,
         format!(
             "{} device(s) are not registered: {}",
             unknown.len(),

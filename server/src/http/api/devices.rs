@@ -2,10 +2,11 @@
 //! device and forgetting its reported state. Writes go through
 //! [`super::command`]; broker credentials are [`super::credentials`].
 
+use idem_protocol::api::ErrorCode;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Json};
@@ -22,7 +23,8 @@ use super::params::{page_limit, parse_id, parse_labels, registered, unknown_devi
 use crate::app::state::AppState;
 use crate::engine::EngineCommand;
 use crate::http::auth::{AuditNote, Call};
-use crate::http::error::{ApiError, ApiJson};
+use crate::http::error::ApiError;
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
 use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::{DeviceFilter, DeviceRow, HistoryRow, Registration};
@@ -67,7 +69,7 @@ fn check_registrations(
         }
         if !seen.insert(id.clone()) {
             return Err(ApiError::bad_request(
-                "duplicate_device_id",
+                ErrorCode::DuplicateDeviceId,
                 format!("{id} appears more than once"),
             ));
         }
@@ -209,7 +211,7 @@ async fn write_desired(
 pub(super) async fn upsert_device(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
-    Path(raw_id): Path<String>,
+    ApiPath(raw_id): ApiPath<String>,
     ApiJson(body): ApiJson<DeviceUpsert>,
 ) -> Result<Response, ApiError> {
     let id = parse_id(&raw_id)?;
@@ -247,7 +249,7 @@ pub(super) async fn upsert_device(
     responses((status = 200, body = DeviceView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn get_device(
     State(state): State<Arc<AppState>>,
-    Path(raw_id): Path<String>,
+    ApiPath(raw_id): ApiPath<String>,
 ) -> Result<Json<DeviceView>, ApiError> {
     let id = parse_id(&raw_id)?;
     let Some(row) = store::devices::get(&state.pool, id.as_str()).await? else {
@@ -269,7 +271,7 @@ pub(super) async fn get_device(
 pub(super) async fn delete_device(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
-    Path(raw_id): Path<String>,
+    ApiPath(raw_id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let mut write = DeviceWrite::begin(&state).await?;
@@ -307,7 +309,7 @@ pub(super) async fn delete_device(
 pub(super) async fn reset_reported(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
-    Path(raw_id): Path<String>,
+    ApiPath(raw_id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let mut write = DeviceWrite::begin(&state).await?;
@@ -335,7 +337,7 @@ fn device_filter(query: DeviceListQuery) -> Result<(DeviceFilter, i64), ApiError
         Some(Some(status)) => Some(status),
         Some(None) => {
             return Err(ApiError::bad_request(
-                "invalid_status",
+                ErrorCode::InvalidStatus,
                 format!(
                     "status must be one of {:?}",
                     DeviceStatus::ALL.map(DeviceStatus::as_str)
@@ -355,7 +357,7 @@ fn device_filter(query: DeviceListQuery) -> Result<(DeviceFilter, i64), ApiError
             }
             _ => {
                 return Err(ApiError::bad_request(
-                    "invalid_label",
+                    ErrorCode::InvalidLabel,
                     "label filter must be `key:value`",
                 ))
             }
@@ -367,7 +369,7 @@ fn device_filter(query: DeviceListQuery) -> Result<(DeviceFilter, i64), ApiError
         Some(Some(health)) => Some(health),
         Some(None) => {
             return Err(ApiError::bad_request(
-                "invalid_health",
+                ErrorCode::InvalidHealth,
                 "health must be healthy, degraded or unhealthy",
             ))
         }
@@ -387,7 +389,7 @@ fn device_filter(query: DeviceListQuery) -> Result<(DeviceFilter, i64), ApiError
     responses((status = 200, body = DevicePage), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn list_devices(
     State(state): State<Arc<AppState>>,
-    Query(query): Query<DeviceListQuery>,
+    ApiQuery(query): ApiQuery<DeviceListQuery>,
 ) -> Result<Json<DevicePage>, ApiError> {
     let (mut filter, limit) = device_filter(query)?;
     // Read in chunks and stop at the byte bound, so neither the response nor

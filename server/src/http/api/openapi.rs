@@ -1,48 +1,24 @@
-//! The OpenAPI 3.1 document of the HTTP API, generated from the handlers'
-//! route attributes and the `idem_protocol::api` types, served at
-//! `GET /v1/openapi.json`. Every route of `crate::http::auth::ROUTES` is in it
-//! (checked by the end-to-end test `openapi`).
+//! The OpenAPI 3.1 document of the HTTP API: its frame here, its paths from
+//! the route table (`routes`, the handlers' route attributes) and its
+//! schemas from the `idem_protocol::api` types; served at
+//! `GET /v1/openapi.json`.
 
+use std::sync::Arc;
+
+use axum::extract::State;
 use axum::Json;
-use idem_protocol::api::ErrorBody;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::OpenApi as Document;
 use utoipa::{Modify, OpenApi};
 
-use super::{audit, credentials, desired, devices, fleet, ops, runs, tokens};
+use crate::app::state::AppState;
+use crate::http::auth::AuthSettings;
 
 #[derive(OpenApi)]
 #[openapi(
     info(
         title = "idem",
         description = "Desired state for a fleet of devices: register devices, set what they should run, follow the runs that push it. Every route but /healthz and /readyz needs `Authorization: Bearer <token>`; the role each route needs is in docs/OPERATIONS.md."
-    ),
-    paths(
-        ops::healthz,
-        ops::readyz,
-        ops::metrics,
-        events,
-        fleet::fleet_summary,
-        devices::list_devices,
-        devices::register_devices,
-        devices::get_device,
-        devices::upsert_device,
-        devices::delete_device,
-        devices::reset_reported,
-        desired::set_device_desired,
-        runs::retry_device,
-        credentials::rotate,
-        desired::set_desired_bulk,
-        runs::list_runs,
-        runs::start_manual_run,
-        runs::get_run,
-        runs::run_outcomes,
-        runs::retry_run,
-        tokens::list_tokens,
-        tokens::create_token,
-        tokens::revoke_token,
-        audit::list_audit,
-        openapi_json,
     ),
     modifiers(&BearerToken),
     security(("bearer" = []))
@@ -62,41 +38,40 @@ impl Modify for BearerToken {
     }
 }
 
-/// `GET /v1/events` is served by `crate::http::sse::events` (a stream, not JSON);
-/// this describes it.
-#[utoipa::path(get, path = "/v1/events", tag = "events",
-    params(
-        ("type" = Option<String>, Query, description = "only events of this type"),
-        ("device" = Option<String>, Query, description = "only events about this device"),
-        ("run" = Option<uuid::Uuid>, Query, description = "only events of this run"),
-        ("after" = Option<i64>, Query, description = "start after this sequence (as Last-Event-ID does)"),
-    ),
-    responses((status = 200, content_type = "text/event-stream", body = String, description = "CloudEvents, one per SSE event"),
-        (status = "4XX", body = ErrorBody), (status = 503, body = ErrorBody)))]
-#[allow(dead_code)]
-fn events() {}
-
-/// The document, as served.
-pub fn document() -> Document {
+/// The document's frame: title, description and the token scheme; the
+/// route table adds the paths.
+pub(super) fn base() -> Document {
     ApiDoc::openapi()
+}
+
+/// The document as a server with these settings serves it.
+pub fn document(settings: AuthSettings) -> Document {
+    super::routes::build(settings).document
 }
 
 /// `GET /v1/openapi.json`: this API's OpenAPI 3.1 document.
 #[utoipa::path(get, path = "/v1/openapi.json", tag = "operations",
     responses((status = 200, content_type = "application/json", description = "OpenAPI 3.1 document")))]
-pub(super) async fn openapi_json() -> Json<Document> {
-    Json(document())
+pub(super) async fn openapi_json(State(state): State<Arc<AppState>>) -> Json<Document> {
+    Json(document(state.auth))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::auth::ROUTES;
+    use crate::http::auth::Access;
+
+    fn secure() -> AuthSettings {
+        AuthSettings {
+            disabled: false,
+            open_metrics: false,
+            open_events: false,
+        }
+    }
 
     #[test]
-    fn the_document_is_openapi_3_1_and_holds_every_route_of_the_table() {
-        let document = document();
-        let json = serde_json::to_value(&document).unwrap();
+    fn the_document_is_openapi_3_1_and_marks_exactly_the_open_routes_open() {
+        let json = serde_json::to_value(document(secure())).unwrap();
         assert!(
             json["openapi"]
                 .as_str()
@@ -104,32 +79,65 @@ mod tests {
             "{}",
             json["openapi"]
         );
-        let missing: Vec<String> = ROUTES
+        let routes = super::super::routes(secure());
+        for route in &routes {
+            let method = route.method.as_str().to_ascii_lowercase();
+            let operation = &json["paths"][&route.path][&method];
+            assert!(
+                operation.is_object(),
+                "{method} {} is described",
+                route.path
+            );
+            let open = operation["security"] == serde_json::json!([]);
+            assert_eq!(
+                open,
+                route.access == Access::Open,
+                "{method} {}",
+                route.path
+            );
+            let documented = |status: &str| operation["responses"][status].is_object();
+            assert!(
+                documented("500") && documented("503"),
+                "{method} {}",
+                route.path
+            );
+            if !open {
+                assert!(
+                    documented("401") && documented("403"),
+                    "{method} {}",
+                    route.path
+                );
+            }
+        }
+        let opened = AuthSettings {
+            open_metrics: true,
+            ..secure()
+        };
+        let json = serde_json::to_value(document(opened)).unwrap();
+        assert_eq!(
+            json["paths"]["/metrics"]["get"]["security"],
+            serde_json::json!([])
+        );
+    }
+
+    #[test]
+    fn every_error_code_is_listed_in_the_document() {
+        let json = serde_json::to_value(document(secure())).unwrap();
+        let listed = &json["components"]["schemas"]["ErrorCode"]["enum"];
+        let expected: Vec<&str> = idem_protocol::api::ErrorCode::ALL
             .iter()
-            .filter(|(method, route, _)| {
-                let Some(item) = document.paths.paths.get(*route) else {
-                    return true;
-                };
-                let operation = match *method {
-                    "GET" => &item.get,
-                    "POST" => &item.post,
-                    "PUT" => &item.put,
-                    "DELETE" => &item.delete,
-                    _ => return true,
-                };
-                operation.is_none()
-            })
-            .map(|(method, route, _)| format!("{method} {route}"))
+            .map(|c| c.as_str())
             .collect();
-        assert!(
-            missing.is_empty(),
-            "routes missing from the document: {missing:?}"
+        assert_eq!(listed, &serde_json::json!(expected));
+        assert_eq!(
+            json["components"]["schemas"]["ErrorDetail"]["properties"]["code"]["$ref"],
+            "#/components/schemas/ErrorCode"
         );
     }
 
     #[test]
     fn the_vocabulary_enums_are_described_with_their_names() {
-        let json = serde_json::to_value(document()).unwrap();
+        let json = serde_json::to_value(document(secure())).unwrap();
         let schemas = &json["components"]["schemas"];
         let names = |schema: &str| -> Vec<String> {
             let values = schemas[schema]["enum"].as_array();

@@ -1,6 +1,7 @@
 //! Operations endpoints: `/metrics`, `/healthz`, `/readyz`, and the answer
 //! to a path that is no endpoint.
 
+use idem_protocol::api::ErrorCode;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -97,5 +98,18 @@ pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
 }
 
 pub(super) async fn not_found() -> ApiError {
-    ApiError::not_found("not_found", "no such endpoint; see README.md for the API")
+    ApiError::not_found(
+        ErrorCode::NotFound,
+        "no such endpoint; see README.md for the API",
+    )
+}
+
+/// A known path with a method it does not have; axum adds the `Allow`
+/// header listing those it has.
+pub(super) async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        ErrorCode::MethodNotAllowed,
+        "this path does not take this method; the Allow header lists those it takes",
+    )
 }

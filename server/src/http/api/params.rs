@@ -1,6 +1,7 @@
 //! Path and query parameters every resource reads the same way: device and
 //! run ids, page limits, labels. Each refusal is the API's error answer.
 
+use idem_protocol::api::ErrorCode;
 use idem_protocol::DeviceId;
 use serde_json::Value;
 use uuid::Uuid;
@@ -15,7 +16,7 @@ const DEFAULT_PAGE: i64 = 100;
 
 pub(super) fn parse_id(raw: &str) -> Result<DeviceId, ApiError> {
     DeviceId::parse(raw)
-        .map_err(|e| ApiError::bad_request("invalid_device_id", format!("{raw:?}: {e}")))
+        .map_err(|e| ApiError::bad_request(ErrorCode::InvalidDeviceId, format!("{raw:?}: {e}")))
 }
 
 /// A valid id of a registered device, or the matching 400 / 404.
@@ -28,17 +29,23 @@ pub(super) fn registered(state: &AppState, raw: &str) -> Result<DeviceId, ApiErr
 }
 
 pub(super) fn unknown_device(id: &DeviceId) -> ApiError {
-    ApiError::not_found("unknown_device", format!("device {id} is not registered"))
+    ApiError::not_found(
+        ErrorCode::UnknownDevice,
+        format!("device {id} is not registered"),
+    )
 }
 
 pub(super) fn parse_run_id(raw: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(raw).map_err(|_| {
-        ApiError::bad_request("invalid_run_id", format!("{raw:?} is not a run id (UUID)"))
+        ApiError::bad_request(
+            ErrorCode::InvalidRunId,
+            format!("{raw:?} is not a run id (UUID)"),
+        )
     })
 }
 
 pub(super) fn unknown_run(id: Uuid) -> ApiError {
-    ApiError::not_found("unknown_run", format!("run {id} does not exist"))
+    ApiError::not_found(ErrorCode::UnknownRun, format!("run {id} does not exist"))
 }
 
 pub(super) fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
@@ -46,7 +53,7 @@ pub(super) fn page_limit(limit: Option<i64>) -> Result<i64, ApiError> {
         None => Ok(DEFAULT_PAGE),
         Some(n) if (1..=MAX_PAGE).contains(&n) => Ok(n),
         Some(n) => Err(ApiError::bad_request(
-            "invalid_limit",
+            ErrorCode::InvalidLimit,
             format!("limit must be 1..={MAX_PAGE}, got {n}"),
         )),
     }

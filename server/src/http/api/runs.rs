@@ -2,9 +2,10 @@
 //! one in progress), releasing quarantined devices into a new run, and
 //! reading runs and their outcomes.
 
+use idem_protocol::api::ErrorCode;
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Json};
@@ -21,7 +22,8 @@ use super::params::{page_limit, parse_run_id, registered, unknown_run};
 use crate::app::state::AppState;
 use crate::engine::new_run::{NewRun, Trigger};
 use crate::http::auth::{AuditNote, Call};
-use crate::http::error::{ApiError, ApiJson};
+use crate::http::error::ApiError;
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
 use crate::store::runs::{RunRow, TargetRow};
 use crate::store::{self, generation};
@@ -39,7 +41,7 @@ pub(super) async fn start_manual_run(
 ) -> Result<Response, ApiError> {
     if body.spec.is_some() {
         return Err(ApiError::bad_request(
-            "unexpected_spec",
+            ErrorCode::UnexpectedSpec,
             "POST /v1/runs re-checks without a change; set a spec with POST /v1/desired",
         ));
     }
@@ -80,7 +82,7 @@ pub(super) async fn start_manual_run(
 pub(super) async fn retry_device(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
-    Path(raw_id): Path<String>,
+    ApiPath(raw_id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let note = AuditNote {
@@ -106,7 +108,7 @@ pub(super) async fn retry_device(
 pub(super) async fn retry_run(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
-    Path(raw): Path<String>,
+    ApiPath(raw): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let run_id = parse_run_id(&raw)?;
     if store::runs::get(&state.pool, run_id).await?.is_none() {
@@ -119,7 +121,7 @@ pub(super) async fn retry_run(
     if quarantined.is_empty() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
-            "nothing_quarantined",
+            ErrorCode::NothingQuarantined,
             "no device of this run is quarantined",
         ));
     }
@@ -146,7 +148,7 @@ pub(super) async fn retry_run(
     responses((status = 200, body = RunPage), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn list_runs(
     State(state): State<Arc<AppState>>,
-    Query(query): Query<RunListQuery>,
+    ApiQuery(query): ApiQuery<RunListQuery>,
 ) -> Result<Json<RunPage>, ApiError> {
     let limit = page_limit(query.limit)?;
     let rows = store::runs::list(&state.pool, query.before, limit).await?;
@@ -160,7 +162,7 @@ pub(super) async fn list_runs(
     responses((status = 200, body = RunView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn get_run(
     State(state): State<Arc<AppState>>,
-    Path(raw): Path<String>,
+    ApiPath(raw): ApiPath<String>,
 ) -> Result<Json<RunView>, ApiError> {
     let id = parse_run_id(&raw)?;
     match store::runs::get(&state.pool, id).await? {
@@ -194,8 +196,8 @@ fn run_view(row: RunRow) -> RunView {
     responses((status = 200, body = OutcomePage), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn run_outcomes(
     State(state): State<Arc<AppState>>,
-    Path(raw): Path<String>,
-    Query(query): Query<OutcomeQuery>,
+    ApiPath(raw): ApiPath<String>,
+    ApiQuery(query): ApiQuery<OutcomeQuery>,
 ) -> Result<Json<OutcomePage>, ApiError> {
     let id = parse_run_id(&raw)?;
     if let Some(after) = &query.after {
@@ -207,7 +209,7 @@ pub(super) async fn run_outcomes(
         Some(None) => {
             let names: Vec<&str> = OutcomeKind::ALL.iter().map(|k| k.as_str()).collect();
             return Err(ApiError::bad_request(
-                "invalid_outcome",
+                ErrorCode::InvalidOutcome,
                 format!("outcome must be one of {names:?}"),
             ));
         }

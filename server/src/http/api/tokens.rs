@@ -2,9 +2,10 @@
 //! same operations as `idem-server token …`). Access is decided by
 //! `crate::http::auth`, not here.
 
+use idem_protocol::api::ErrorCode;
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Json};
@@ -17,7 +18,8 @@ use super::command::recorded;
 use crate::app::state::AppState;
 use crate::config::parse_expiry;
 use crate::http::auth::{AuditNote, Call, Role};
-use crate::http::error::{ApiError, ApiJson};
+use crate::http::error::ApiError;
+use crate::http::extract::{ApiJson, ApiPath};
 use crate::store::access::{NewToken, TokenRow};
 use crate::store::{self, Context};
 
@@ -34,7 +36,7 @@ fn check_name(name: &str) -> Result<(), ApiError> {
         Ok(())
     } else {
         Err(ApiError::bad_request(
-            "invalid_token_name",
+            ErrorCode::InvalidTokenName,
             format!("a token name is 1 to {MAX_TOKEN_NAME_BYTES} letters, digits, '-', '_' or '.'"),
         ))
     }
@@ -51,7 +53,7 @@ pub(super) async fn create_token(
     check_name(&body.name)?;
     let Some(role) = Role::parse(&body.role) else {
         return Err(ApiError::bad_request(
-            "invalid_role",
+            ErrorCode::InvalidRole,
             "role must be viewer, operator or admin",
         ));
     };
@@ -59,7 +61,7 @@ pub(super) async fn create_token(
         None => None,
         Some(raw) => {
             let expires_at = parse_expiry(raw, chrono::Utc::now())
-                .map_err(|e| ApiError::bad_request("invalid_expiry", e))?;
+                .map_err(|e| ApiError::bad_request(ErrorCode::InvalidExpiry, e))?;
             Some(expires_at)
         }
     };
@@ -79,7 +81,7 @@ pub(super) async fn create_token(
     let Some(row) = created else {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
-            "token_exists",
+            ErrorCode::TokenExists,
             format!("a token named {:?} exists already", body.name),
         ));
     };
@@ -133,13 +135,13 @@ fn token_view(row: TokenRow) -> TokenView {
 pub(super) async fn revoke_token(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
     let mut tx = state.pool.begin().await.context("starting a transaction")?;
     let Some(row) = store::access::revoke_token(&mut *tx, &name).await? else {
         return Err(ApiError::not_found(
-            "unknown_token",
+            ErrorCode::UnknownToken,
             format!("no token is named {name:?}"),
         ));
     };

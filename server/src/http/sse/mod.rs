@@ -12,6 +12,7 @@
 //! one replay page plus the client's queue per client, and never writes to
 //! the database.
 
+use idem_protocol::api::ErrorCode;
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -40,6 +41,7 @@ use uuid::Uuid;
 use crate::http::auth::{Actor, Role};
 use crate::http::connections::{retry_after_seconds, ConnectionCloser, PeerGroup};
 use crate::http::error::ApiError;
+use crate::http::extract::query_rejection;
 use crate::ops::metrics::Metrics;
 use crate::store::events::{self, EventFilter, StoredEvent};
 
@@ -215,7 +217,7 @@ impl SseRefusal {
                 };
                 ApiError::new(
                     StatusCode::TOO_MANY_REQUESTS,
-                    "too_many_sse_clients_for_token",
+                    ErrorCode::TooManySseClientsForToken,
                     format!(
                         "{who} {} event streams open, the most one token may hold \
                          (--sse-max-clients-per-token / IDEM_SSE_MAX_CLIENTS_PER_TOKEN); \
@@ -226,7 +228,7 @@ impl SseRefusal {
             }
             SseRefusal::AdminReserve => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "sse_clients_reserved_for_admins",
+                ErrorCode::SseClientsReservedForAdmins,
                 format!(
                     "the free event streams are kept for admin tokens: {} of the {} \
                      (--sse-max-clients / IDEM_SSE_MAX_CLIENTS) are reserved; retry later",
@@ -235,7 +237,7 @@ impl SseRefusal {
             ),
             SseRefusal::MaxClients => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "too_many_sse_clients",
+                ErrorCode::TooManySseClients,
                 format!(
                     "too many event streams open: the limit is {} concurrent clients \
                      (--sse-max-clients / IDEM_SSE_MAX_CLIENTS); retry later",
@@ -299,6 +301,15 @@ async fn start_cursor(
 
 /// `GET /v1/events`: committed events as server-sent events, live or
 /// resumed from a sequence.
+#[utoipa::path(get, path = "/v1/events", tag = "events",
+    params(
+        ("type" = Option<String>, Query, description = "only events of this type"),
+        ("device" = Option<String>, Query, description = "only events about this device"),
+        ("run" = Option<uuid::Uuid>, Query, description = "only events of this run"),
+        ("after" = Option<i64>, Query, minimum = 0, description = "start after this sequence (as Last-Event-ID does)"),
+    ),
+    responses((status = 200, content_type = "text/event-stream", body = String, description = "CloudEvents, one per SSE event"),
+        (status = "4XX", body = idem_protocol::api::ErrorBody)))]
 pub async fn events(
     State(state): State<SseState>,
     closer: Option<Extension<ConnectionCloser>>,
@@ -307,10 +318,7 @@ pub async fn events(
     headers: HeaderMap,
     query: Result<Query<EventQuery>, QueryRejection>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Response> {
-    // axum's own rejection is plain text; the API answers JSON.
-    let Query(query) = query.map_err(|rejection| {
-        ApiError::bad_request("invalid_query", rejection.body_text()).into_response()
-    })?;
+    let Query(query) = query.map_err(|rejection| query_rejection(&rejection).into_response())?;
     let caller = Caller {
         actor: actor.map(|Extension(a)| a),
         peer: peer.map(|Extension(p)| p),
@@ -358,7 +366,7 @@ async fn stream_events(
                 .and_then(|s| s.trim().parse::<i64>().ok())
                 .ok_or_else(|| {
                     ApiError::bad_request(
-                        "invalid_last_event_id",
+                        ErrorCode::InvalidLastEventId,
                         "Last-Event-ID must be an event sequence number",
                     )
                 })?,

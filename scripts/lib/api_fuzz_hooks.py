@@ -1,0 +1,15 @@
+"""Hooks for scripts/api-fuzz (schemathesis): the fuzzer must not revoke the
+token it runs with, or every later call answers 401 and tests nothing."""
+
+import os
+
+import schemathesis
+
+FUZZ_TOKEN_NAME = os.environ.get("IDEM_API_FUZZ_TOKEN_NAME", "fuzz")
+
+
+@schemathesis.hook
+def filter_path_parameters(ctx, path_parameters):
+    if path_parameters is None:
+        return True
+    return path_parameters.get("name") != FUZZ_TOKEN_NAME
