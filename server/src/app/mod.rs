@@ -356,7 +356,7 @@ impl Workers {
 }
 
 /// Runs left `running` by an earlier process continue with their undecided
-/// targets.
+/// targets, counting on from their rows' counts.
 async fn resume_unfinished_runs(
     pool: &PgPool,
     engine: &mpsc::Sender<EngineCommand>,
@@ -365,8 +365,16 @@ async fn resume_unfinished_runs(
         let undecided = store::runs::undecided_targets(pool, run.id).await?;
         let targets = store::device_ids(&undecided, "resuming an unfinished run")?;
         tracing::info!(run_id = %run.id, undecided = targets.len(), "resuming unfinished run");
-        let target_count = usize::try_from(run.target_count).unwrap_or(0);
-        let spec = RunSpec::resumed(run.id, run.trigger, run.force, target_count, targets);
+        let spec = RunSpec::resumed(run.id, run.trigger, run.force, run.counts(), targets);
+        if u64::try_from(run.target_count).ok() != Some(spec.target_count()) {
+            tracing::warn!(
+                run_id = %run.id,
+                target_count = run.target_count,
+                decided = spec.decided.total(),
+                undecided = spec.targets.len(),
+                "a resumed run's stored counts and undecided targets do not add up to its target count"
+            );
+        }
         let command = EngineCommand::StartRun(spec);
         if engine.send(command).await.is_err() {
             break;

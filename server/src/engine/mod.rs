@@ -23,7 +23,7 @@ use crate::mqtt::Publisher;
 use crate::ops::metrics::Metrics;
 use crate::reconcile::machine::{Effect, Machine, Now, PublishReason, Record};
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
-use crate::reconcile::run::Trigger;
+use crate::reconcile::run::{CompletedRun, Trigger};
 use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::DeviceChangeRow;
 use crate::store::{self, DeviceWriter, StoreError};
@@ -240,7 +240,7 @@ impl Engine {
                 self.ctx.metrics.events_committed.increment(1);
                 let answer = RunAnswer {
                     run_id: spec.id,
-                    targets: spec.targets.len() + spec.decided,
+                    targets: spec.targets.len() + spec.converged.len(),
                     joined: false,
                 };
                 let command = EngineCommand::StartRun(spec);
@@ -362,15 +362,15 @@ impl Engine {
         let per_run: Vec<(Uuid, OutcomeCounts)> =
             record.per_run.iter().map(|(k, v)| (*k, *v)).collect();
         store::runs::record_outcomes(tx, &record.outcomes, &per_run).await?;
-        let ids: Vec<Uuid> = record.completed.iter().map(|p| p.id).collect();
+        let ids: Vec<Uuid> = record.completed.iter().map(|run| run.id).collect();
+        // Only the runs this write completed are announced: one another
+        // writer completed already was announced by it.
         let completed = store::runs::complete(tx, &ids).await?;
-        let mut drafts: Vec<EventDraft> = record.drafts.clone();
-        let now = Instant::now();
-        for run in &completed {
-            if let Some(progress) = record.completed.iter().find(|p| p.id == run.id) {
-                drafts.push(progress.completed_event(run.target_count, &run.counts(), now));
-            }
+        if cfg!(debug_assertions) {
+            assert_stored_counts_agree(tx, record, &completed).await?;
         }
+        let mut drafts: Vec<EventDraft> = record.drafts.clone();
+        drafts.extend(announced(record, &completed).map(CompletedRun::event));
         let first = store::events::reserve_sequences(tx, drafts.len()).await?;
         let rows = events::finalize(drafts, first, &self.ctx.event_source, chrono::Utc::now())?;
         store::events::insert(tx, &rows).await?;
@@ -382,7 +382,7 @@ impl Engine {
         );
         write.commit("committing outcomes").await?;
         Ok(Committed {
-            completed: completed.into_iter().map(|r| (r.id, r.counts())).collect(),
+            completed,
             events: rows.len(),
         })
     }
@@ -398,20 +398,16 @@ impl Engine {
         metrics.retries.increment(record.tally.retries);
         metrics.quarantined.increment(record.tally.quarantines);
         metrics.drifts.increment(record.tally.drifts);
-        let now = Instant::now();
-        for (run_id, counts) in committed.completed {
-            let progress = record.completed.iter().find(|p| p.id == run_id);
-            if let Some(p) = progress {
-                metrics.run_duration.record(p.elapsed(now).as_secs_f64());
-            }
+        for run in announced(record, &committed.completed) {
+            metrics.run_duration.record(run.elapsed.as_secs_f64());
             metrics.runs_completed.increment(1);
-            metrics.set_last_run(&counts);
+            metrics.set_last_run(&run.counts);
             tracing::info!(
-                %run_id,
-                trigger = progress.map(|p| p.trigger.as_str()).unwrap_or("resumed"),
-                elapsed_ms = progress.map(|p| p.elapsed(now).as_millis() as u64),
+                run_id = %run.id,
+                trigger = run.trigger.as_str(),
+                elapsed_ms = run.elapsed.as_millis() as u64,
                 "run completed: {}",
-                counts.summary()
+                run.counts.summary()
             );
         }
         if committed.events > 0 {
@@ -422,8 +418,42 @@ impl Engine {
 }
 
 struct Committed {
-    completed: Vec<(Uuid, OutcomeCounts)>,
+    /// The runs the write marked completed.
+    completed: Vec<Uuid>,
     events: usize,
+}
+
+/// The machine's ends of the runs the write marked completed (`completed`).
+fn announced<'a>(
+    record: &'a Record,
+    completed: &'a [Uuid],
+) -> impl Iterator<Item = &'a CompletedRun> {
+    record
+        .completed
+        .iter()
+        .filter(|run| completed.contains(&run.id))
+}
+
+/// Debug builds: the run rows' counts, added up by
+/// `store::runs::record_outcomes`, are the machine's that the write
+/// announces.
+async fn assert_stored_counts_agree(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    record: &Record,
+    completed: &[Uuid],
+) -> Result<(), StoreError> {
+    for row in store::runs::get_many_in(tx, completed).await? {
+        if let Some(run) = record.completed.iter().find(|run| run.id == row.id) {
+            let stored = (u64::try_from(row.target_count).ok(), row.counts());
+            assert_eq!(
+                stored,
+                (Some(run.target_count), run.counts),
+                "run {}: the stored (target count, counts) differ from the machine's",
+                run.id
+            );
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]

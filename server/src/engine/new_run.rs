@@ -179,14 +179,13 @@ pub async fn commit_run(
         converged_ids.push(c.id);
     }
     write.commit("committing a run").await?;
-    Ok(RunSpec {
-        id: run_id,
-        trigger: run.trigger,
-        targets: undecided,
-        force: run.force,
-        decided: converged_ids.len(),
-        converged: converged_ids,
-    })
+    Ok(RunSpec::created(
+        run_id,
+        run.trigger,
+        run.force,
+        undecided,
+        converged_ids,
+    ))
 }
 
 /// The run row, its targets (converged ones decided), their device changes

@@ -5,9 +5,11 @@ use chrono::{DateTime, Utc};
 use idem_protocol::{DeviceStatus, OutcomeKind};
 use uuid::Uuid;
 
-/// The last outcome a device row remembers.
+/// The last outcome a device row remembers (its `last_run_id`,
+/// `last_outcome` and `last_outcome_reason` columns), as a change writes
+/// it; the API shows it to clients as `idem_protocol::api::LastOutcome`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LastOutcome {
+pub struct RememberedOutcome {
     pub run_id: Uuid,
     pub kind: OutcomeKind,
     pub reason: Option<String>,
@@ -22,7 +24,7 @@ pub struct DeviceChange {
     /// Consecutive failed attempts, and when the next attempt is due.
     pub failures: Option<(u32, Option<DateTime<Utc>>)>,
     pub last_error: Option<String>,
-    pub last_outcome: Option<LastOutcome>,
+    pub last_outcome: Option<RememberedOutcome>,
     /// Generation of the desired message now retained on the broker.
     pub retained: Option<u64>,
 }

@@ -173,21 +173,38 @@ pub async fn record_outcomes(
     Ok(())
 }
 
-/// Marks runs completed; returns the completed rows.
+/// Marks runs completed; returns the ids of those this call completed (a
+/// run some other writer completed already is not among them). Their counts
+/// are the machine's to announce; the row's own were added by
+/// [`record_outcomes`].
 pub async fn complete(
     tx: &mut Transaction<'_, Postgres>,
     ids: &[Uuid],
-) -> Result<Vec<RunRow>, StoreError> {
-    sqlx::query_as(&format!(
+) -> Result<Vec<Uuid>, StoreError> {
+    sqlx::query_scalar(
         "UPDATE runs SET state = $2, finished_at = now() \
-         WHERE id = ANY($1) AND state = $3 RETURNING {RUN_COLUMNS}"
-    ))
+         WHERE id = ANY($1) AND state = $3 RETURNING id",
+    )
     .bind(ids)
     .bind(RunState::Completed)
     .bind(RunState::Running)
     .fetch_all(&mut **tx)
     .await
     .context("completing runs")
+}
+
+/// The rows of runs `ids` as the caller's transaction sees them.
+pub async fn get_many_in(
+    tx: &mut Transaction<'_, Postgres>,
+    ids: &[Uuid],
+) -> Result<Vec<RunRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "SELECT {RUN_COLUMNS} FROM runs WHERE id = ANY($1)"
+    ))
+    .bind(ids)
+    .fetch_all(&mut **tx)
+    .await
+    .context("reading runs")
 }
 
 pub async fn get(pool: &PgPool, id: Uuid) -> Result<Option<RunRow>, StoreError> {

@@ -114,6 +114,8 @@ pub enum Effect {
     /// Write this in one transaction, apply its device changes to the fleet
     /// cache once committed, then call [`Machine::record_written`]. Always
     /// the last effect of a call: the machine is not called again before.
+    /// The runs in its `completed` ended with its outcomes: mark them
+    /// completed and announce them with the counts they carry.
     Record(Record),
 }
 

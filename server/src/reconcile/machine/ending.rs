@@ -1,17 +1,18 @@
 //! How an attempt ends: retry policy applied to a decided outcome, then one
 //! outcome row and event per waiting run, the device's merged change, and
-//! run completion.
+//! how a run ends once its last target has its outcome (`run_ended`).
 
 use idem_protocol::{Backoff, DeviceId};
 use rand::Rng;
 use uuid::Uuid;
 
 use super::record::{AttemptRecord, OutcomeRecord};
-use super::{Effect, LastOutcome, Machine, Now, Phase};
+use super::{Effect, Machine, Now, Phase, RememberedOutcome};
 use crate::reconcile::device::DeviceEntry;
 use crate::reconcile::event_draft::EventDraft;
 use crate::reconcile::outcome::{Outcome, OutcomeKind};
 use crate::reconcile::policy::{status_after, AfterFailure, DeviceStatus};
+use crate::reconcile::run::RunProgress;
 use idem_protocol::event::{DeviceOutcomeData, DeviceQuarantinedData};
 
 impl Machine {
@@ -160,11 +161,19 @@ impl Machine {
                 run.record(id, kind);
                 if run.is_complete() {
                     if let Some(run) = self.runs.remove(&run_id) {
-                        self.record.completed.push(run);
+                        self.run_ended(run, now);
                     }
                 }
             }
         }
+    }
+
+    /// A run whose last outcome was just recorded ends, in the same call:
+    /// it leaves, with the machine's counts, in the record being collected
+    /// ([`super::Record::completed`]). What follows the end of a run starts
+    /// here.
+    pub(super) fn run_ended(&mut self, run: RunProgress, now: Now) {
+        self.record.completed.push(run.complete(now.at));
     }
 
     /// The device row's share of an outcome: status, last outcome, last error.
@@ -181,7 +190,7 @@ impl Machine {
             change.status = Some(status);
         }
         if let Some(run_id) = last_run {
-            change.last_outcome = Some(LastOutcome {
+            change.last_outcome = Some(RememberedOutcome {
                 run_id,
                 kind: outcome.kind(),
                 reason: reason.clone(),

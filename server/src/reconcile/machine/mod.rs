@@ -31,7 +31,7 @@ use super::outcome::{Outcome, SkipReason};
 use super::pacer::PushPacer;
 use super::policy::{self, gate, DeviceStatus};
 use super::run::{RunProgress, RunSpec, Trigger};
-pub use crate::reconcile::change::{DeviceChange, LastOutcome};
+pub use crate::reconcile::change::{DeviceChange, RememberedOutcome};
 use crate::reconcile::device::{DeviceEntry, FleetRead};
 pub use effect::{
     AskReason, Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason,
@@ -303,8 +303,7 @@ impl Machine {
 
     fn start_run(&mut self, spec: RunSpec, now: Now, out: &mut Vec<Effect>) {
         let progress = RunProgress::new(&spec, now.at);
-        let fresh = spec.decided == spec.converged.len();
-        if spec.trigger == Trigger::Manual && fresh && !progress.is_complete() {
+        if spec.trigger == Trigger::Manual && spec.is_new() && !progress.is_complete() {
             let runs = &self.runs;
             self.manual.retain(|run_id, _| runs.contains_key(run_id));
             let mut targets: Vec<DeviceId> = spec
@@ -320,7 +319,7 @@ impl Machine {
             self.converged_at_creation(id, now, out);
         }
         if progress.is_complete() {
-            self.record.completed.push(progress);
+            self.run_ended(progress, now);
             return;
         }
         self.runs.insert(spec.id, progress);

@@ -11,7 +11,7 @@ use uuid::Uuid;
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::event_draft::EventDraft;
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
-use crate::reconcile::run::RunProgress;
+use crate::reconcile::run::CompletedRun;
 
 /// One device's outcome in one run, for the store.
 #[derive(Debug, Clone)]
@@ -51,15 +51,18 @@ pub struct Tally {
 #[derive(Debug, Default)]
 pub struct Record {
     pub outcomes: Vec<OutcomeRecord>,
-    /// Per run, the counts the outcomes above add.
+    /// Per run, the counts the outcomes above add to the run row (the same
+    /// outcomes [`CompletedRun::counts`] adds up in the machine).
     pub per_run: HashMap<Uuid, OutcomeCounts>,
     pub attempts: Vec<AttemptRecord>,
-    /// Events of this write (device outcomes, drift, quarantine);
-    /// `run.completed` events are added by the writer from the committed counts.
+    /// Events of this write (device outcomes, drift, quarantine); each
+    /// run's `run.completed` is [`CompletedRun::event`], added by the writer
+    /// once the write has marked the run completed.
     pub drafts: Vec<EventDraft>,
     pub devices: BTreeMap<DeviceId, DeviceChange>,
-    /// Runs whose last outcome is in this write.
-    pub completed: Vec<RunProgress>,
+    /// The runs that ended with this write's outcomes, with the machine's
+    /// counts: the one place where the end of a run is handed out.
+    pub completed: Vec<CompletedRun>,
     pub tally: Tally,
 }
 

@@ -1,0 +1,116 @@
+//! What the machine starts by itself: reconnect and drift runs (debounced),
+//! and report requests for devices that came online and stayed silent or
+//! that a recheck asks.
+
+use super::*;
+
+#[test]
+fn an_offline_device_is_skipped_and_its_reconnect_starts_one_reconnect_run() {
+    let mut world = World::new(settings());
+    let device = world.device("pump", Some(2), Some(1));
+    world.command(EngineCommand::Connectivity(vec![(device.clone(), false)]));
+    world.settle();
+    assert_eq!(world.status(&device), DeviceStatus::Offline);
+    world
+        .fleet
+        .apply_committed([FleetChange::Online(device.clone(), false)]);
+    let run = world.run(std::slice::from_ref(&device));
+    assert_eq!(
+        world.kinds(run),
+        vec![(device.clone(), OutcomeKind::Skipped)]
+    );
+    assert!(world.pushed().is_empty());
+
+    world
+        .fleet
+        .apply_committed([FleetChange::Online(device.clone(), true)]);
+    world.command(EngineCommand::Connectivity(vec![(device.clone(), true)]));
+    world.wait(Duration::from_millis(400));
+    assert_eq!(
+        world.runs.len(),
+        1,
+        "no run before the debounce window closes"
+    );
+    world.wait(Duration::from_millis(200));
+    assert_eq!(world.runs.len(), 2);
+    assert_eq!(world.runs[1].trigger, Trigger::Reconnect);
+    assert_eq!(world.pushed(), vec![device]);
+}
+
+#[test]
+fn drifting_devices_within_one_debounce_window_get_one_drift_run() {
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(3, 0);
+    world.reports(&fleet[0], 9, Some(2));
+    world.wait(Duration::from_millis(300));
+    world.reports(&fleet[1], 9, Some(2));
+    world.settle();
+    assert_eq!(world.status(&fleet[0]), DeviceStatus::Drifted);
+    let drifted = world
+        .events
+        .iter()
+        .filter(|e| **e == EventType::DeviceDrifted)
+        .count();
+    assert_eq!(drifted, 2);
+    world.wait(Duration::from_millis(500));
+    assert_eq!(world.runs.len(), 1);
+    assert_eq!(world.runs[0].trigger, Trigger::Drift);
+    assert_eq!(world.runs[0].targets, fleet[..2].to_vec());
+    assert_eq!(world.pushed(), fleet[..2].to_vec());
+}
+
+#[test]
+fn a_device_that_comes_online_and_stays_silent_is_asked_once_for_its_report() {
+    let mut world = World::new(EngineSettings {
+        missing_report_after: Some(Duration::from_secs(5)),
+        ..settings()
+    });
+    let silent = world.device("silent-1", None, None);
+    let talker = world.device("talker-1", None, None);
+    world.command(EngineCommand::Connectivity(vec![
+        (silent.clone(), true),
+        (talker.clone(), true),
+    ]));
+    world.reports(&talker, 1, None);
+    world.wait(Duration::from_secs(4));
+    assert!(
+        world.asked.is_empty(),
+        "asked before the grace period ended"
+    );
+    world.wait(Duration::from_secs(2));
+    assert_eq!(world.asked, std::slice::from_ref(&silent));
+    world.wait(Duration::from_secs(30));
+    assert_eq!(world.asked, [silent], "asked once");
+}
+
+#[test]
+fn a_recheck_asks_every_device_not_known_offline_and_not_heard_from_since_at_its_rate() {
+    let mut world = World::new(EngineSettings {
+        recheck_rate: NonZeroU32::new(100),
+        ..settings()
+    });
+    let quiet: Vec<DeviceId> = (0..150)
+        .map(|i| world.device(&format!("q-{i:03}"), None, Some(1)))
+        .collect();
+    let offline = world.device("gone-1", None, Some(1));
+    world
+        .fleet
+        .apply_committed([FleetChange::Online(offline.clone(), false)]);
+    let fresh = world.device("fresh-1", None, None);
+    world.command(EngineCommand::Recheck);
+    world.wall += chrono::Duration::milliseconds(1);
+    world.reports(&fresh, 1, None);
+    world.wait(Duration::from_secs(1));
+    let after_one_second = world.asked.len();
+    assert!(
+        (90..=110).contains(&after_one_second),
+        "{after_one_second} asked in the first second at 100/s"
+    );
+    world.wait(Duration::from_secs(2));
+    let mut asked = world.asked.clone();
+    asked.sort();
+    assert_eq!(
+        asked, quiet,
+        "each quiet device once; not the offline one, not the one that reported since"
+    );
+}
