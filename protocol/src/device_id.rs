@@ -17,7 +17,6 @@ pub const RESERVED_DEVICE_IDS: [&str; 1] = ["events"];
 
 /// A device id that is known to satisfy the protocol's id rule.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(value_type = String))]
 pub struct DeviceId(String);
 
 /// Why a string is not a valid device id.
@@ -69,6 +68,17 @@ fn validate(raw: &str) -> Result<(), InvalidDeviceId> {
         None => Ok(()),
     }
 }
+
+/// In the OpenAPI document a device id is a string of the id rules.
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for DeviceId {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::RefOr::T(crate::api::bounds::schema::device_id())
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for DeviceId {}
 
 impl TryFrom<String> for DeviceId {
     type Error = InvalidDeviceId;

@@ -11,11 +11,14 @@ use uuid::Uuid;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct TokenRequest {
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::token_name))]
     pub name: String,
     /// `viewer`, `operator` or `admin`.
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::token_role))]
     pub role: String,
     /// e.g. `30d`; no expiry when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::token_lifetime))]
     pub expires_in: Option<String>,
 }
 
@@ -98,10 +101,12 @@ pub struct AuditPage {
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
 pub struct AuditQuery {
     /// Only calls by this token name.
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::query_text))]
     pub actor: Option<String>,
     /// Only calls about this run.
     pub run: Option<Uuid>,
     /// Records older than this id (the previous page's `next_before`).
     pub before: Option<i64>,
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::page_limit))]
     pub limit: Option<i64>,
 }

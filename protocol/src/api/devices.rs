@@ -13,16 +13,20 @@ use crate::{DeviceId, DeviceStatus, Generation, Health, OutcomeKind};
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DeviceRegistration {
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::device_id))]
     pub id: String,
     /// A flat object of string labels.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::optional_labels))]
     pub labels: Option<Value>,
     /// Desired state recorded for the device (no run is started).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::optional_spec))]
     pub spec: Option<Value>,
     /// The device's broker password when the server issues credentials
     /// (`--broker-accounts`); generated when absent. Only for new devices.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::broker_password))]
     pub broker_password: Option<String>,
 }
 
@@ -63,6 +67,7 @@ impl std::fmt::Debug for IssuedCredential {
 #[serde(deny_unknown_fields)]
 pub struct DeviceUpsert {
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::optional_labels))]
     pub labels: Option<Value>,
 }
 
@@ -155,14 +160,19 @@ pub struct DevicePage {
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
 pub struct DeviceListQuery {
     /// A `DeviceStatus` name.
+    #[cfg_attr(feature = "openapi", param(value_type = Option<crate::DeviceStatus>))]
     pub status: Option<String>,
     /// `healthy`, `degraded` or `unhealthy`.
+    #[cfg_attr(feature = "openapi", param(value_type = Option<crate::Health>))]
     pub health: Option<String>,
     /// `key:value`; may be given once.
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::label_filter))]
     pub label: Option<String>,
     /// The previous page's `next_after`.
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::query_text))]
     pub after: Option<String>,
     /// 1 to 1,000 (default 100).
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::page_limit))]
     pub limit: Option<i64>,
 }
 
@@ -182,6 +192,7 @@ pub struct DeviceDeleted {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DeviceDesired {
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::spec))]
     pub spec: Value,
     #[serde(default)]
     pub force: bool,
@@ -203,5 +214,6 @@ pub struct DesiredSet {
 pub struct CredentialsRequest {
     /// A password of the operator's; generated when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::broker_password))]
     pub password: Option<String>,
 }

@@ -9,6 +9,7 @@
 //! fields out.
 
 mod access;
+pub mod bounds;
 mod devices;
 mod error_code;
 mod runs;
@@ -32,6 +33,8 @@ pub use runs::{
     FleetSummary, OutcomePage, OutcomeQuery, OutcomeRow, PushCounts, RunListQuery, RunPage,
     RunStarted, RunView,
 };
+#[cfg(feature = "openapi")]
+pub use targeting::schema::{DesiredRequest, RunRequest};
 pub use targeting::{Selector, TargetedRequest, Targeting, TargetingError};
 
 /// Every error answer: `{"error": {"code", "message"}}`.

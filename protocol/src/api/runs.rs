@@ -59,6 +59,7 @@ pub struct RunPage {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
 pub struct RunListQuery {
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::page_limit))]
     pub limit: Option<i64>,
     /// Runs started before this time (the last run's `started_at`).
     pub before: Option<DateTime<Utc>>,
@@ -90,9 +91,12 @@ pub struct OutcomePage {
 #[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
 pub struct OutcomeQuery {
     /// Only rows with this `OutcomeKind`.
+    #[cfg_attr(feature = "openapi", param(value_type = Option<crate::OutcomeKind>))]
     pub outcome: Option<String>,
     /// The previous page's `next_after`.
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::query_text))]
     pub after: Option<String>,
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::page_limit))]
     pub limit: Option<i64>,
 }
 

@@ -16,6 +16,7 @@ use crate::DeviceId;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Selector {
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::bounds::schema::selector_labels))]
     pub labels: BTreeMap<String, String>,
 }
 
@@ -156,6 +157,115 @@ fn device_ids(raw: &[String], max: usize) -> Result<Vec<DeviceId>, TargetingErro
         }
     }
     Ok(ids)
+}
+
+/// The request schemas of the two bulk calls: exactly one of `devices`,
+/// `selector`, `all: true` (the others absent, `null` or `false`), with
+/// `spec` required by `POST /v1/desired` and refused by `POST /v1/runs`.
+#[cfg(feature = "openapi")]
+pub mod schema {
+    use std::borrow::Cow;
+
+    use utoipa::openapi::schema::{
+        AdditionalProperties, ObjectBuilder, OneOfBuilder, Schema, Type,
+    };
+    use utoipa::openapi::RefOr;
+
+    use crate::api::bounds::schema as bounds;
+
+    /// `POST /v1/desired`.
+    pub struct DesiredRequest;
+    /// `POST /v1/runs`.
+    pub struct RunRequest;
+
+    impl utoipa::PartialSchema for DesiredRequest {
+        fn schema() -> RefOr<Schema> {
+            RefOr::T(targeted(true))
+        }
+    }
+    impl utoipa::ToSchema for DesiredRequest {
+        fn name() -> Cow<'static, str> {
+            Cow::Borrowed("DesiredRequest")
+        }
+    }
+    impl utoipa::PartialSchema for RunRequest {
+        fn schema() -> RefOr<Schema> {
+            RefOr::T(targeted(false))
+        }
+    }
+    impl utoipa::ToSchema for RunRequest {
+        fn name() -> Cow<'static, str> {
+            Cow::Borrowed("RunRequest")
+        }
+    }
+
+    fn null() -> Schema {
+        ObjectBuilder::new().schema_type(Type::Null).into()
+    }
+
+    fn boolean(only: Option<bool>) -> Schema {
+        ObjectBuilder::new()
+            .schema_type(Type::Boolean)
+            .enum_values(only.map(|b| [b]))
+            .into()
+    }
+
+    fn selector() -> Schema {
+        ObjectBuilder::new()
+            .schema_type(Type::Object)
+            .property("labels", bounds::selector_labels())
+            .required("labels")
+            .additional_properties(Some(AdditionalProperties::FreeForm(false)))
+            .into()
+    }
+
+    /// One way of targeting (`way` is required, the other two are absent,
+    /// `null` or `false`).
+    fn way(way: &str, with_spec: bool) -> Schema {
+        let targeted = match way {
+            "devices" => bounds::target_ids(),
+            "selector" => selector(),
+            _ => boolean(Some(true)),
+        };
+        let mut object = ObjectBuilder::new()
+            .schema_type(Type::Object)
+            .property(way, targeted)
+            .required(way)
+            .property("force", boolean(None))
+            .additional_properties(Some(AdditionalProperties::FreeForm(false)));
+        for other in ["devices", "selector", "all"] {
+            if other != way {
+                let absent = if other == "all" {
+                    boolean(Some(false))
+                } else {
+                    null()
+                };
+                object = object.property(other, absent);
+            }
+        }
+        object = if with_spec {
+            object
+                .property("spec", bounds::spec_not_null())
+                .required("spec")
+        } else {
+            object.property("spec", null())
+        };
+        object.into()
+    }
+
+    fn targeted(with_spec: bool) -> Schema {
+        let description = if with_spec {
+            "exactly one of `devices`, `selector`, `all: true`, and the new desired `spec`; `force` pushes even to devices whose digest matches"
+        } else {
+            "exactly one of `devices`, `selector`, `all: true`; `force` pushes even to devices whose digest matches"
+        };
+        OneOfBuilder::new()
+            .item(way("devices", with_spec))
+            .item(way("selector", with_spec))
+            .item(way("all", with_spec))
+            .description(Some(description))
+            .into()
+    }
 }
 
 #[cfg(test)]

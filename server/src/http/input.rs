@@ -9,18 +9,10 @@ use serde_json::{Map, Value};
 use idem_protocol::api::ErrorCode;
 use idem_protocol::{SpecBudget, SpecError};
 
-/// Most labels one device may carry.
-pub const MAX_LABELS: usize = 64;
-/// Longest label key, in bytes.
-pub const MAX_LABEL_KEY_BYTES: usize = 128;
-/// Longest label value, in bytes.
-pub const MAX_LABEL_VALUE_BYTES: usize = 256;
-/// Most devices one `POST /v1/devices` may register.
-pub const MAX_REGISTRATIONS_PER_REQUEST: usize = 10_000;
-/// Most device ids one targeting request may name.
-pub const MAX_TARGET_IDS_PER_REQUEST: usize = 100_000;
-/// Longest text a query parameter (a cursor, a filter) may hold.
-pub const MAX_QUERY_TEXT_BYTES: usize = 256;
+pub use idem_protocol::api::bounds::{
+    MAX_LABELS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_QUERY_TEXT_CHARS,
+    MAX_REGISTRATIONS_PER_REQUEST, MAX_TARGET_IDS_PER_REQUEST,
+};
 
 /// Why operator input was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -106,16 +98,16 @@ fn check_label_map(map: &Map<String, Value>) -> Result<(), InputError> {
 pub fn check_label_pair(key: &str, value: &str) -> Result<(), InputError> {
     let problem = if key.is_empty() {
         Some("label keys must not be empty".to_owned())
-    } else if key.len() > MAX_LABEL_KEY_BYTES {
+    } else if key.chars().count() > MAX_LABEL_KEY_CHARS {
         Some(format!(
-            "label key of {} bytes; the limit is {MAX_LABEL_KEY_BYTES}",
-            key.len()
+            "label key of {} characters; the limit is {MAX_LABEL_KEY_CHARS}",
+            key.chars().count()
         ))
-    } else if value.len() > MAX_LABEL_VALUE_BYTES {
+    } else if value.chars().count() > MAX_LABEL_VALUE_CHARS {
         Some(format!(
-            "label {:?} has a value of {} bytes; the limit is {MAX_LABEL_VALUE_BYTES}",
+            "label {:?} has a value of {} characters; the limit is {MAX_LABEL_VALUE_CHARS}",
             shorten(key),
-            value.len()
+            value.chars().count()
         ))
     } else if key.contains('\0') || value.contains('\0') {
         Some(format!(
@@ -138,12 +130,12 @@ pub fn check_count(what: &'static str, got: usize, limit: usize) -> Result<(), I
 
 /// A free-text query parameter (cursor, filter): bounded, no NUL.
 pub fn check_query_text(name: &'static str, text: &str) -> Result<(), InputError> {
-    if text.len() > MAX_QUERY_TEXT_BYTES {
+    if text.chars().count() > MAX_QUERY_TEXT_CHARS {
         return Err(InputError::InvalidQuery {
             name,
             problem: format!(
-                "is {} bytes; the limit is {MAX_QUERY_TEXT_BYTES}",
-                text.len()
+                "is {} characters; the limit is {MAX_QUERY_TEXT_CHARS}",
+                text.chars().count()
             ),
         });
     }
@@ -207,10 +199,10 @@ mod tests {
             .map(|i| (format!("k{i}"), json!("v")))
             .collect();
         assert!(check_labels(&Value::Object(most)).is_ok());
-        let longest_key = "k".repeat(MAX_LABEL_KEY_BYTES);
+        let longest_key = "k".repeat(MAX_LABEL_KEY_CHARS);
         assert!(check_label_pair(&longest_key, "v").is_ok());
         assert!(check_label_pair(&format!("{longest_key}k"), "v").is_err());
-        let longest_value = "v".repeat(MAX_LABEL_VALUE_BYTES);
+        let longest_value = "v".repeat(MAX_LABEL_VALUE_CHARS);
         assert!(check_label_pair("k", &longest_value).is_ok());
         assert!(check_label_pair("k", &format!("{longest_value}v")).is_err());
     }
@@ -236,7 +228,7 @@ mod tests {
         assert!(check_query_text("after", "dev-1").is_ok());
         assert!(check_query_text("after", "a\u{0}").is_err());
         assert!(check_query_text("after", &"a".repeat(300)).is_err());
-        assert!(check_query_text("after", &"a".repeat(MAX_QUERY_TEXT_BYTES)).is_ok());
-        assert!(check_query_text("after", &"a".repeat(MAX_QUERY_TEXT_BYTES + 1)).is_err());
+        assert!(check_query_text("after", &"a".repeat(MAX_QUERY_TEXT_CHARS)).is_ok());
+        assert!(check_query_text("after", &"a".repeat(MAX_QUERY_TEXT_CHARS + 1)).is_err());
     }
 }

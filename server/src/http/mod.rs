@@ -12,4 +12,5 @@ pub(crate) mod extract;
 pub(crate) mod input;
 pub(crate) mod sse;
 
-pub use api::{routes, Route};
+pub use api::routes;
+pub use auth::Route;

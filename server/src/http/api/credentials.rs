@@ -3,7 +3,7 @@
 //! new one, and creating or removing the account on the broker when the
 //! server manages it (`--broker-accounts dynsec`).
 
-use idem_protocol::api::ErrorCode;
+use idem_protocol::api::{bounds, ErrorCode};
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -22,10 +22,6 @@ use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{decode_strictly, ApiPath};
 use crate::store;
-
-/// Shortest and longest password an operator may supply.
-const MIN_PASSWORD_BYTES: usize = 12;
-const MAX_PASSWORD_BYTES: usize = 256;
 
 /// A password issued to a device, shown once.
 #[derive(Debug, Clone)]
@@ -48,15 +44,15 @@ impl Issued {
 
 /// An operator-supplied password: long enough, printable text.
 pub(super) fn check_password(password: &str) -> Result<(), ApiError> {
-    let ok = (MIN_PASSWORD_BYTES..=MAX_PASSWORD_BYTES).contains(&password.len())
-        && !password.chars().any(char::is_control);
-    if ok {
+    if bounds::is_broker_password(password) {
         Ok(())
     } else {
         Err(ApiError::bad_request(
             ErrorCode::InvalidBrokerPassword,
             format!(
-                "a broker password is {MIN_PASSWORD_BYTES} to {MAX_PASSWORD_BYTES} bytes without control characters"
+                "a broker password is {} to {} characters without control characters",
+                bounds::MIN_PASSWORD_CHARS,
+                bounds::MAX_PASSWORD_CHARS
             ),
         ))
     }
@@ -261,7 +257,7 @@ pub(super) async fn remove_from_broker(state: &AppState, id: &DeviceId) -> Optio
 
 /// `POST /v1/devices/{id}/credentials`: a new broker password for a device.
 #[utoipa::path(post, path = "/v1/devices/{id}/credentials", tag = "devices",
-    params(("id" = String, Path, description = "device id")),
+    params(("id" = inline(DeviceId), Path, description = "device id")),
     request_body(content = Option<CredentialsRequest>, description = "optional; no body generates a password"),
     responses((status = 200, body = IssuedCredential), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn rotate(
@@ -270,12 +266,16 @@ pub(super) async fn rotate(
     ApiPath(raw_id): ApiPath<String>,
     body: axum::body::Bytes,
 ) -> Result<Response, ApiError> {
-    // The body is optional: no body means "generate a password".
-    let request: CredentialsRequest = if body.iter().all(u8::is_ascii_whitespace) {
+    // No body, or JSON `null`, means "generate a password".
+    let value: serde_json::Value = if body.iter().all(u8::is_ascii_whitespace) {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(ErrorCode::InvalidJson, e.to_string()))?
+    };
+    let request: CredentialsRequest = if value.is_null() {
         CredentialsRequest::default()
     } else {
-        let value: serde_json::Value = serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(ErrorCode::InvalidJson, e.to_string()))?;
         decode_strictly(&value).map_err(|e| {
             ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,

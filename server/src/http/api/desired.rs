@@ -31,7 +31,7 @@ const MAX_IDS_SHOWN: usize = 20;
 /// `PUT /v1/devices/{id}/desired`: a new desired spec for one device and
 /// the run that applies it.
 #[utoipa::path(put, path = "/v1/devices/{id}/desired", tag = "desired",
-    params(("id" = String, Path, description = "device id")),
+    params(("id" = inline(DeviceId), Path, description = "device id")),
     request_body = DeviceDesired,
     responses((status = 200, body = DesiredSet), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn set_device_desired(
@@ -67,7 +67,7 @@ pub(super) async fn set_device_desired(
 /// `POST /v1/desired`: a new desired spec for the targeted devices and the
 /// run that applies it.
 #[utoipa::path(post, path = "/v1/desired", tag = "desired",
-    request_body = TargetedRequest,
+    request_body = idem_protocol::api::DesiredRequest,
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn set_desired_bulk(
     State(state): State<Arc<AppState>>,

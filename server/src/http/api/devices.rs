@@ -94,7 +94,7 @@ fn check_registrations(
 /// `POST /v1/devices`: registers devices (labels, desired state); new
 /// devices get broker credentials when the server issues them.
 #[utoipa::path(post, path = "/v1/devices", tag = "devices",
-    request_body = Vec<DeviceRegistration>,
+    request_body = idem_protocol::api::bounds::schema::Registrations,
     responses((status = 200, body = Registered), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn register_devices(
     State(state): State<Arc<AppState>>,
@@ -204,7 +204,7 @@ async fn write_desired(
 
 /// `PUT /v1/devices/{id}`: registers one device or changes its labels.
 #[utoipa::path(put, path = "/v1/devices/{id}", tag = "devices",
-    params(("id" = String, Path, description = "device id")),
+    params(("id" = inline(DeviceId), Path, description = "device id")),
     request_body = DeviceUpsert,
     responses((status = 200, body = DeviceView), (status = 201, body = DeviceView),
         (status = "4XX", body = ErrorBody)))]
@@ -245,7 +245,7 @@ pub(super) async fn upsert_device(
 
 /// `GET /v1/devices/{id}`: the device with its newest attempts.
 #[utoipa::path(get, path = "/v1/devices/{id}", tag = "devices",
-    params(("id" = String, Path, description = "device id")),
+    params(("id" = inline(DeviceId), Path, description = "device id")),
     responses((status = 200, body = DeviceView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn get_device(
     State(state): State<Arc<AppState>>,
@@ -266,7 +266,7 @@ pub(super) async fn get_device(
 /// (`device deleted`) and clears its retained `desired` and `status`
 /// messages on the broker.
 #[utoipa::path(delete, path = "/v1/devices/{id}", tag = "devices",
-    params(("id" = String, Path, description = "device id")),
+    params(("id" = inline(DeviceId), Path, description = "device id")),
     responses((status = 200, body = DeviceDeleted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn delete_device(
     State(state): State<Arc<AppState>>,
@@ -304,7 +304,7 @@ pub(super) async fn delete_device(
 /// so its next report is accepted whatever its `seq` (the way out for a
 /// device whose counter went backwards, or that was sent a bogus `seq`).
 #[utoipa::path(delete, path = "/v1/devices/{id}/reported", tag = "devices",
-    params(("id" = String, Path, description = "device id")),
+    params(("id" = inline(DeviceId), Path, description = "device id")),
     responses((status = 200, body = DeviceView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn reset_reported(
     State(state): State<Arc<AppState>>,

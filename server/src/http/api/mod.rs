@@ -26,7 +26,7 @@ mod routes;
 mod runs;
 mod tokens;
 
-pub use routes::{routes, Route};
+pub use routes::routes;
 
 /// The API: the route table's router, behind the auth middleware, with
 /// the JSON answers for paths and methods no route has.

@@ -10,9 +10,11 @@ use crate::app::state::AppState;
 use crate::http::error::ApiError;
 use crate::http::input;
 
+use idem_protocol::api::bounds::{PAGE_LIMIT_DEFAULT, PAGE_LIMIT_MAX};
+
 /// Most items one list page returns.
-pub(super) const MAX_PAGE: i64 = 1_000;
-const DEFAULT_PAGE: i64 = 100;
+pub(super) const MAX_PAGE: i64 = PAGE_LIMIT_MAX as i64;
+const DEFAULT_PAGE: i64 = PAGE_LIMIT_DEFAULT as i64;
 
 pub(super) fn parse_id(raw: &str) -> Result<DeviceId, ApiError> {
     DeviceId::parse(raw)

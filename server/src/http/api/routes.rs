@@ -14,17 +14,8 @@ use utoipa_axum::routes;
 
 use super::{audit, credentials, desired, devices, fleet, openapi, ops, runs, tokens};
 use crate::app::state::AppState;
-use crate::http::auth::{access_for, Access, AuthSettings, Role};
+use crate::http::auth::{access_for, Access, AuthSettings, Role, Route};
 use crate::http::sse;
-
-/// One method on one path and who may call it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Route {
-    pub method: Method,
-    /// The path template, e.g. `/v1/devices/{id}`.
-    pub path: String,
-    pub access: Access,
-}
 
 /// Every handler of the API with the access it needs.
 fn table() -> Vec<(Access, UtoipaMethodRouter<Arc<AppState>>)> {
@@ -187,4 +178,91 @@ fn operations(item: &mut PathItem) -> Vec<(Method, &mut Operation)> {
     all.into_iter()
         .filter_map(|(method, operation)| operation.as_mut().map(|o| (method, o)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secure() -> AuthSettings {
+        AuthSettings {
+            disabled: false,
+            open_metrics: false,
+            open_events: false,
+        }
+    }
+
+    #[test]
+    fn every_route_needs_a_token_except_health_and_readiness() {
+        let routes = routes(secure());
+        assert!(routes.len() >= 25, "{routes:?}");
+        for route in &routes {
+            let expected = if matches!(route.path.as_str(), "/healthz" | "/readyz") {
+                Access::Open
+            } else {
+                route.access
+            };
+            assert_eq!(route.access, expected, "{} {}", route.method, route.path);
+            assert_eq!(
+                access_for(secure(), &routes, &route.method, &route.path),
+                route.access
+            );
+        }
+        assert_eq!(
+            access_for(secure(), &routes, &Method::PATCH, "/v1/devices"),
+            Access::Needs(Role::Viewer)
+        );
+    }
+
+    #[test]
+    fn head_needs_what_get_needs() {
+        let routes = routes(secure());
+        assert_eq!(
+            access_for(secure(), &routes, &Method::HEAD, "/healthz"),
+            Access::Open
+        );
+        assert_eq!(
+            access_for(secure(), &routes, &Method::HEAD, "/v1/tokens"),
+            Access::Needs(Role::Admin)
+        );
+    }
+
+    #[test]
+    fn metrics_and_events_are_opened_only_by_their_flags() {
+        let routes = routes(secure());
+        let open = AuthSettings {
+            open_metrics: true,
+            open_events: true,
+            ..secure()
+        };
+        assert_eq!(
+            access_for(open, &routes, &Method::GET, "/metrics"),
+            Access::Open
+        );
+        assert_eq!(
+            access_for(open, &routes, &Method::GET, "/v1/events"),
+            Access::Open
+        );
+        assert_eq!(
+            access_for(secure(), &routes, &Method::GET, "/metrics"),
+            Access::Needs(Role::Viewer)
+        );
+    }
+
+    #[test]
+    fn only_admins_manage_tokens_and_delete_devices() {
+        let routes = routes(secure());
+        for (method, route) in [
+            ("POST", "/v1/tokens"),
+            ("DELETE", "/v1/tokens/{name}"),
+            ("DELETE", "/v1/devices/{id}"),
+            ("GET", "/v1/audit"),
+        ] {
+            let method = Method::from_bytes(method.as_bytes()).unwrap();
+            assert_eq!(
+                access_for(secure(), &routes, &method, route),
+                Access::Needs(Role::Admin)
+            );
+        }
+    }
 }

@@ -32,7 +32,7 @@ use crate::store::{self, generation};
 /// re-check over exactly the targets (and force) of a manual run still in
 /// progress joins it: a hundred identical calls cost one run.
 #[utoipa::path(post, path = "/v1/runs", tag = "runs",
-    request_body = TargetedRequest,
+    request_body = idem_protocol::api::RunRequest,
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn start_manual_run(
     State(state): State<Arc<AppState>>,
@@ -77,7 +77,7 @@ pub(super) async fn start_manual_run(
 
 /// `POST /v1/devices/{id}/retry`: releases a quarantined device and runs it.
 #[utoipa::path(post, path = "/v1/devices/{id}/retry", tag = "runs",
-    params(("id" = String, Path, description = "device id")),
+    params(("id" = inline(DeviceId), Path, description = "device id")),
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn retry_device(
     State(state): State<Arc<AppState>>,

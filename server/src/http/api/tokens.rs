@@ -2,7 +2,7 @@
 //! same operations as `idem-server token …`). Access is decided by
 //! `crate::http::auth`, not here.
 
-use idem_protocol::api::ErrorCode;
+use idem_protocol::api::{bounds, ErrorCode};
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -24,20 +24,16 @@ use crate::store::access::{NewToken, TokenRow};
 use crate::store::{self, Context};
 
 /// Names are what the audit trail shows: short, printable, no spaces.
-const MAX_TOKEN_NAME_BYTES: usize = 64;
-
 fn check_name(name: &str) -> Result<(), ApiError> {
-    let ok = !name.is_empty()
-        && name.len() <= MAX_TOKEN_NAME_BYTES
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    if ok {
+    if bounds::is_token_name(name) {
         Ok(())
     } else {
         Err(ApiError::bad_request(
             ErrorCode::InvalidTokenName,
-            format!("a token name is 1 to {MAX_TOKEN_NAME_BYTES} letters, digits, '-', '_' or '.'"),
+            format!(
+                "a token name is 1 to {} letters, digits, '-', '_' or '.'",
+                bounds::MAX_TOKEN_NAME_CHARS
+            ),
         ))
     }
 }
@@ -59,6 +55,12 @@ pub(super) async fn create_token(
     };
     let expires_at = match &body.expires_in {
         None => None,
+        Some(raw) if !bounds::is_token_lifetime(raw) => {
+            return Err(ApiError::bad_request(
+                ErrorCode::InvalidExpiry,
+                format!("{raw:?} is not a token lifetime: up to six digits and a unit (ms, s, m, h or d), e.g. 30d"),
+            ))
+        }
         Some(raw) => {
             let expires_at = parse_expiry(raw, chrono::Utc::now())
                 .map_err(|e| ApiError::bad_request(ErrorCode::InvalidExpiry, e))?;
@@ -130,7 +132,7 @@ fn token_view(row: TokenRow) -> TokenView {
 
 /// `DELETE /v1/tokens/{name}`: revokes a token at once.
 #[utoipa::path(delete, path = "/v1/tokens/{name}", tag = "tokens",
-    params(("name" = String, Path, description = "token name")),
+    params(("name" = inline(idem_protocol::api::bounds::schema::TokenName), Path, description = "token name")),
     responses((status = 200, body = TokenRevoked), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn revoke_token(
     State(state): State<Arc<AppState>>,
