@@ -15,6 +15,11 @@ pub const MAX_DEVICE_ID_LEN: usize = 128;
 /// (`{root}/events/...` carries the outcome events).
 pub const RESERVED_DEVICE_IDS: [&str; 1] = ["events"];
 
+/// [`DeviceId`]'s rules as a regular expression (ECMA-262, as
+/// OpenAPI uses): a letter or digit, then letters, digits, `_`, `.`, `-`;
+/// not a reserved id. Checked against the parser by a test.
+pub const DEVICE_ID_PATTERN: &str = "^(?!events$)[A-Za-z0-9][A-Za-z0-9_.-]*$";
+
 /// A device id that is known to satisfy the protocol's id rule.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DeviceId(String);
@@ -73,12 +78,26 @@ fn validate(raw: &str) -> Result<(), InvalidDeviceId> {
 #[cfg(feature = "openapi")]
 impl utoipa::PartialSchema for DeviceId {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-        utoipa::openapi::RefOr::T(crate::api::bounds::schema::device_id())
+        utoipa::openapi::RefOr::T(schema())
     }
 }
 
 #[cfg(feature = "openapi")]
 impl utoipa::ToSchema for DeviceId {}
+
+/// The JSON Schema of a device id: these rules, for the OpenAPI document.
+#[cfg(feature = "openapi")]
+pub fn schema() -> utoipa::openapi::schema::Schema {
+    utoipa::openapi::schema::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .min_length(Some(1))
+        .max_length(Some(MAX_DEVICE_ID_LEN))
+        .pattern(Some(DEVICE_ID_PATTERN))
+        .description(Some(
+            "a device id: a letter or digit, then letters, digits, '_', '.', '-'",
+        ))
+        .into()
+}
 
 impl TryFrom<String> for DeviceId {
     type Error = InvalidDeviceId;
@@ -135,6 +154,39 @@ impl<'de> Deserialize<'de> for DeviceId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A hand-written matcher for [`DEVICE_ID_PATTERN`] (the protocol crate
+    /// has no regex engine): the pattern's character classes, spelled out.
+    fn matches_device_id_pattern(raw: &str) -> bool {
+        let mut chars = raw.chars();
+        let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphanumeric());
+        first_ok
+            && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+            && raw != "events"
+    }
+
+    #[test]
+    fn the_device_id_pattern_says_what_the_parser_accepts() {
+        assert!(DEVICE_ID_PATTERN.contains("[A-Za-z0-9][A-Za-z0-9_.-]*"));
+        for reserved in RESERVED_DEVICE_IDS {
+            assert!(
+                DEVICE_ID_PATTERN.contains(&format!("(?!{reserved}$)")),
+                "{reserved}"
+            );
+        }
+        let samples = [
+            "a", "A9", "0", "pump-7", "x.y_z", "events", "eventsx", "-a", "_a", ".a", "a b", "a/b",
+            "ä", "a+", "", "Z-", "9.",
+        ];
+        for raw in samples {
+            let short_enough = raw.len() <= MAX_DEVICE_ID_LEN;
+            assert_eq!(
+                DeviceId::parse(raw).is_ok(),
+                matches_device_id_pattern(raw) && short_enough,
+                "{raw:?}"
+            );
+        }
+    }
 
     #[test]
     fn ordinary_ids_are_accepted() {

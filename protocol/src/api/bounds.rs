@@ -28,10 +28,6 @@ pub const MAX_PASSWORD_CHARS: usize = 256;
 /// The roles a token may have, weakest first.
 pub const TOKEN_ROLES: [&str; 3] = ["viewer", "operator", "admin"];
 
-/// [`crate::DeviceId`]'s rules as a regular expression (ECMA-262, as
-/// OpenAPI uses): a letter or digit, then letters, digits, `_`, `.`, `-`;
-/// not a reserved id. Checked against the parser by a test.
-pub const DEVICE_ID_PATTERN: &str = "^(?!events$)[A-Za-z0-9][A-Za-z0-9_.-]*$";
 /// A token name: letters, digits, `_`, `.`, `-`.
 pub const TOKEN_NAME_PATTERN: &str = "^[A-Za-z0-9_.-]+$";
 /// A token lifetime: a whole number of up to six digits and a unit (`ms`,
@@ -69,7 +65,6 @@ pub mod schema {
     use utoipa::openapi::RefOr;
 
     use super::*;
-    use crate::device_id::MAX_DEVICE_ID_LEN;
 
     fn text(min: usize, max: usize, pattern: Option<&str>) -> ObjectBuilder {
         ObjectBuilder::new()
@@ -81,11 +76,7 @@ pub mod schema {
 
     /// A device id.
     pub fn device_id() -> Schema {
-        text(1, MAX_DEVICE_ID_LEN, Some(DEVICE_ID_PATTERN))
-            .description(Some(
-                "a device id: a letter or digit, then letters, digits, '_', '.', '-'",
-            ))
-            .into()
+        crate::device_id::schema()
     }
 
     /// A list of device ids naming the targets of a bulk call.
@@ -256,41 +247,6 @@ pub mod schema {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device_id::RESERVED_DEVICE_IDS;
-    use crate::DeviceId;
-
-    /// A hand-written matcher for [`DEVICE_ID_PATTERN`] (the protocol crate
-    /// has no regex engine): the pattern's character classes, spelled out.
-    fn matches_device_id_pattern(raw: &str) -> bool {
-        let mut chars = raw.chars();
-        let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphanumeric());
-        first_ok
-            && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
-            && raw != "events"
-    }
-
-    #[test]
-    fn the_device_id_pattern_says_what_the_parser_accepts() {
-        assert!(DEVICE_ID_PATTERN.contains("[A-Za-z0-9][A-Za-z0-9_.-]*"));
-        for reserved in RESERVED_DEVICE_IDS {
-            assert!(
-                DEVICE_ID_PATTERN.contains(&format!("(?!{reserved}$)")),
-                "{reserved}"
-            );
-        }
-        let samples = [
-            "a", "A9", "0", "pump-7", "x.y_z", "events", "eventsx", "-a", "_a", ".a", "a b", "a/b",
-            "ä", "a+", "", "Z-", "9.",
-        ];
-        for raw in samples {
-            let short_enough = raw.len() <= crate::device_id::MAX_DEVICE_ID_LEN;
-            assert_eq!(
-                DeviceId::parse(raw).is_ok(),
-                matches_device_id_pattern(raw) && short_enough,
-                "{raw:?}"
-            );
-        }
-    }
 
     #[test]
     fn token_names_lifetimes_and_passwords_follow_their_rules() {
