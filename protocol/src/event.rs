@@ -134,11 +134,12 @@ pub struct RunCompletedData {
     pub counts: OutcomeCounts,
     /// `counts` as the summary line ([`OutcomeCounts::summary`]).
     pub summary: String,
-    /// Trigger to last outcome; `null` when the run was resumed after a
-    /// restart.
+    /// Trigger to last outcome; for a run resumed after a restart, from
+    /// the resume. `null` only from servers that did not measure it.
     pub duration_ms: Option<u64>,
-    /// Device id → outcome, capped (see `outcomes_truncated`); `null` when
-    /// the run was resumed after a restart.
+    /// Device id → outcome, capped (see `outcomes_truncated`); for a run
+    /// resumed after a restart only the outcomes decided since the resume
+    /// (and `outcomes_truncated` is true).
     pub outcomes: Option<BTreeMap<String, OutcomeKind>>,
     /// Whether `outcomes` leaves devices out.
     pub outcomes_truncated: bool,
