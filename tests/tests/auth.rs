@@ -147,11 +147,7 @@ async fn every_route_answers_each_caller_as_the_route_table_says() {
 
     let mut wrong = Vec::new();
     let mut checked = 0;
-    let table = routes(AuthSettings {
-        disabled: false,
-        open_metrics: false,
-        open_events: false,
-    });
+    let table = routes(AuthSettings::default());
     for route_entry in &table {
         let (method, route, access) = (
             route_entry.method.as_str(),

@@ -20,11 +20,7 @@ async fn the_served_document_is_openapi_3_1_and_describes_every_route() {
     spec.validate_version()
         .expect("the document's version is one oas3 reads (3.1)");
     let paths = spec.paths.as_ref().expect("the document has paths");
-    let table = routes(AuthSettings {
-        disabled: false,
-        open_metrics: false,
-        open_events: false,
-    });
+    let table = routes(AuthSettings::default());
     let missing: Vec<String> = table
         .iter()
         .filter(|route| {

@@ -91,8 +91,9 @@ pub struct AuthState {
     pub routes: Arc<[Route]>,
 }
 
-/// How the server decides access.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the server decides access. The default is the secure one: tokens
+/// needed everywhere but `/healthz` and `/readyz`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AuthSettings {
     /// `--insecure-no-auth`: everyone is an anonymous admin.
     pub disabled: bool,

@@ -61,17 +61,9 @@ mod tests {
     use super::*;
     use crate::http::auth::Access;
 
-    fn secure() -> AuthSettings {
-        AuthSettings {
-            disabled: false,
-            open_metrics: false,
-            open_events: false,
-        }
-    }
-
     #[test]
     fn the_document_is_openapi_3_1_and_marks_exactly_the_open_routes_open() {
-        let json = serde_json::to_value(document(secure())).unwrap();
+        let json = serde_json::to_value(document(AuthSettings::default())).unwrap();
         assert!(
             json["openapi"]
                 .as_str()
@@ -79,7 +71,7 @@ mod tests {
             "{}",
             json["openapi"]
         );
-        let routes = super::super::routes(secure());
+        let routes = super::super::routes(AuthSettings::default());
         for route in &routes {
             let method = route.method.as_str().to_ascii_lowercase();
             let operation = &json["paths"][&route.path][&method];
@@ -111,7 +103,7 @@ mod tests {
         }
         let opened = AuthSettings {
             open_metrics: true,
-            ..secure()
+            ..AuthSettings::default()
         };
         let json = serde_json::to_value(document(opened)).unwrap();
         assert_eq!(
@@ -122,7 +114,7 @@ mod tests {
 
     #[test]
     fn every_error_code_is_listed_in_the_document() {
-        let json = serde_json::to_value(document(secure())).unwrap();
+        let json = serde_json::to_value(document(AuthSettings::default())).unwrap();
         let listed = &json["components"]["schemas"]["ErrorCode"]["enum"];
         let expected: Vec<&str> = idem_protocol::api::ErrorCode::ALL
             .iter()
@@ -137,7 +129,7 @@ mod tests {
 
     #[test]
     fn the_vocabulary_enums_are_described_with_their_names() {
-        let json = serde_json::to_value(document(secure())).unwrap();
+        let json = serde_json::to_value(document(AuthSettings::default())).unwrap();
         let schemas = &json["components"]["schemas"];
         let names = |schema: &str| -> Vec<String> {
             let values = schemas[schema]["enum"].as_array();

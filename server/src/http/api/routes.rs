@@ -148,18 +148,8 @@ fn error_response(description: &str) -> RefOr<Response> {
 }
 
 fn methods(item: &PathItem) -> Vec<Method> {
-    let all = [
-        (Method::GET, &item.get),
-        (Method::PUT, &item.put),
-        (Method::POST, &item.post),
-        (Method::DELETE, &item.delete),
-        (Method::OPTIONS, &item.options),
-        (Method::HEAD, &item.head),
-        (Method::PATCH, &item.patch),
-        (Method::TRACE, &item.trace),
-    ];
-    all.into_iter()
-        .filter(|(_, operation)| operation.is_some())
+    operations(&mut item.clone())
+        .into_iter()
         .map(|(method, _)| method)
         .collect()
 }
@@ -184,17 +174,9 @@ fn operations(item: &mut PathItem) -> Vec<(Method, &mut Operation)> {
 mod tests {
     use super::*;
 
-    fn secure() -> AuthSettings {
-        AuthSettings {
-            disabled: false,
-            open_metrics: false,
-            open_events: false,
-        }
-    }
-
     #[test]
     fn every_route_needs_a_token_except_health_and_readiness() {
-        let routes = routes(secure());
+        let routes = routes(AuthSettings::default());
         assert!(routes.len() >= 25, "{routes:?}");
         for route in &routes {
             let expected = if matches!(route.path.as_str(), "/healthz" | "/readyz") {
@@ -204,36 +186,46 @@ mod tests {
             };
             assert_eq!(route.access, expected, "{} {}", route.method, route.path);
             assert_eq!(
-                access_for(secure(), &routes, &route.method, &route.path),
+                access_for(AuthSettings::default(), &routes, &route.method, &route.path),
                 route.access
             );
         }
         assert_eq!(
-            access_for(secure(), &routes, &Method::PATCH, "/v1/devices"),
+            access_for(
+                AuthSettings::default(),
+                &routes,
+                &Method::PATCH,
+                "/v1/devices"
+            ),
             Access::Needs(Role::Viewer)
         );
     }
 
     #[test]
     fn head_needs_what_get_needs() {
-        let routes = routes(secure());
+        let routes = routes(AuthSettings::default());
         assert_eq!(
-            access_for(secure(), &routes, &Method::HEAD, "/healthz"),
+            access_for(AuthSettings::default(), &routes, &Method::HEAD, "/healthz"),
             Access::Open
         );
         assert_eq!(
-            access_for(secure(), &routes, &Method::HEAD, "/v1/tokens"),
+            access_for(
+                AuthSettings::default(),
+                &routes,
+                &Method::HEAD,
+                "/v1/tokens"
+            ),
             Access::Needs(Role::Admin)
         );
     }
 
     #[test]
     fn metrics_and_events_are_opened_only_by_their_flags() {
-        let routes = routes(secure());
+        let routes = routes(AuthSettings::default());
         let open = AuthSettings {
             open_metrics: true,
             open_events: true,
-            ..secure()
+            ..AuthSettings::default()
         };
         assert_eq!(
             access_for(open, &routes, &Method::GET, "/metrics"),
@@ -244,14 +236,14 @@ mod tests {
             Access::Open
         );
         assert_eq!(
-            access_for(secure(), &routes, &Method::GET, "/metrics"),
+            access_for(AuthSettings::default(), &routes, &Method::GET, "/metrics"),
             Access::Needs(Role::Viewer)
         );
     }
 
     #[test]
     fn only_admins_manage_tokens_and_delete_devices() {
-        let routes = routes(secure());
+        let routes = routes(AuthSettings::default());
         for (method, route) in [
             ("POST", "/v1/tokens"),
             ("DELETE", "/v1/tokens/{name}"),
@@ -260,7 +252,7 @@ mod tests {
         ] {
             let method = Method::from_bytes(method.as_bytes()).unwrap();
             assert_eq!(
-                access_for(secure(), &routes, &method, route),
+                access_for(AuthSettings::default(), &routes, &method, route),
                 Access::Needs(Role::Admin)
             );
         }
