@@ -60,6 +60,44 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
         "devices reporting their desired state are not converged before any run: {before_first_run:?}"
     );
 
+    // Before the run, a drifted device shows what a push would change, field
+    // by field; a converged one shows no change.
+    let one_drifted = drifted.iter().next().unwrap().clone();
+    let one_converged = before_first_run[0].0.clone();
+    let diff_of = |id: String| {
+        let server = &scenario.server;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let (_, device) = server.get(&format!("/v1/devices/{id}")).await.unwrap();
+                if device["diff"].is_array() || Instant::now() > deadline {
+                    return device;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let device = diff_of(one_drifted.clone()).await;
+    let changes = device["diff"]
+        .as_array()
+        .expect("a drifted device has a diff");
+    assert!(!changes.is_empty(), "{device}");
+    for change in changes {
+        assert!(
+            change["path"].as_str().is_some_and(|p| !p.is_empty()),
+            "{device}"
+        );
+        assert!(
+            matches!(
+                change["change"].as_str(),
+                Some("added" | "removed" | "changed")
+            ),
+            "{device}"
+        );
+    }
+    let device = diff_of(one_converged).await;
+    assert_eq!(device["diff"], serde_json::json!([]), "{device}");
+
     let started = Instant::now();
     let (run_id, run) = scenario.run_all(Duration::from_secs(30)).await.unwrap();
     let elapsed = started.elapsed();
@@ -98,6 +136,16 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
         .await
         .unwrap();
     let pushed: BTreeSet<String> = watcher.seen().keys().cloned().collect();
+    let (_, device) = scenario
+        .server
+        .get(&format!("/v1/devices/{one_drifted}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        device["diff"],
+        serde_json::json!([]),
+        "provisioned: {device}"
+    );
     assert_eq!(pushed, drifted);
     assert_eq!(watcher.total(), 4);
 

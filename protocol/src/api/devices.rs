@@ -93,6 +93,39 @@ pub struct DeviceView {
     /// The newest attempts, newest first (`GET /v1/devices/{id}` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub history: Option<Vec<Attempt>>,
+    /// What a push would change: the field-level diff from the device's
+    /// last report to its desired spec, empty when they match
+    /// (`GET /v1/devices/{id}` only, when both are known).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diff: Option<Vec<FieldDiff>>,
+}
+
+/// One changed leaf between a device's last report (`old`) and its desired
+/// spec (`new`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FieldDiff {
+    /// Where: `net.wifi.ssid`, `servers[2]`, `labels["a.b"]`; `$` is the
+    /// whole spec.
+    pub path: String,
+    pub change: FieldChangeKind,
+    /// The reported value; `null` when `change` is `added`.
+    pub old: Option<serde_json::Value>,
+    /// The desired value; `null` when `change` is `removed`.
+    pub new: Option<serde_json::Value>,
+}
+
+/// How a leaf differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum FieldChangeKind {
+    /// The desired spec has it, the report does not.
+    Added,
+    /// The report has it, the desired spec does not.
+    Removed,
+    /// Both have it, with different values.
+    Changed,
 }
 
 /// A device's desired state.

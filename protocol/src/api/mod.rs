@@ -25,8 +25,8 @@ pub use access::{
 };
 pub use devices::{
     Attempt, CredentialsRequest, DesiredSet, DesiredView, DeviceDeleted, DeviceDesired,
-    DeviceListQuery, DevicePage, DeviceRegistration, DeviceUpsert, DeviceView, IssuedCredential,
-    LastOutcome, Registered, ReportedError, ReportedView,
+    DeviceListQuery, DevicePage, DeviceRegistration, DeviceUpsert, DeviceView, FieldChangeKind,
+    FieldDiff, IssuedCredential, LastOutcome, Registered, ReportedError, ReportedView,
 };
 pub use error_code::ErrorCode;
 pub use runs::{

@@ -8,6 +8,7 @@
 pub mod change;
 pub mod decide;
 pub mod device;
+pub mod diff;
 pub mod event_draft;
 pub mod machine;
 pub mod outcome;

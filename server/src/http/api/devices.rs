@@ -12,7 +12,8 @@ use axum::response::Response;
 use axum::{Extension, Json};
 use idem_protocol::api::{
     Attempt, DesiredView, DeviceDeleted, DeviceListQuery, DevicePage, DeviceRegistration,
-    DeviceUpsert, DeviceView, ErrorBody, LastOutcome, Registered, ReportedError, ReportedView,
+    DeviceUpsert, DeviceView, ErrorBody, FieldChangeKind, FieldDiff, LastOutcome, Registered,
+    ReportedError, ReportedView,
 };
 use idem_protocol::{DeviceId, DeviceStatus, SpecDigest};
 use serde_json::{json, Value};
@@ -26,6 +27,7 @@ use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
+use crate::reconcile::diff::{self, FieldChange};
 use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::{DeviceFilter, DeviceRow, HistoryRow, Registration};
 use crate::store::{self, generation, to_u64};
@@ -258,7 +260,32 @@ pub(super) async fn get_device(
     let history = store::devices::history(&state.pool, id.as_str(), HISTORY_SHOWN).await?;
     let mut device = device_view(row);
     device.history = Some(history.into_iter().map(attempt).collect());
+    device.diff = match (&device.reported, &device.desired) {
+        (Some(reported), Some(desired)) => Some(
+            diff::diff(&reported.spec, &desired.spec)
+                .into_iter()
+                .map(field_diff)
+                .collect(),
+        ),
+        _ => None,
+    };
     Ok(Json(device))
+}
+
+/// A change of the core's diff as the API shows it.
+fn field_diff(change: FieldChange) -> FieldDiff {
+    let path = change.path().to_string();
+    let (change, old, new) = match change {
+        FieldChange::Added { new, .. } => (FieldChangeKind::Added, None, Some(new)),
+        FieldChange::Removed { old, .. } => (FieldChangeKind::Removed, Some(old), None),
+        FieldChange::Changed { old, new, .. } => (FieldChangeKind::Changed, Some(old), Some(new)),
+    };
+    FieldDiff {
+        path,
+        change,
+        old,
+        new,
+    }
 }
 
 /// `DELETE /v1/devices/{id}`: removes the device and its attempt history
@@ -465,6 +492,7 @@ pub(super) fn device_view(row: DeviceRow) -> DeviceView {
         last_outcome,
         updated_at: row.updated_at,
         history: None,
+        diff: None,
     }
 }
 
