@@ -107,6 +107,8 @@ pub struct ServerSettings {
     pub https: Option<(CertFiles, PathBuf)>,
     /// How long `start` waits for `/readyz` to answer 200.
     pub ready_timeout: Duration,
+    /// `--plan-ttl`.
+    pub plan_ttl: Duration,
 }
 
 impl Default for ServerSettings {
@@ -149,6 +151,7 @@ impl Default for ServerSettings {
             mqtt_client_cert: None,
             https: None,
             ready_timeout: Duration::from_secs(15),
+            plan_ttl: server.changes.plan_ttl,
         }
     }
 }
@@ -181,6 +184,7 @@ impl TestServer {
         config.engine.resync_interval = Some(settings.resync_interval).filter(|d| !d.is_zero());
         config.engine.stale_after = settings.stale_after;
         config.readiness.stuck_after = settings.stuck_after;
+        config.changes.plan_ttl = settings.plan_ttl;
         config.http.http_max_connections = settings.http_max_connections;
         config.http.http_header_timeout = settings.http_header_timeout;
         config.http.http_body_timeout = settings.http_body_timeout;

@@ -110,6 +110,8 @@ error_codes! {
     InvalidLimit = "invalid_limit",
     /// A run id that is not a UUID.
     InvalidRunId = "invalid_run_id",
+    /// A plan id that is not a UUID.
+    InvalidPlanId = "invalid_plan_id",
     /// A `Last-Event-ID` (or `after`) that is not an event sequence number.
     InvalidLastEventId = "invalid_last_event_id",
     /// A token name that breaks the name rules.
@@ -135,6 +137,14 @@ error_codes! {
     NothingQuarantined = "nothing_quarantined",
     /// The selector matches no registered device.
     NoMatchingDevices = "no_matching_devices",
+    /// No plan has this id (plans live in the server's memory until they
+    /// expire, the newest few, and not across restarts).
+    UnknownPlan = "unknown_plan",
+    /// The plan is past its `expires_at`: re-plan.
+    PlanExpired = "plan_expired",
+    /// What the plan was computed on changed (the message says what), or
+    /// it was applied already: re-plan.
+    PlanStale = "plan_stale",
     /// The device id is the user name of another broker account.
     ReservedBrokerAccount = "reserved_broker_account",
     /// The server does not manage broker accounts (`--broker-accounts none`).

@@ -12,6 +12,7 @@ mod access;
 pub mod bounds;
 mod devices;
 mod error_code;
+mod plans;
 mod runs;
 mod targeting;
 
@@ -29,6 +30,10 @@ pub use devices::{
     FieldDiff, IssuedCredential, LastOutcome, Registered, ReportedError, ReportedView,
 };
 pub use error_code::ErrorCode;
+pub use plans::{
+    PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
+    PlanState, PlanView, PlannedDevice,
+};
 pub use runs::{
     FleetSummary, OutcomePage, OutcomeQuery, OutcomeRow, PushCounts, RunListQuery, RunPage,
     RunStarted, RunView,

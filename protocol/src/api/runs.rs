@@ -40,6 +40,9 @@ pub struct RunView {
     /// The operator token that started the run; `None` for runs the server
     /// started itself (see `trigger`).
     pub started_by: Option<String>,
+    /// The plan this run applied (`POST /v1/plans/{id}/apply`); `None`
+    /// for every other run.
+    pub plan_id: Option<Uuid>,
 }
 
 impl RunView {

@@ -56,6 +56,26 @@ pub enum Targeting {
     All,
 }
 
+/// The body that targets as `targeting` does (no spec, no force).
+impl From<Targeting> for TargetedRequest {
+    fn from(targeting: Targeting) -> Self {
+        match targeting {
+            Targeting::Devices(ids) => TargetedRequest {
+                devices: Some(ids.iter().map(ToString::to_string).collect()),
+                ..TargetedRequest::default()
+            },
+            Targeting::Selector(labels) => TargetedRequest {
+                selector: Some(Selector { labels }),
+                ..TargetedRequest::default()
+            },
+            Targeting::All => TargetedRequest {
+                all: true,
+                ..TargetedRequest::default()
+            },
+        }
+    }
+}
+
 /// Why a bulk call's targets are not usable; the texts are the API's.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TargetingError {

@@ -22,6 +22,7 @@ use crate::ingest::intake::{intake, IntakeGauge, IntakeReceiver, IntakeSender};
 use crate::ingest::Ingest;
 use crate::mqtt::{self, MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
+use crate::reconcile::plan::PlanBook;
 use crate::reconcile::run::RunSpec;
 use crate::store::cache::FleetCache;
 use crate::store::events::StoredEvent;
@@ -167,6 +168,7 @@ fn shared_state(
         run_requests,
         auth,
         dynsec,
+        plans: std::sync::Mutex::new(PlanBook::new(crate::config::MAX_PLANS_KEPT)),
     }
 }
 

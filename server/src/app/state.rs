@@ -3,7 +3,7 @@
 //! holds and imports no handler, middleware or HTTP code, so `api`, `auth`,
 //! `sse` and `app` can all depend on it without a cycle.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use sqlx::PgPool;
 use tokio::sync::{broadcast, mpsc, Notify};
@@ -14,6 +14,7 @@ use crate::http::sse::SseClients;
 use crate::mqtt::{MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
 use crate::ops::stall::Stall;
+use crate::reconcile::plan::PlanBook;
 use crate::store::cache::FleetCache;
 use crate::store::events::StoredEvent;
 use crate::store::DeviceWriter;
@@ -49,6 +50,8 @@ pub struct AppState {
     pub dynsec: Option<Arc<crate::broker::dynsec::Dynsec>>,
     /// Runs asked for by API calls: the engine creates and starts them.
     pub run_requests: mpsc::Sender<RunRequest>,
+    /// The plans made and not yet forgotten (`POST /v1/plans`).
+    pub plans: Mutex<PlanBook>,
 }
 
 /// The workers whose stuck writes make the server not ready.

@@ -2,7 +2,7 @@
 //! environment variable, in groups that `--help` shows under headings of
 //! their own, one file per group: `fleet.rs`, `database.rs`, `mqtt.rs`,
 //! `http.rs` (the API and its event streams), `security.rs`, `engine.rs`,
-//! `events.rs`, `retention.rs` and `readiness.rs`; the value parsers are in
+//! `changes.rs` (plans), `events.rs`, `retention.rs` and `readiness.rs`; the value parsers are in
 //! `values.rs`. Each group's `validate` checks its flags and builds the
 //! settings type its subsystem takes ("`0` = off" becomes `None` there), and
 //! `Config::validate` collects them into a `ValidConfig`, failing fast with a
@@ -21,6 +21,7 @@ use crate::ops::retention::RunRetention;
 use crate::security::secret::SecretUrl;
 use crate::security::tls::TlsError;
 
+mod changes;
 mod database;
 mod engine;
 mod events;
@@ -32,6 +33,7 @@ mod retention;
 mod security;
 mod values;
 
+pub use changes::{ChangesArgs, ChangesSettings, MAX_PLANS_KEPT};
 pub use database::{DatabaseArgs, DatabaseSettings};
 pub use engine::{EngineArgs, ReconcileSettings};
 pub use events::{EventsArgs, EventsSettings};
@@ -68,6 +70,8 @@ pub struct Config {
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
+    pub changes: ChangesArgs,
+    #[command(flatten)]
     pub events: EventsArgs,
     #[command(flatten)]
     pub retention: RetentionArgs,
@@ -86,6 +90,7 @@ pub struct ValidConfig {
     pub http: HttpSettings,
     pub security: SecuritySettings,
     pub engine: ReconcileSettings,
+    pub changes: ChangesSettings,
     pub events: EventsSettings,
     pub retention: RunRetention,
     pub readiness: ReadinessSettings,
@@ -104,6 +109,7 @@ impl Config {
             http: self.http.validate(&self.sse)?,
             security,
             engine: self.engine.validate()?,
+            changes: self.changes.validate()?,
             events: self.events.validate()?,
             retention: self.retention.validate()?,
             readiness: self.readiness.validate()?,
@@ -151,6 +157,8 @@ pub enum ConfigError {
     TopicRoot(String),
     #[error("IDEM_DATABASE_URL / --database-url must start with postgres:// or postgresql:// (got {0:?})")]
     DatabaseUrl(SecretUrl),
+    #[error("IDEM_PLAN_TTL / --plan-ttl must be between 1s and 7d (got {0:?})")]
+    PlanTtl(Duration),
     #[error("IDEM_PUSH_TIMEOUT / --push-timeout must be at least 10ms (got {0:?})")]
     PushTimeout(Duration),
     #[error(

@@ -12,6 +12,7 @@ use uuid::Uuid;
 use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedData};
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::device::DeviceEntry;
+use crate::reconcile::plan::{Plan, Staleness};
 use crate::reconcile::policy::{converged_targets, Converged};
 use crate::reconcile::run::RunSpec;
 pub use crate::reconcile::run::Trigger;
@@ -30,6 +31,19 @@ pub enum CommitRunError {
     /// A run that releases quarantined targets found none quarantined.
     #[error("none of the targets is quarantined")]
     NothingQuarantined,
+    /// A plan to apply no longer describes the fleet.
+    #[error("{0}")]
+    PlanStale(Staleness),
+}
+
+/// The plan a run applies, checked against the fleet in the run's own
+/// transaction, with the device writer held, so nothing can change between
+/// the check and the commit.
+#[derive(Debug)]
+pub struct FromPlan {
+    pub plan: Arc<Plan>,
+    /// Devices its targeting matches now and did not when it was made.
+    pub joined: u64,
 }
 
 /// A run to commit.
@@ -49,6 +63,9 @@ pub struct NewRun {
     /// Release the targets from quarantine first, in the run's
     /// transaction; the run targets only those that were quarantined.
     pub release_quarantined: bool,
+    /// The plan it applies: its targets, spec and force are the plan's, and
+    /// it is refused when anything the plan was computed on changed.
+    pub plan: Option<FromPlan>,
 }
 
 impl NewRun {
@@ -63,7 +80,19 @@ impl NewRun {
             started_by: None,
             audit: None,
             release_quarantined: false,
+            plan: None,
         }
+    }
+
+    /// The run that applies `plan` (its devices, spec and force).
+    pub fn applying(plan: Arc<Plan>, joined: u64) -> Self {
+        let targets = plan.devices.iter().map(|d| d.id.clone()).collect();
+        let spec = Value::clone(&plan.spec);
+        let mut run = Self::new(targets, Trigger::Desired)
+            .forced(plan.force)
+            .changing_desired_to(spec);
+        run.plan = Some(FromPlan { plan, joined });
+        run
     }
 
     /// Push even to targets whose report already matches.
@@ -102,6 +131,16 @@ pub async fn commit_run(
     let run_id = Uuid::now_v7();
     let mut targets = run.targets;
     let mut write = writer.begin().await?;
+    if let Some(from) = &run.plan {
+        let mut staleness = Staleness {
+            joined: from.joined,
+            ..Staleness::default()
+        };
+        staleness.compare(&from.plan.devices, view);
+        if !staleness.is_fresh() {
+            return Err(CommitRunError::PlanStale(staleness));
+        }
+    }
     let mut released = Vec::new();
     if run.release_quarantined {
         let ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
@@ -140,6 +179,7 @@ pub async fn commit_run(
         trigger: run.trigger,
         force: run.force,
         started_by: run.started_by.as_deref(),
+        plan_id: run.plan.as_ref().map(|from| from.plan.id),
     };
     write_run(
         &mut write,

@@ -169,6 +169,11 @@ impl Call {
 #[derive(Debug, Clone, Copy)]
 pub struct AuditWritten;
 
+/// Marks the answer of a mutating method that changes nothing by design
+/// (a plan, `POST /v1/plans`): the audit trail keeps no record of it.
+#[derive(Debug, Clone, Copy)]
+pub struct DryRun;
+
 /// What a mutating handler did, attached to its response for the audit
 /// trail.
 #[derive(Debug, Clone, Default)]
@@ -386,7 +391,8 @@ pub async fn authorize(
         }
     }
     let response = next.run(request).await;
-    let written = response.extensions().get::<AuditWritten>().is_some();
+    let written = response.extensions().get::<AuditWritten>().is_some()
+        || response.extensions().get::<DryRun>().is_some();
     if let (true, false, Some(actor)) = (mutating, written, actor) {
         let outcome = Answered::of(&response);
         record(&state, &actor, &method, &route, &path, outcome).await;

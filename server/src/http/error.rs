@@ -34,6 +34,9 @@ impl ApiError {
     pub(crate) fn not_found(code: ErrorCode, message: impl Into<String>) -> Self {
         Self::new(StatusCode::NOT_FOUND, code, message)
     }
+    pub(crate) fn code(&self) -> ErrorCode {
+        self.code
+    }
 }
 
 impl IntoResponse for ApiError {

@@ -61,19 +61,43 @@ pub enum Decision {
     Wait,
 }
 
+/// What a run's first look at a device decides (a fresh attempt): the
+/// one step a plan predicts for it (`reconcile::plan`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstLook {
+    AlreadyConverged,
+    Push,
+    AskForReport,
+}
+
+impl From<FirstLook> for Decision {
+    fn from(look: FirstLook) -> Self {
+        match look {
+            FirstLook::AlreadyConverged => Decision::Finish(Outcome::AlreadyConverged),
+            FirstLook::Push => Decision::Push,
+            FirstLook::AskForReport => Decision::AskForReport,
+        }
+    }
+}
+
+/// The decision on a fresh attempt (`Attempt::Fresh { force }`).
+pub fn first_look(desired: &Desired, actual: &Actual, force: bool) -> FirstLook {
+    match actual {
+        Actual::NeverReported if force => FirstLook::Push,
+        Actual::NeverReported => FirstLook::AskForReport,
+        Actual::Reported(report) => check_before_dispatch(desired, report, force),
+    }
+}
+
 pub fn decide(desired: &Desired, actual: &Actual, attempt: &Attempt) -> Decision {
     match attempt {
-        Attempt::Fresh { force } => match actual {
-            Actual::NeverReported if *force => Decision::Push,
-            Actual::NeverReported => Decision::AskForReport,
-            Actual::Reported(report) => check_before_dispatch(desired, report, *force),
-        },
+        Attempt::Fresh { force } => first_look(desired, actual, *force).into(),
         Attempt::AwaitingReport { expired } => match actual {
             Actual::NeverReported if *expired => {
                 Decision::Finish(Outcome::Failed(FailureReason::NoReport))
             }
             Actual::NeverReported => Decision::Wait,
-            Actual::Reported(report) => check_before_dispatch(desired, report, false),
+            Actual::Reported(report) => check_before_dispatch(desired, report, false).into(),
         },
         Attempt::Pushed {
             generation,
@@ -99,11 +123,11 @@ pub fn decide(desired: &Desired, actual: &Actual, attempt: &Attempt) -> Decision
 }
 
 /// Check before dispatch: push only when the reported digest differs.
-fn check_before_dispatch(desired: &Desired, report: &ReportedState, force: bool) -> Decision {
+fn check_before_dispatch(desired: &Desired, report: &ReportedState, force: bool) -> FirstLook {
     if !force && report.digest == desired.digest {
-        Decision::Finish(Outcome::AlreadyConverged)
+        FirstLook::AlreadyConverged
     } else {
-        Decision::Push
+        FirstLook::Push
     }
 }
 

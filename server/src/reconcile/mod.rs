@@ -13,5 +13,6 @@ pub mod event_draft;
 pub mod machine;
 pub mod outcome;
 pub mod pacer;
+pub mod plan;
 pub mod policy;
 pub mod run;

@@ -11,17 +11,42 @@ use std::collections::HashMap;
 
 use idem_protocol::{Backoff, DeviceId, Health, SpecDigest};
 
-use super::decide::{decide, Actual, Attempt, Decision, Desired};
+use super::decide::{first_look, Actual, Desired, FirstLook};
 use super::outcome::{Outcome, SkipReason};
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::device::DeviceEntry;
 
+/// Why a device with a desired spec is not attempted, if it is not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blocked {
+    Quarantined,
+    Offline,
+}
+
+impl From<Blocked> for SkipReason {
+    fn from(blocked: Blocked) -> Self {
+        match blocked {
+            Blocked::Quarantined => SkipReason::Quarantined,
+            Blocked::Offline => SkipReason::Offline,
+        }
+    }
+}
+
+/// Whether a device's status or connection keeps a run from attempting it.
+pub fn blocked(status: DeviceStatus, online: Option<bool>) -> Option<Blocked> {
+    if status == DeviceStatus::Quarantined {
+        Some(Blocked::Quarantined)
+    } else if online == Some(false) {
+        Some(Blocked::Offline)
+    } else {
+        None
+    }
+}
+
 /// Why a run does not attempt a device at all, if it does not.
 pub fn gate(status: DeviceStatus, online: Option<bool>, has_desired: bool) -> Option<SkipReason> {
-    if status == DeviceStatus::Quarantined {
-        Some(SkipReason::Quarantined)
-    } else if online == Some(false) {
-        Some(SkipReason::Offline)
+    if let Some(blocked) = blocked(status, online) {
+        Some(blocked.into())
     } else if !has_desired {
         Some(SkipReason::NoDesiredSpec)
     } else {
@@ -47,14 +72,9 @@ pub fn converged_at_creation(
     if force || gate(status, online, true).is_some() {
         return false;
     }
-    match decide(desired, actual, &Attempt::Fresh { force }) {
-        Decision::Finish(Outcome::AlreadyConverged) => true,
-        Decision::Finish(
-            Outcome::Provisioned | Outcome::Failed(_) | Outcome::Skipped(_) | Outcome::Superseded,
-        )
-        | Decision::Push
-        | Decision::AskForReport
-        | Decision::Wait => false,
+    match first_look(desired, actual, force) {
+        FirstLook::AlreadyConverged => true,
+        FirstLook::Push | FirstLook::AskForReport => false,
     }
 }
 

@@ -132,6 +132,23 @@ pub async fn get(pool: &PgPool, id: &str) -> Result<Option<DeviceRow>, StoreErro
     .context("reading a device")
 }
 
+/// One device's last report as stored: its spec and seq.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct StoredReport {
+    pub id: String,
+    pub reported_spec: Option<Value>,
+    pub reported_seq: Option<i64>,
+}
+
+/// The last report of each of `ids` that exists (for diffs).
+pub async fn reports_of(pool: &PgPool, ids: &[String]) -> Result<Vec<StoredReport>, StoreError> {
+    sqlx::query_as("SELECT id, reported_spec, reported_seq FROM devices WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(pool)
+        .await
+        .context("reading the last reports of devices")
+}
+
 /// Filters for the paged device list.
 #[derive(Debug, Default, Clone)]
 pub struct DeviceFilter {

@@ -24,6 +24,8 @@ pub struct RunRow {
     pub started_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
     pub started_by: Option<String>,
+    /// The plan this run applied.
+    pub plan_id: Option<Uuid>,
 }
 
 impl RunRow {
@@ -41,7 +43,7 @@ impl RunRow {
 
 const RUN_COLUMNS: &str =
     "id, trigger, state, force, target_count, already_converged, provisioned, \
-    failed, skipped, superseded, started_at, finished_at, started_by";
+    failed, skipped, superseded, started_at, finished_at, started_by, plan_id";
 
 /// The run row to insert.
 #[derive(Debug, Clone, Copy)]
@@ -50,6 +52,7 @@ pub struct NewRunRow<'a> {
     pub trigger: Trigger,
     pub force: bool,
     pub started_by: Option<&'a str>,
+    pub plan_id: Option<Uuid>,
 }
 
 /// A target whose outcome (`already_converged`) is known when its run is
@@ -72,8 +75,8 @@ pub async fn create(
     let id = run.id;
     let count = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
     sqlx::query(
-        "INSERT INTO runs (id, trigger, force, target_count, started_by, already_converged) \
-         VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO runs (id, trigger, force, target_count, started_by, already_converged, plan_id) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
     )
     .bind(id)
     .bind(run.trigger)
@@ -81,6 +84,7 @@ pub async fn create(
     .bind(count(undecided.len() + converged.len()))
     .bind(run.started_by)
     .bind(count(converged.len()))
+    .bind(run.plan_id)
     .execute(&mut **tx)
     .await
     .context("creating a run")?;

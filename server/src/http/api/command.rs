@@ -173,6 +173,11 @@ async fn ask_engine(
             ErrorCode::NotQuarantined,
             "none of the devices to retry is quarantined (any more)",
         ),
+        CommitRunError::PlanStale(staleness) => ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::PlanStale,
+            format!("the plan no longer describes the fleet: {staleness}"),
+        ),
     })
 }
 

@@ -125,24 +125,42 @@ pub(super) async fn resolve_targets(
     state: &AppState,
     body: &TargetedRequest,
 ) -> Result<Vec<DeviceId>, ApiError> {
-    let rows = match body.targeting(input::MAX_TARGET_IDS_PER_REQUEST)? {
-        Targeting::Devices(ids) => return known(state, ids),
-        Targeting::Selector(labels) => {
-            input::check_count("selector labels", labels.len(), input::MAX_LABELS)?;
-            for (key, value) in &labels {
-                input::check_label_pair(key, value)?;
-            }
-            let labels = serde_json::to_value(&labels).unwrap_or_default();
-            store::devices::ids_matching_labels(&state.pool, &labels).await?
-        }
-        Targeting::All => store::devices::ids_matching_labels(&state.pool, &json!({})).await?,
-    };
-    if rows.is_empty() {
+    let ids = matching(state, &checked_targeting(body)?).await?;
+    if ids.is_empty() {
         return Err(ApiError::not_found(
             ErrorCode::NoMatchingDevices,
             "no registered device matches the selector",
         ));
     }
+    Ok(ids)
+}
+
+/// What a bulk call's body targets, with its selector's labels checked.
+pub(super) fn checked_targeting(body: &TargetedRequest) -> Result<Targeting, ApiError> {
+    let targeting = body.targeting(input::MAX_TARGET_IDS_PER_REQUEST)?;
+    if let Targeting::Selector(labels) = &targeting {
+        input::check_count("selector labels", labels.len(), input::MAX_LABELS)?;
+        for (key, value) in labels {
+            input::check_label_pair(key, value)?;
+        }
+    }
+    Ok(targeting)
+}
+
+/// The registered devices `targeting` names or matches now (a selector may
+/// match none; a named device that is not registered is a 404).
+pub(super) async fn matching(
+    state: &AppState,
+    targeting: &Targeting,
+) -> Result<Vec<DeviceId>, ApiError> {
+    let rows = match targeting {
+        Targeting::Devices(ids) => return known(state, ids.clone()),
+        Targeting::Selector(labels) => {
+            let labels = serde_json::to_value(labels).unwrap_or_default();
+            store::devices::ids_matching_labels(&state.pool, &labels).await?
+        }
+        Targeting::All => store::devices::ids_matching_labels(&state.pool, &json!({})).await?,
+    };
     Ok(store::device_ids(
         &rows,
         "reading the devices a selector matches",

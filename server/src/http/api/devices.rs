@@ -261,15 +261,15 @@ pub(super) async fn get_device(
     let mut device = device_view(row);
     device.history = Some(history.into_iter().map(attempt).collect());
     device.diff = match (&device.reported, &device.desired) {
-        (Some(reported), Some(desired)) => Some(
-            diff::diff(&reported.spec, &desired.spec)
-                .into_iter()
-                .map(field_diff)
-                .collect(),
-        ),
+        (Some(reported), Some(desired)) => Some(field_diffs(&reported.spec, &desired.spec)),
         _ => None,
     };
     Ok(Json(device))
+}
+
+/// The core's diff from `old` to `new`, as the API shows it.
+pub(super) fn field_diffs(old: &Value, new: &Value) -> Vec<FieldDiff> {
+    diff::diff(old, new).into_iter().map(field_diff).collect()
 }
 
 /// A change of the core's diff as the API shows it.

@@ -22,6 +22,7 @@ mod fleet;
 pub mod openapi;
 mod ops;
 mod params;
+mod plans;
 mod routes;
 mod runs;
 mod tokens;

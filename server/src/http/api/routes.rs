@@ -12,7 +12,7 @@ use utoipa::openapi::{OpenApi, RefOr, Response, ResponseBuilder};
 use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
 use utoipa_axum::routes;
 
-use super::{audit, credentials, desired, devices, fleet, openapi, ops, runs, tokens};
+use super::{audit, credentials, desired, devices, fleet, openapi, ops, plans, runs, tokens};
 use crate::app::state::AppState;
 use crate::http::auth::{access_for, Access, AuthSettings, Role, Route};
 use crate::http::sse;
@@ -38,6 +38,10 @@ fn table() -> Vec<(Access, UtoipaMethodRouter<Arc<AppState>>)> {
         (operator, routes!(runs::retry_device)),
         (admin, routes!(credentials::rotate)),
         (operator, routes!(desired::set_desired_bulk)),
+        (operator, routes!(plans::create_plan)),
+        (viewer, routes!(plans::get_plan)),
+        (viewer, routes!(plans::plan_devices_page)),
+        (operator, routes!(plans::apply_plan)),
         (viewer, routes!(runs::list_runs)),
         (operator, routes!(runs::start_manual_run)),
         (viewer, routes!(runs::get_run)),

@@ -187,6 +187,7 @@ fn run_view(row: RunRow) -> RunView {
         started_at: row.started_at,
         finished_at: row.finished_at,
         started_by: row.started_by,
+        plan_id: row.plan_id,
     }
 }
 

@@ -7,7 +7,7 @@ use metrics::Counter;
 
 use super::labels::{
     BodyRejection, ConnectionRefusal, DropReason, HeadRejection, ReportResult, SseRefusal,
-    AUTH_REFUSAL_REASONS, REFUSED_PUBLISH_KINDS, REJECT_REASONS,
+    AUTH_REFUSAL_REASONS, PLAN_ACTIONS, REFUSED_PUBLISH_KINDS, REJECT_REASONS,
 };
 use super::Metrics;
 use crate::reconcile::machine::{AskReason, RecheckTrigger};
@@ -134,6 +134,13 @@ impl Metrics {
     pub fn auth_refused(&self, reason: &str) {
         if let Some(i) = AUTH_REFUSAL_REASONS.iter().position(|r| *r == reason) {
             self.auth_refusals[i].increment(1);
+        }
+    }
+
+    /// Counts a plan action (one of [`PLAN_ACTIONS`]).
+    pub fn plan(&self, action: &str) {
+        if let Some(i) = PLAN_ACTIONS.iter().position(|a| *a == action) {
+            self.plans[i].increment(1);
         }
     }
 

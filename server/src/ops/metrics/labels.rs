@@ -49,6 +49,10 @@ impl ReportResult {
     }
 }
 
+/// The `action` values of `idem_plans_total`: plans made, applied, and
+/// refused at apply (stale or applied already; expired).
+pub const PLAN_ACTIONS: [&str; 4] = ["created", "applied", "refused_stale", "refused_expired"];
+
 /// Why an API call was refused by authentication or authorisation: label
 /// values of `idem_http_auth_refusals_total` (`auth::Refusal::reason`).
 pub const AUTH_REFUSAL_REASONS: [&str; 5] =

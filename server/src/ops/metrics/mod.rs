@@ -27,7 +27,7 @@ mod tests;
 
 pub use labels::{
     BodyRejection, ConnectionRefusal, DropReason, HeadRejection, ReportResult, SseRefusal,
-    AUTH_REFUSAL_REASONS, REFUSED_PUBLISH_KINDS, REJECT_REASONS,
+    AUTH_REFUSAL_REASONS, PLAN_ACTIONS, REFUSED_PUBLISH_KINDS, REJECT_REASONS,
 };
 use series::*;
 
@@ -47,6 +47,7 @@ pub struct Metrics {
     /// Report batches the database refused, split to isolate the refused report.
     pub ingest_batch_splits: Counter,
     auth_refusals: [Counter; AUTH_REFUSAL_REASONS.len()],
+    plans: [Counter; PLAN_ACTIONS.len()],
     /// Retained desired messages refreshed without a push (the device
     /// already ran the new desired spec, or was not attempted).
     pub retained_updates: Counter,
@@ -130,6 +131,7 @@ impl Metrics {
             health_unknown: REPORTS_HEALTH_UNKNOWN.register(r, &[]),
             auth_refusals: AUTH_REFUSAL_REASONS
                 .map(|reason| HTTP_AUTH_REFUSALS.register(r, &[("reason", reason)])),
+            plans: PLAN_ACTIONS.map(|action| PLANS.register(r, &[("action", action)])),
             ingest_batch_splits: INGEST_BATCH_SPLITS.register(r, &[]),
             retained_updates: RETAINED_UPDATES.register(r, &[]),
             pushes: PUSHES.register(r, &[]),

@@ -28,6 +28,10 @@ pub(super) const HTTP_AUTH_REFUSALS: Family<Counter> = Family::new(
     "idem_http_auth_refusals_total",
     "API calls refused for a missing, unknown, expired or revoked token (401) or a too weak role (403)",
 );
+pub(super) const PLANS: Family<Counter> = Family::new(
+    "idem_plans_total",
+    "Plans (POST /v1/plans) by action: created, applied, refused_stale (changed since, or applied already), refused_expired",
+);
 pub(super) const INGEST_BATCH_SPLITS: Family<Counter> = Family::new(
     "idem_ingest_batch_splits_total",
     "Report batches the database refused, split to isolate the refused report",

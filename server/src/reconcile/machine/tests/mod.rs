@@ -5,10 +5,12 @@
 //! are by topic: `runs.rs` (a run's targets, outcomes and completion),
 //! `pushes.rs` (the in-flight cap, forced runs, retained refreshes),
 //! `failures.rs` (retries, quarantine, timeouts, deleted devices),
-//! `triggers.rs` (runs and report requests the machine starts itself) and
-//! `property.rs` (any sequence of inputs).
+//! `triggers.rs` (runs and report requests the machine starts itself),
+//! `property.rs` (any sequence of inputs) and `plans.rs` (a plan predicts
+//! what applying it does).
 
 mod failures;
+mod plans;
 mod property;
 mod pushes;
 mod runs;

@@ -8,7 +8,7 @@ use super::*;
 
 /// One thing that can happen to the engine.
 #[derive(Debug, Clone)]
-enum Step {
+pub(super) enum Step {
     Run {
         targets: Vec<usize>,
         force: bool,
@@ -32,9 +32,9 @@ enum Step {
     Restart,
 }
 
-const DEVICES: usize = 6;
+pub(super) const DEVICES: usize = 6;
 
-fn step() -> impl Strategy<Value = Step> {
+pub(super) fn step() -> impl Strategy<Value = Step> {
     let device = 0..DEVICES;
     prop_oneof![
         3 => (proptest::collection::vec(0..DEVICES, 0..8), any::<bool>())
@@ -53,7 +53,7 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 impl World {
-    fn play(&mut self, fleet: &[DeviceId], step: &Step) {
+    pub(super) fn play(&mut self, fleet: &[DeviceId], step: &Step) {
         let desired = |world: &World, i: usize| {
             world
                 .fleet

@@ -1,0 +1,133 @@
+//! Bodies of `/v1/plans…`: a plan (what a desired change would do, device
+//! by device, before anything moves), a page of its devices and the query
+//! that asks for one.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::FieldDiff;
+
+/// `POST /v1/plans`, `GET /v1/plans/{id}`: a desired change computed and
+/// not applied.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlanView {
+    pub plan_id: Uuid,
+    pub state: PlanState,
+    /// The run that applied it (`state` is `applied`).
+    pub applied_run: Option<Uuid>,
+    /// The operator token that made it.
+    pub author: String,
+    pub created_at: DateTime<Utc>,
+    /// Applying it later is refused (`410 plan_expired`).
+    pub expires_at: DateTime<Utc>,
+    /// The digest of the planned desired spec.
+    pub digest: String,
+    pub force: bool,
+    pub counts: PlanCounts,
+    /// The first page of the devices it would push to, in id order, each
+    /// with its field-level diff.
+    pub devices: Vec<PlannedDevice>,
+    /// Continue with `GET /v1/plans/{id}/devices?change=push&after=…`.
+    pub next_after: Option<String>,
+}
+
+/// Where a plan stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum PlanState {
+    /// It can be applied.
+    Open,
+    /// A run applied it (`applied_run`).
+    Applied,
+    /// Past `expires_at`: re-plan.
+    Expired,
+}
+
+/// How many targeted devices get each verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlanCounts {
+    pub targets: u64,
+    /// Their report already matches: `already_converged`, no push.
+    pub already_converged: u64,
+    /// Applying pushes to them.
+    pub push: u64,
+    /// Applying does not push to them, by reason (below).
+    pub skipped: u64,
+    pub skipped_by_reason: PlanSkipCounts,
+}
+
+/// The skipped devices of a plan, by reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlanSkipCounts {
+    pub offline: u64,
+    pub quarantined: u64,
+    /// Never reported: the run asks them to report and decides then.
+    pub no_report: u64,
+}
+
+/// One targeted device of a plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlannedDevice {
+    pub device_id: String,
+    pub change: PlanChange,
+    /// Why it is skipped (`change` is `skipped`).
+    pub reason: Option<PlanSkipReason>,
+    /// Its desired generation once the plan is applied.
+    pub generation: u64,
+    /// True when its desired spec already is the planned one: applying
+    /// creates no new generation for it.
+    pub unchanged: bool,
+    /// From its last report to the planned spec (`[]`: they match);
+    /// `null` when it never reported.
+    pub diff: Option<Vec<FieldDiff>>,
+    /// True when the device reported again after the plan was made: `diff`
+    /// is from that newer report, and applying the plan is refused.
+    pub reported_since_plan: bool,
+}
+
+/// What applying a plan does to a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum PlanChange {
+    Push,
+    Converged,
+    Skipped,
+}
+
+/// Why a plan skips a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum PlanSkipReason {
+    Offline,
+    Quarantined,
+    NoReport,
+}
+
+/// `GET /v1/plans/{id}/devices`: a page in device-id order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlanDevicePage {
+    pub devices: Vec<PlannedDevice>,
+    pub next_after: Option<String>,
+}
+
+/// The query of `GET /v1/plans/{id}/devices`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams), into_params(parameter_in = Query))]
+pub struct PlanDeviceQuery {
+    /// Only devices with this change.
+    pub change: Option<PlanChange>,
+    /// The previous page's `next_after`.
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::query_text))]
+    pub after: Option<String>,
+    #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::page_limit))]
+    pub limit: Option<i64>,
+}

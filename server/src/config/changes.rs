@@ -1,0 +1,65 @@
+//! The changes group (`--help` heading "Changes"): how long a plan
+//! (`POST /v1/plans`) can be applied, and how many the server keeps.
+
+use std::time::Duration;
+
+use super::{parse_duration, ConfigError};
+
+/// Plans the server keeps at most (the newest; each holds one entry per
+/// targeted device).
+pub const MAX_PLANS_KEPT: usize = 16;
+
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Changes")]
+pub struct ChangesArgs {
+    /// How long a plan can be applied after it was made, e.g. `1h`, `15m`
+    /// (at least 1s, at most 7d). Applying a later one is refused as
+    /// expired: re-plan.
+    #[arg(long, env = "IDEM_PLAN_TTL", default_value = "1h", value_parser = parse_duration)]
+    pub plan_ttl: Duration,
+}
+
+/// The changes group, validated.
+#[derive(Debug, Clone, Copy)]
+pub struct ChangesSettings {
+    pub plan_ttl: Duration,
+}
+
+impl ChangesArgs {
+    pub fn validate(&self) -> Result<ChangesSettings, ConfigError> {
+        let allowed = Duration::from_secs(1)..=Duration::from_secs(7 * 24 * 3600);
+        if !allowed.contains(&self.plan_ttl) {
+            return Err(ConfigError::PlanTtl(self.plan_ttl));
+        }
+        Ok(ChangesSettings {
+            plan_ttl: self.plan_ttl,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Config;
+    use clap::Parser;
+
+    #[test]
+    fn plans_can_be_applied_for_an_hour_unless_configured_otherwise() {
+        let config = Config::defaults().validate().unwrap();
+        assert_eq!(config.changes.plan_ttl, Duration::from_secs(3600));
+        let config = Config::try_parse_from(["idem-server", "--plan-ttl", "15m"]).unwrap();
+        assert_eq!(
+            config.validate().unwrap().changes.plan_ttl,
+            Duration::from_secs(900)
+        );
+    }
+
+    #[test]
+    fn a_plan_lifetime_outside_a_second_to_a_week_is_refused_naming_the_variable() {
+        for ttl in ["500ms", "8d"] {
+            let config = Config::try_parse_from(["idem-server", "--plan-ttl", ttl]).unwrap();
+            let error = config.validate().unwrap_err().to_string();
+            assert!(error.contains("IDEM_PLAN_TTL / --plan-ttl"), "{error}");
+        }
+    }
+}

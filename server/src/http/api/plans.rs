@@ -1,0 +1,325 @@
+//! Plans: `POST /v1/plans` computes what a desired change would do, device
+//! by device, with the decision a run takes (`reconcile::plan`), and changes
+//! nothing — no device row, run, event, audit record or MQTT message;
+//! `GET /v1/plans/{id}` and `GET /v1/plans/{id}/devices` read it with
+//! field-level diffs; `POST /v1/plans/{id}/apply` applies it through the
+//! command layer, refused when anything it was computed on changed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use chrono::Utc;
+use idem_protocol::api::{
+    ErrorBody, ErrorCode, PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts,
+    PlanSkipReason, PlanState as ApiPlanState, PlanView, PlannedDevice, RunStarted,
+    TargetedRequest,
+};
+use idem_protocol::SpecDigest;
+use serde_json::json;
+use uuid::Uuid;
+
+use super::command::{audited_ids, recorded, start_run};
+use super::desired::{checked_targeting, matching, targeting_summary};
+use super::devices::field_diffs;
+use super::params::page_limit;
+use crate::app::state::AppState;
+use crate::engine::new_run::NewRun;
+use crate::http::auth::{AuditNote, Call, DryRun};
+use crate::http::error::ApiError;
+use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::http::input;
+use crate::reconcile::plan::{
+    self, joined_since, plan_devices, Plan, PlanSkip, PlanState, Unusable, Verdict,
+};
+use crate::reconcile::policy::Blocked;
+use crate::store;
+
+/// `POST /v1/plans`: what `POST /v1/desired` with this body would do, device
+/// by device; nothing is changed or recorded.
+#[utoipa::path(post, path = "/v1/plans", tag = "plans",
+    request_body = idem_protocol::api::DesiredRequest,
+    responses((status = 201, body = PlanView), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn create_plan(
+    State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
+    ApiJson(mut body): ApiJson<TargetedRequest>,
+) -> Result<Response, ApiError> {
+    let Some(spec) = body.spec.take() else {
+        return Err(ApiError::bad_request(
+            ErrorCode::MissingSpec,
+            "`spec` is required: a plan previews a change of desired state",
+        ));
+    };
+    input::check_spec(state.config.fleet.budget, &spec)?;
+    let targeting = checked_targeting(&body)?;
+    let targets = matching(&state, &targeting).await?;
+    let digest = SpecDigest::of(&spec);
+    let (devices, counts) = plan_devices(&targets, |id| state.fleet.get(id), digest, body.force);
+    let now = Utc::now();
+    let ttl = chrono::Duration::from_std(state.config.changes.plan_ttl)
+        .unwrap_or(chrono::Duration::hours(1));
+    let plan = Plan {
+        id: Uuid::now_v7(),
+        author: call.actor.name.clone(),
+        created_at: now,
+        expires_at: now + ttl,
+        targeting,
+        spec: Arc::new(spec),
+        digest,
+        force: body.force,
+        devices,
+        counts,
+    };
+    let plan = book(&state).insert(plan, now);
+    state.metrics.plan("created");
+    let view = plan_view(&state, &plan, PlanState::Open).await?;
+    Ok((StatusCode::CREATED, Extension(DryRun), Json(view)).into_response())
+}
+
+/// `GET /v1/plans/{id}`: a plan, with the first page of its pushes.
+#[utoipa::path(get, path = "/v1/plans/{id}", tag = "plans",
+    params(("id" = Uuid, Path, description = "plan id")),
+    responses((status = 200, body = PlanView), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn get_plan(
+    State(state): State<Arc<AppState>>,
+    ApiPath(raw): ApiPath<String>,
+) -> Result<Json<PlanView>, ApiError> {
+    let id = plan_id(&raw)?;
+    let (plan, plan_state) = book(&state)
+        .get(id, Utc::now())
+        .ok_or_else(|| unknown_plan(id))?;
+    Ok(Json(plan_view(&state, &plan, plan_state).await?))
+}
+
+/// `GET /v1/plans/{id}/devices`: a page of a plan's devices in id order.
+#[utoipa::path(get, path = "/v1/plans/{id}/devices", tag = "plans",
+    params(("id" = Uuid, Path, description = "plan id"), PlanDeviceQuery),
+    responses((status = 200, body = PlanDevicePage), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn plan_devices_page(
+    State(state): State<Arc<AppState>>,
+    ApiPath(raw): ApiPath<String>,
+    ApiQuery(query): ApiQuery<PlanDeviceQuery>,
+) -> Result<Json<PlanDevicePage>, ApiError> {
+    let id = plan_id(&raw)?;
+    // 1..=PAGE_LIMIT_MAX, so it fits.
+    let limit = usize::try_from(page_limit(query.limit)?).unwrap_or(1);
+    if let Some(after) = &query.after {
+        input::check_query_text("after", after)?;
+    }
+    let (plan, _) = book(&state)
+        .get(id, Utc::now())
+        .ok_or_else(|| unknown_plan(id))?;
+    let (devices, next_after) =
+        page(&state, &plan, query.change, query.after.as_deref(), limit).await?;
+    Ok(Json(PlanDevicePage {
+        devices,
+        next_after,
+    }))
+}
+
+/// `POST /v1/plans/{id}/apply`: the run that does what the plan said,
+/// refused (`409 plan_stale`) when a device it covers changed since, or a
+/// device joined its targeting, or it was applied already.
+#[utoipa::path(post, path = "/v1/plans/{id}/apply", tag = "plans",
+    params(("id" = Uuid, Path, description = "plan id")),
+    responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn apply_plan(
+    State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
+    ApiPath(raw): ApiPath<String>,
+) -> Result<Response, ApiError> {
+    let id = plan_id(&raw)?;
+    let plan = book(&state)
+        .usable(id, Utc::now())
+        .map_err(|unusable| refused(&state, id, unusable))?;
+    let now_matching = matching(&state, &plan.targeting).await?;
+    let joined = joined_since(&plan, &now_matching);
+    let count = plan.devices.len();
+    let request = TargetedRequest::from(plan.targeting.clone());
+    let note = AuditNote {
+        targets: Some(count),
+        detail: Some(json!({
+            "plan_id": plan.id,
+            "plan_author": plan.author,
+            "targeting": targeting_summary(&request),
+            "devices": audited_ids(plan.devices.iter().map(|d| d.id.as_str())),
+            "digest": plan.digest.to_string(),
+            "force": plan.force,
+        })),
+        ..AuditNote::default()
+    };
+    let run = NewRun::applying(plan.clone(), joined);
+    let (run, _) = start_run(&state, &call, run, note).await.inspect_err(|e| {
+        if e.code() == ErrorCode::PlanStale {
+            state.metrics.plan("refused_stale");
+        }
+    })?;
+    if !book(&state).mark_applied(id, run) {
+        tracing::warn!(plan = %id, %run, "a plan was applied twice at once; the second run found nothing changed");
+    }
+    state.metrics.plan("applied");
+    let answer = RunStarted {
+        run_id: run,
+        targets: count as u64,
+        joined: None,
+    };
+    Ok(recorded(StatusCode::OK, answer))
+}
+
+fn book(state: &AppState) -> std::sync::MutexGuard<'_, plan::PlanBook> {
+    // A panic while the lock was held cannot leave the book half-changed:
+    // each of its methods changes it in one step.
+    state
+        .plans
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn plan_id(raw: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(raw).map_err(|_| {
+        ApiError::bad_request(
+            ErrorCode::InvalidPlanId,
+            format!("{raw:?} is not a plan id (a UUID, as POST /v1/plans answers)"),
+        )
+    })
+}
+
+fn unknown_plan(id: Uuid) -> ApiError {
+    ApiError::not_found(
+        ErrorCode::UnknownPlan,
+        format!(
+            "no plan {id}: plans are kept in the server's memory until they expire (the newest \
+             {}, not across restarts); make a new one with POST /v1/plans",
+            crate::config::MAX_PLANS_KEPT
+        ),
+    )
+}
+
+fn refused(state: &AppState, id: Uuid, unusable: Unusable) -> ApiError {
+    match unusable {
+        Unusable::Unknown => unknown_plan(id),
+        Unusable::Expired(at) => {
+            state.metrics.plan("refused_expired");
+            ApiError::new(
+                StatusCode::GONE,
+                ErrorCode::PlanExpired,
+                format!("plan {id} expired at {at}; re-plan with POST /v1/plans"),
+            )
+        }
+        Unusable::Applied(run) => {
+            state.metrics.plan("refused_stale");
+            ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::PlanStale,
+                format!("plan {id} was applied already, by run {run}; re-plan"),
+            )
+        }
+    }
+}
+
+async fn plan_view(
+    state: &AppState,
+    plan: &Plan,
+    plan_state: PlanState,
+) -> Result<PlanView, ApiError> {
+    let (devices, next_after) = page(
+        state,
+        plan,
+        Some(PlanChange::Push),
+        None,
+        idem_protocol::api::bounds::PAGE_LIMIT_DEFAULT as usize,
+    )
+    .await?;
+    let (state_name, applied_run) = match plan_state {
+        PlanState::Open => (ApiPlanState::Open, None),
+        PlanState::Applied(run) => (ApiPlanState::Applied, Some(run)),
+        PlanState::Expired => (ApiPlanState::Expired, None),
+    };
+    let counts = plan.counts;
+    Ok(PlanView {
+        plan_id: plan.id,
+        state: state_name,
+        applied_run,
+        author: plan.author.clone(),
+        created_at: plan.created_at,
+        expires_at: plan.expires_at,
+        digest: plan.digest.to_string(),
+        force: plan.force,
+        counts: PlanCounts {
+            targets: counts.targets,
+            already_converged: counts.converged,
+            push: counts.push,
+            skipped: counts.skipped(),
+            skipped_by_reason: PlanSkipCounts {
+                offline: counts.offline,
+                quarantined: counts.quarantined,
+                no_report: counts.no_report,
+            },
+        },
+        devices,
+        next_after,
+    })
+}
+
+/// A page of `plan`'s devices with `change` (any when `None`) after
+/// `after`, each with its diff from its stored report, and the cursor of
+/// the next page.
+async fn page(
+    state: &AppState,
+    plan: &Plan,
+    change: Option<PlanChange>,
+    after: Option<&str>,
+    limit: usize,
+) -> Result<(Vec<PlannedDevice>, Option<String>), ApiError> {
+    let wanted = |verdict: Verdict| change.is_none_or(|c| c == change_of(verdict).0);
+    let (devices, more) = plan.page(after, wanted, limit);
+    let ids: Vec<String> = devices.iter().map(|d| d.id.to_string()).collect();
+    let reports: HashMap<String, store::devices::StoredReport> =
+        store::devices::reports_of(&state.pool, &ids)
+            .await?
+            .into_iter()
+            .map(|r| (r.id.clone(), r))
+            .collect();
+    let next_after = more
+        .then(|| devices.last().map(|d| d.id.to_string()))
+        .flatten();
+    let shown = devices
+        .into_iter()
+        .map(|device| {
+            let report = reports.get(device.id.as_str());
+            let spec = report.and_then(|r| r.reported_spec.as_ref());
+            let seq = report.and_then(|r| r.reported_seq).map(store::to_u64);
+            let (change, reason) = change_of(device.verdict);
+            PlannedDevice {
+                device_id: device.id.to_string(),
+                change,
+                reason,
+                generation: device.generation,
+                unchanged: !device.new_generation,
+                diff: spec.map(|reported| field_diffs(reported, &plan.spec)),
+                reported_since_plan: seq != device.basis.reported_seq,
+            }
+        })
+        .collect();
+    Ok((shown, next_after))
+}
+
+fn change_of(verdict: Verdict) -> (PlanChange, Option<PlanSkipReason>) {
+    match verdict {
+        Verdict::Converged => (PlanChange::Converged, None),
+        Verdict::Push => (PlanChange::Push, None),
+        Verdict::Skipped(PlanSkip::Blocked(Blocked::Offline)) => {
+            (PlanChange::Skipped, Some(PlanSkipReason::Offline))
+        }
+        Verdict::Skipped(PlanSkip::Blocked(Blocked::Quarantined)) => {
+            (PlanChange::Skipped, Some(PlanSkipReason::Quarantined))
+        }
+        Verdict::Skipped(PlanSkip::NoReport) => {
+            (PlanChange::Skipped, Some(PlanSkipReason::NoReport))
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! Plans against the machine: for any fleet a random history leaves
+//! behind, a plan's verdict for each device is what applying it does
+//! first, device for device — `converged` ends `already_converged` at the
+//! run's creation, `push` is pushed, `skipped` ends skipped for the same
+//! reason, `no_report` is asked for a report.
+
+use super::property::{step, Step, DEVICES};
+use super::*;
+use crate::reconcile::outcome::Outcome;
+use crate::reconcile::plan::{plan_devices, PlanSkip, Verdict};
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn a_plans_verdict_for_each_device_is_what_applying_it_does_first(
+        initial in proptest::collection::vec((1u64..3, proptest::option::of(1u64..3)), DEVICES),
+        steps in proptest::collection::vec(step(), 0..30),
+        version in 1u64..4,
+        force in any::<bool>(),
+    ) {
+        let mut world = World::new(settings());
+        let fleet: Vec<DeviceId> = initial
+            .iter()
+            .enumerate()
+            .map(|(i, (desired, reported))| world.device(&format!("p-{i}"), Some(*desired), *reported))
+            .collect();
+        let steps: Vec<&Step> = steps.iter().filter(|s| !matches!(s, Step::HoldWrites)).collect();
+        for step in steps {
+            world.play(&fleet, step);
+        }
+        for _ in 0..40 {
+            world.wait(Duration::from_secs(2));
+        }
+        // Nothing in flight: the plan is applied with nothing in between.
+        prop_assume!(world.machine.stats() == MachineStats::default());
+        let targets: Vec<DeviceId> =
+            fleet.iter().filter(|id| world.fleet.contains(id)).cloned().collect();
+        let digest = SpecDigest::of(&spec(version));
+        let machine = &world.machine;
+        let (planned, _) = plan_devices(&targets, |id| machine.view(id), digest, force);
+        prop_assert_eq!(planned.len(), targets.len());
+
+        // Applied as `engine::new_run::commit_run` applies a desired change.
+        for device in planned.iter().filter(|d| d.new_generation) {
+            world.wants(&device.id, device.generation, version);
+        }
+        let (published, asked) = (world.published.len(), world.asked.len());
+        let run = world.create(targets, force);
+        world.settle();
+        let outcome = |id: &DeviceId| {
+            world.outcomes.get(&run).and_then(|rows| {
+                rows.iter().find(|(d, _, _)| d == id).map(|(_, kind, reason)| (*kind, reason.clone()))
+            })
+        };
+        for device in &planned {
+            let was_pushed = world.published[published..]
+                .iter()
+                .any(|(d, g, reason)| *d == device.id && *g == device.generation && *reason == PublishReason::Attempt);
+            let was_asked = world.asked[asked..].contains(&device.id);
+            let first_step = match device.verdict {
+                Verdict::Converged => outcome(&device.id) == Some((OutcomeKind::AlreadyConverged, None)),
+                Verdict::Push => was_pushed && outcome(&device.id).is_none(),
+                Verdict::Skipped(PlanSkip::NoReport) => was_asked && !was_pushed,
+                Verdict::Skipped(PlanSkip::Blocked(blocked)) => {
+                    let skipped = Outcome::Skipped(blocked.into());
+                    !was_pushed && outcome(&device.id) == Some((OutcomeKind::Skipped, skipped.reason()))
+                }
+            };
+            prop_assert!(
+                first_step,
+                "{} planned {:?}: pushed {}, asked {}, outcome {:?}",
+                device.id, device.verdict, was_pushed, was_asked, outcome(&device.id)
+            );
+        }
+    }
+}

@@ -1,0 +1,386 @@
+//! Plans: what a desired change would do to each targeted device, decided
+//! by the very functions a run decides with (`policy::blocked`,
+//! `decide::first_look`) before anything moves; whether the state a plan
+//! was computed on still holds when it is applied; and the book of recent
+//! plans. Pure: no IO, and time is an input.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use idem_protocol::api::Targeting;
+use idem_protocol::{DeviceId, DeviceStatus, SpecDigest};
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::decide::{first_look, Desired, FirstLook};
+use super::device::{DesiredState, DeviceEntry};
+use super::policy::{blocked, Blocked};
+
+/// Why a plan counts a device `skipped`: a run would not push to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanSkip {
+    /// Blocked (offline, quarantined): the run skips it.
+    Blocked(Blocked),
+    /// It never reported: the run asks it for a report first and decides
+    /// on the answer, so the plan cannot say.
+    NoReport,
+}
+
+/// What applying the plan does to a device first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Its report already matches: `already_converged`, no push.
+    Converged,
+    /// The run pushes the new desired state.
+    Push,
+    Skipped(PlanSkip),
+}
+
+/// A run's first step for a device whose desired state would be
+/// `desired`: the gate, then the fresh decision, as the engine takes them.
+pub fn verdict(entry: &DeviceEntry, desired: &Desired, force: bool) -> Verdict {
+    if let Some(blocked) = blocked(entry.status, entry.online) {
+        return Verdict::Skipped(PlanSkip::Blocked(blocked));
+    }
+    match first_look(desired, &entry.actual(), force) {
+        FirstLook::AlreadyConverged => Verdict::Converged,
+        FirstLook::Push => Verdict::Push,
+        FirstLook::AskForReport => Verdict::Skipped(PlanSkip::NoReport),
+    }
+}
+
+/// The desired generation a device would have after a change to `digest`
+/// (`store::devices::set_desired` counts up only when the digest differs),
+/// and whether that is a new one.
+pub fn planned_generation(current: Option<&DesiredState>, digest: SpecDigest) -> (u64, bool) {
+    match current {
+        Some(d) if d.digest == digest => (d.generation, false),
+        Some(d) => (d.generation + 1, true),
+        None => (1, true),
+    }
+}
+
+/// The state of one device a plan was computed on; applying the plan
+/// requires every one to be unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Basis {
+    pub desired_generation: Option<u64>,
+    pub reported_seq: Option<u64>,
+    pub online: Option<bool>,
+    pub status: DeviceStatus,
+}
+
+impl Basis {
+    pub fn of(entry: &DeviceEntry) -> Self {
+        Self {
+            desired_generation: entry.desired.as_ref().map(|d| d.generation),
+            reported_seq: entry.reported_seq(),
+            online: entry.online,
+            status: entry.status,
+        }
+    }
+}
+
+/// One targeted device in a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedDevice {
+    pub id: DeviceId,
+    pub verdict: Verdict,
+    /// Its desired generation once the plan is applied.
+    pub generation: u64,
+    /// Whether applying creates that generation (false: its desired spec
+    /// is already this one).
+    pub new_generation: bool,
+    pub basis: Basis,
+}
+
+/// How many targeted devices get each verdict.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlanCounts {
+    pub targets: u64,
+    pub converged: u64,
+    pub push: u64,
+    pub offline: u64,
+    pub quarantined: u64,
+    pub no_report: u64,
+}
+
+impl PlanCounts {
+    pub fn skipped(&self) -> u64 {
+        self.offline + self.quarantined + self.no_report
+    }
+
+    fn add(&mut self, verdict: Verdict) {
+        self.targets += 1;
+        match verdict {
+            Verdict::Converged => self.converged += 1,
+            Verdict::Push => self.push += 1,
+            Verdict::Skipped(PlanSkip::Blocked(Blocked::Offline)) => self.offline += 1,
+            Verdict::Skipped(PlanSkip::Blocked(Blocked::Quarantined)) => self.quarantined += 1,
+            Verdict::Skipped(PlanSkip::NoReport) => self.no_report += 1,
+        }
+    }
+}
+
+/// Every target's verdict for a change to `digest` (with `force`), judged
+/// on `view`, in device-id order. A target `view` does not know (deleted
+/// since it was resolved) is left out.
+pub fn plan_devices(
+    targets: &[DeviceId],
+    view: impl Fn(&DeviceId) -> Option<DeviceEntry>,
+    digest: SpecDigest,
+    force: bool,
+) -> (Vec<PlannedDevice>, PlanCounts) {
+    let mut devices = Vec::with_capacity(targets.len());
+    let mut counts = PlanCounts::default();
+    let mut seen = HashSet::with_capacity(targets.len());
+    for id in targets {
+        if !seen.insert(id) {
+            continue;
+        }
+        let Some(entry) = view(id) else {
+            continue;
+        };
+        let (generation, new_generation) = planned_generation(entry.desired.as_ref(), digest);
+        let desired = Desired { generation, digest };
+        let verdict = verdict(&entry, &desired, force);
+        counts.add(verdict);
+        devices.push(PlannedDevice {
+            id: id.clone(),
+            verdict,
+            generation,
+            new_generation,
+            basis: Basis::of(&entry),
+        });
+    }
+    devices.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+    (devices, counts)
+}
+
+/// What changed since a plan was computed, device by device (each counted
+/// once, under the first of: gone, desired, reported, connection, status),
+/// plus devices its targeting matches now and did not then.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Staleness {
+    pub gone: u64,
+    pub desired: u64,
+    pub reported: u64,
+    pub connection: u64,
+    pub status: u64,
+    pub joined: u64,
+}
+
+impl Staleness {
+    pub fn is_fresh(&self) -> bool {
+        *self == Staleness::default()
+    }
+
+    /// Adds the devices of `planned` whose state in `view` is not the one
+    /// the plan was computed on.
+    pub fn compare(
+        &mut self,
+        planned: &[PlannedDevice],
+        view: impl Fn(&DeviceId) -> Option<DeviceEntry>,
+    ) {
+        for device in planned {
+            let Some(entry) = view(&device.id) else {
+                self.gone += 1;
+                continue;
+            };
+            let now = Basis::of(&entry);
+            let then = device.basis;
+            if now.desired_generation != then.desired_generation {
+                self.desired += 1;
+            } else if now.reported_seq != then.reported_seq {
+                self.reported += 1;
+            } else if now.online != then.online {
+                self.connection += 1;
+            } else if now.status != then.status {
+                self.status += 1;
+            }
+        }
+    }
+}
+
+/// "3 devices reported since the plan; desired state changed for 1
+/// device since the plan; re-plan".
+impl fmt::Display for Staleness {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let devices = |n: u64| match n {
+            1 => "1 device".to_owned(),
+            n => format!("{n} devices"),
+        };
+        let parts = [
+            (
+                self.reported,
+                format!("{} reported since the plan", devices(self.reported)),
+            ),
+            (
+                self.desired,
+                format!(
+                    "desired state changed for {} since the plan",
+                    devices(self.desired)
+                ),
+            ),
+            (
+                self.connection,
+                format!(
+                    "{} connected or disconnected since the plan",
+                    devices(self.connection)
+                ),
+            ),
+            (
+                self.status,
+                format!("status changed for {} since the plan", devices(self.status)),
+            ),
+            (
+                self.gone,
+                format!("{} deleted since the plan", devices(self.gone)),
+            ),
+            (
+                self.joined,
+                format!("{} more matched by its targeting now", devices(self.joined)),
+            ),
+        ];
+        let said: Vec<String> = parts
+            .into_iter()
+            .filter(|(n, _)| *n > 0)
+            .map(|(_, text)| text)
+            .collect();
+        if said.is_empty() {
+            f.write_str("nothing changed since the plan")
+        } else {
+            write!(f, "{}; re-plan", said.join("; "))
+        }
+    }
+}
+
+/// A plan: a desired change computed and not applied (yet).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub id: Uuid,
+    /// The operator token that made it.
+    pub author: String,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub targeting: Targeting,
+    pub spec: Arc<Value>,
+    pub digest: SpecDigest,
+    pub force: bool,
+    /// Every target, in device-id order.
+    pub devices: Vec<PlannedDevice>,
+    pub counts: PlanCounts,
+}
+
+impl Plan {
+    /// The planned devices after `after` (exclusive) whose verdict
+    /// `wanted` accepts, at most `limit`, and whether more follow.
+    pub fn page(
+        &self,
+        after: Option<&str>,
+        wanted: impl Fn(Verdict) -> bool,
+        limit: usize,
+    ) -> (Vec<&PlannedDevice>, bool) {
+        let start = match after {
+            Some(after) => self.devices.partition_point(|d| d.id.as_str() <= after),
+            None => 0,
+        };
+        let mut matching = self.devices[start..].iter().filter(|d| wanted(d.verdict));
+        let page: Vec<&PlannedDevice> = matching.by_ref().take(limit).collect();
+        let more = page.len() == limit && matching.next().is_some();
+        (page, more)
+    }
+}
+
+/// Where a plan stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanState {
+    Open,
+    /// Applied by this run.
+    Applied(Uuid),
+    Expired,
+}
+
+/// Why a plan cannot be applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unusable {
+    Unknown,
+    Expired(DateTime<Utc>),
+    Applied(Uuid),
+}
+
+/// The plans kept: the newest `capacity`, each until it expires and for
+/// as long again (so that applying it late says "expired", not "unknown").
+#[derive(Debug)]
+pub struct PlanBook {
+    capacity: usize,
+    /// Oldest first.
+    plans: Vec<(Arc<Plan>, Option<Uuid>)>,
+}
+
+impl PlanBook {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            plans: Vec::new(),
+        }
+    }
+
+    /// Keeps `plan`, forgetting the oldest beyond the capacity.
+    pub fn insert(&mut self, plan: Plan, now: DateTime<Utc>) -> Arc<Plan> {
+        self.plans
+            .retain(|(p, _)| now < p.expires_at + (p.expires_at - p.created_at));
+        while self.plans.len() >= self.capacity {
+            self.plans.remove(0);
+        }
+        let plan = Arc::new(plan);
+        self.plans.push((plan.clone(), None));
+        plan
+    }
+
+    /// A kept plan and where it stands.
+    pub fn get(&self, id: Uuid, now: DateTime<Utc>) -> Option<(Arc<Plan>, PlanState)> {
+        let (plan, applied) = self.plans.iter().find(|(p, _)| p.id == id)?;
+        let state = match applied {
+            Some(run) => PlanState::Applied(*run),
+            None if now >= plan.expires_at => PlanState::Expired,
+            None => PlanState::Open,
+        };
+        Some((plan.clone(), state))
+    }
+
+    /// The plan, if it can still be applied.
+    pub fn usable(&self, id: Uuid, now: DateTime<Utc>) -> Result<Arc<Plan>, Unusable> {
+        match self.get(id, now) {
+            None => Err(Unusable::Unknown),
+            Some((plan, PlanState::Open)) => Ok(plan),
+            Some((plan, PlanState::Expired)) => Err(Unusable::Expired(plan.expires_at)),
+            Some((_, PlanState::Applied(run))) => Err(Unusable::Applied(run)),
+        }
+    }
+
+    /// Records that `run` applied the plan; false when it already was.
+    pub fn mark_applied(&mut self, id: Uuid, run: Uuid) -> bool {
+        match self.plans.iter_mut().find(|(p, _)| p.id == id) {
+            Some((_, applied @ None)) => {
+                *applied = Some(run);
+                true
+            }
+            Some((_, Some(_))) | None => false,
+        }
+    }
+}
+
+/// Targets `now` has that the plan's devices do not: devices that joined
+/// its targeting since.
+pub fn joined_since(plan: &Plan, now: &[DeviceId]) -> u64 {
+    let planned: HashSet<&str> = plan.devices.iter().map(|d| d.id.as_str()).collect();
+    now.iter()
+        .filter(|id| !planned.contains(id.as_str()))
+        .count() as u64
+}
+
+#[cfg(test)]
+mod tests;

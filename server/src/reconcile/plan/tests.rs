@@ -1,0 +1,282 @@
+use super::*;
+use crate::reconcile::decide::ReportedState;
+use serde_json::json;
+use std::collections::HashMap;
+
+fn id(name: &str) -> DeviceId {
+    DeviceId::parse(name).unwrap()
+}
+
+fn digest(version: u64) -> SpecDigest {
+    SpecDigest::of(&json!({ "fw": version }))
+}
+
+fn desired(generation: u64, version: u64) -> DesiredState {
+    DesiredState {
+        generation,
+        digest: digest(version),
+        spec: Arc::new(json!({ "fw": version })),
+    }
+}
+
+/// An online device wanting generation 1 (version 1) that reported `reported`.
+fn entry(reported: Option<u64>) -> DeviceEntry {
+    DeviceEntry {
+        desired: Some(desired(1, 1)),
+        reported: reported.map(|version| ReportedState {
+            seq: 10,
+            digest: digest(version),
+            generation: Some(1),
+            rejection: None,
+        }),
+        online: Some(true),
+        status: DeviceStatus::Converged,
+        ..DeviceEntry::default()
+    }
+}
+
+fn wanting(version: u64) -> Desired {
+    Desired {
+        generation: 2,
+        digest: digest(version),
+    }
+}
+
+#[test]
+fn a_device_whose_report_matches_the_change_is_converged_and_one_that_differs_is_pushed() {
+    assert_eq!(
+        verdict(&entry(Some(2)), &wanting(2), false),
+        Verdict::Converged
+    );
+    assert_eq!(verdict(&entry(Some(1)), &wanting(2), false), Verdict::Push);
+}
+
+#[test]
+fn force_pushes_even_to_a_matching_device_and_to_one_that_never_reported() {
+    assert_eq!(verdict(&entry(Some(2)), &wanting(2), true), Verdict::Push);
+    assert_eq!(verdict(&entry(None), &wanting(2), true), Verdict::Push);
+}
+
+#[test]
+fn a_device_that_never_reported_is_skipped_as_no_report() {
+    assert_eq!(
+        verdict(&entry(None), &wanting(2), false),
+        Verdict::Skipped(PlanSkip::NoReport)
+    );
+}
+
+#[test]
+fn quarantined_and_offline_devices_are_skipped_before_anything_is_compared() {
+    let quarantined = DeviceEntry {
+        status: DeviceStatus::Quarantined,
+        ..entry(Some(1))
+    };
+    let offline = DeviceEntry {
+        online: Some(false),
+        ..entry(Some(1))
+    };
+    for force in [false, true] {
+        assert_eq!(
+            verdict(&quarantined, &wanting(2), force),
+            Verdict::Skipped(PlanSkip::Blocked(Blocked::Quarantined))
+        );
+        assert_eq!(
+            verdict(&offline, &wanting(2), force),
+            Verdict::Skipped(PlanSkip::Blocked(Blocked::Offline))
+        );
+    }
+}
+
+#[test]
+fn the_planned_generation_counts_up_only_when_the_desired_digest_changes() {
+    assert_eq!(
+        planned_generation(Some(&desired(4, 1)), digest(1)),
+        (4, false)
+    );
+    assert_eq!(
+        planned_generation(Some(&desired(4, 1)), digest(2)),
+        (5, true)
+    );
+    assert_eq!(planned_generation(None, digest(2)), (1, true));
+}
+
+fn fleet() -> HashMap<DeviceId, DeviceEntry> {
+    HashMap::from([
+        (id("c-converged"), entry(Some(2))),
+        (id("a-drifted"), entry(Some(1))),
+        (id("b-silent"), entry(None)),
+        (
+            id("d-offline"),
+            DeviceEntry {
+                online: Some(false),
+                ..entry(Some(1))
+            },
+        ),
+    ])
+}
+
+#[test]
+fn a_plan_lists_every_known_target_in_id_order_with_counts_per_verdict() {
+    let fleet = fleet();
+    let targets = [
+        id("c-converged"),
+        id("gone"),
+        id("a-drifted"),
+        id("d-offline"),
+        id("b-silent"),
+        id("a-drifted"),
+    ];
+    let (devices, counts) = plan_devices(&targets, |id| fleet.get(id).cloned(), digest(2), false);
+    let listed: Vec<(&str, Verdict)> = devices.iter().map(|d| (d.id.as_str(), d.verdict)).collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("a-drifted", Verdict::Push),
+            ("b-silent", Verdict::Skipped(PlanSkip::NoReport)),
+            ("c-converged", Verdict::Converged),
+            (
+                "d-offline",
+                Verdict::Skipped(PlanSkip::Blocked(Blocked::Offline))
+            ),
+        ]
+    );
+    assert_eq!(counts.converged, 1);
+    assert_eq!(counts.push, 1);
+    assert_eq!(counts.skipped(), 2);
+    assert!(devices
+        .iter()
+        .all(|d| d.generation == 2 && d.new_generation));
+}
+
+fn plan_of(fleet: &HashMap<DeviceId, DeviceEntry>, created_at: DateTime<Utc>) -> Plan {
+    let targets: Vec<DeviceId> = fleet.keys().cloned().collect();
+    let (devices, counts) = plan_devices(&targets, |id| fleet.get(id).cloned(), digest(2), false);
+    Plan {
+        id: Uuid::now_v7(),
+        author: "ops".into(),
+        created_at,
+        expires_at: created_at + chrono::Duration::hours(1),
+        targeting: Targeting::All,
+        spec: Arc::new(json!({ "fw": 2 })),
+        digest: digest(2),
+        force: false,
+        devices,
+        counts,
+    }
+}
+
+#[test]
+fn a_plan_is_fresh_while_nothing_it_was_computed_on_changes() {
+    let fleet = fleet();
+    let plan = plan_of(&fleet, Utc::now());
+    let mut staleness = Staleness::default();
+    staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
+    assert!(staleness.is_fresh(), "{staleness}");
+}
+
+#[test]
+fn staleness_counts_each_changed_device_once_and_says_what_changed() {
+    let mut fleet = fleet();
+    let plan = plan_of(&fleet, Utc::now());
+    let reported = fleet.get_mut(&id("a-drifted")).unwrap();
+    reported.reported.as_mut().unwrap().seq += 1;
+    reported.status = DeviceStatus::Drifted;
+    fleet
+        .get_mut(&id("c-converged"))
+        .unwrap()
+        .reported
+        .as_mut()
+        .unwrap()
+        .seq += 1;
+    fleet.get_mut(&id("b-silent")).unwrap().desired = Some(desired(2, 3));
+    fleet.get_mut(&id("d-offline")).unwrap().online = Some(true);
+    let mut staleness = Staleness::default();
+    staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
+    staleness.joined = joined_since(&plan, &[id("a-drifted"), id("new-one")]);
+    assert_eq!(
+        staleness,
+        Staleness {
+            reported: 2,
+            desired: 1,
+            connection: 1,
+            joined: 1,
+            ..Staleness::default()
+        }
+    );
+    assert_eq!(
+        staleness.to_string(),
+        "2 devices reported since the plan; desired state changed for 1 device since the plan; \
+         1 device connected or disconnected since the plan; 1 device more matched by its \
+         targeting now; re-plan"
+    );
+}
+
+#[test]
+fn a_deleted_target_makes_the_plan_stale() {
+    let mut fleet = fleet();
+    let plan = plan_of(&fleet, Utc::now());
+    fleet.remove(&id("a-drifted"));
+    let mut staleness = Staleness::default();
+    staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
+    assert_eq!(staleness.gone, 1);
+    assert_eq!(
+        staleness.to_string(),
+        "1 device deleted since the plan; re-plan"
+    );
+}
+
+#[test]
+fn a_page_continues_after_the_last_id_and_filters_by_verdict() {
+    let plan = plan_of(&fleet(), Utc::now());
+    let any = |_: Verdict| true;
+    let (first, more) = plan.page(None, any, 2);
+    let first: Vec<&str> = first.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!((first, more), (vec!["a-drifted", "b-silent"], true));
+    let (rest, more) = plan.page(Some("b-silent"), any, 2);
+    let rest: Vec<&str> = rest.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!((rest, more), (vec!["c-converged", "d-offline"], false));
+    let skipped = |v: Verdict| matches!(v, Verdict::Skipped(_));
+    let (page, more) = plan.page(None, skipped, 10);
+    let page: Vec<&str> = page.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!((page, more), (vec!["b-silent", "d-offline"], false));
+}
+
+#[test]
+fn a_plan_expires_and_once_applied_cannot_be_applied_again() {
+    let now = Utc::now();
+    let mut book = PlanBook::new(4);
+    let plan = book.insert(plan_of(&fleet(), now), now);
+    assert_eq!(book.usable(plan.id, now).map(|p| p.id), Ok(plan.id));
+    let later = plan.expires_at;
+    assert_eq!(
+        book.usable(plan.id, later).map(|p| p.id),
+        Err(Unusable::Expired(plan.expires_at))
+    );
+    let run = Uuid::now_v7();
+    assert!(book.mark_applied(plan.id, run));
+    assert!(!book.mark_applied(plan.id, Uuid::now_v7()));
+    assert_eq!(
+        book.usable(plan.id, now).map(|p| p.id),
+        Err(Unusable::Applied(run))
+    );
+    assert_eq!(
+        book.usable(Uuid::now_v7(), now).map(|p| p.id),
+        Err(Unusable::Unknown)
+    );
+}
+
+#[test]
+fn the_book_keeps_the_newest_plans_and_forgets_long_expired_ones() {
+    let now = Utc::now();
+    let mut book = PlanBook::new(2);
+    let oldest = book.insert(plan_of(&fleet(), now), now);
+    let middle = book.insert(plan_of(&fleet(), now), now);
+    let newest = book.insert(plan_of(&fleet(), now), now);
+    assert!(book.get(oldest.id, now).is_none());
+    assert!(book.get(middle.id, now).is_some());
+    let much_later = now + chrono::Duration::hours(2);
+    let fresh = book.insert(plan_of(&fleet(), much_later), much_later);
+    assert!(book.get(middle.id, much_later).is_none());
+    assert!(book.get(newest.id, much_later).is_none());
+    assert!(book.get(fresh.id, much_later).is_some());
+}
