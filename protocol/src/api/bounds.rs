@@ -36,6 +36,11 @@ pub const TOKEN_NAME_PATTERN: &str = "^[A-Za-z0-9_.-]+$";
 pub const TOKEN_LIFETIME_PATTERN: &str = "^[0-9]{1,6}(ms|s|m|h|d)?$";
 
 /// Whether `name` is a valid token name.
+/// A UUID as the API writes it (hyphenated): what run and plan ids in a
+/// path must look like.
+pub const UUID_PATTERN: &str =
+    "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$";
+
 pub fn is_token_name(name: &str) -> bool {
     (1..=MAX_TOKEN_NAME_CHARS).contains(&name.chars().count())
         && name
@@ -206,6 +211,25 @@ pub mod schema {
         }
     }
     impl utoipa::ToSchema for TokenName {}
+
+    /// A run or plan id as a path parameter: a UUID in its hyphenated
+    /// form (the form the API answers with).
+    pub struct UuidText;
+
+    impl utoipa::PartialSchema for UuidText {
+        fn schema() -> RefOr<Schema> {
+            RefOr::T(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .format(Some(utoipa::openapi::SchemaFormat::KnownFormat(
+                        utoipa::openapi::KnownFormat::Uuid,
+                    )))
+                    .pattern(Some(UUID_PATTERN))
+                    .into(),
+            )
+        }
+    }
+    impl utoipa::ToSchema for UuidText {}
 
     /// The body of `POST /v1/devices`: a list of registrations.
     pub struct Registrations;

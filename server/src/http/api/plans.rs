@@ -82,7 +82,7 @@ pub(super) async fn create_plan(
 
 /// `GET /v1/plans/{id}`: a plan, with the first page of its pushes.
 #[utoipa::path(get, path = "/v1/plans/{id}", tag = "plans",
-    params(("id" = Uuid, Path, description = "plan id")),
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "plan id")),
     responses((status = 200, body = PlanView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn get_plan(
     State(state): State<Arc<AppState>>,
@@ -97,7 +97,7 @@ pub(super) async fn get_plan(
 
 /// `GET /v1/plans/{id}/devices`: a page of a plan's devices in id order.
 #[utoipa::path(get, path = "/v1/plans/{id}/devices", tag = "plans",
-    params(("id" = Uuid, Path, description = "plan id"), PlanDeviceQuery),
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "plan id"), PlanDeviceQuery),
     responses((status = 200, body = PlanDevicePage), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn plan_devices_page(
     State(state): State<Arc<AppState>>,
@@ -125,7 +125,7 @@ pub(super) async fn plan_devices_page(
 /// refused (`409 plan_stale`) when a device it covers changed since, or a
 /// device joined its targeting, or it was applied already.
 #[utoipa::path(post, path = "/v1/plans/{id}/apply", tag = "plans",
-    params(("id" = Uuid, Path, description = "plan id")),
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "plan id")),
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn apply_plan(
     State(state): State<Arc<AppState>>,
@@ -179,13 +179,18 @@ fn book(state: &AppState) -> std::sync::MutexGuard<'_, plan::PlanBook> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// A plan id in the hyphenated form the API answers with (36 characters:
+/// the only form of that length `Uuid::parse_str` reads).
 fn plan_id(raw: &str) -> Result<Uuid, ApiError> {
-    Uuid::parse_str(raw).map_err(|_| {
-        ApiError::bad_request(
-            ErrorCode::InvalidPlanId,
-            format!("{raw:?} is not a plan id (a UUID, as POST /v1/plans answers)"),
-        )
-    })
+    let hyphenated = (raw.len() == 36).then_some(raw);
+    hyphenated
+        .and_then(|raw| Uuid::parse_str(raw).ok())
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                ErrorCode::InvalidPlanId,
+                format!("{raw:?} is not a plan id (a UUID, as POST /v1/plans answers)"),
+            )
+        })
 }
 
 fn unknown_plan(id: Uuid) -> ApiError {

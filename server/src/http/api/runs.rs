@@ -103,7 +103,7 @@ pub(super) async fn retry_device(
 /// `POST /v1/runs/{id}/retry`: releases every quarantined device of a run
 /// and runs them again.
 #[utoipa::path(post, path = "/v1/runs/{id}/retry", tag = "runs",
-    params(("id" = Uuid, Path, description = "run id")),
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "run id")),
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn retry_run(
     State(state): State<Arc<AppState>>,
@@ -158,7 +158,7 @@ pub(super) async fn list_runs(
 
 /// `GET /v1/runs/{id}`.
 #[utoipa::path(get, path = "/v1/runs/{id}", tag = "runs",
-    params(("id" = Uuid, Path, description = "run id")),
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "run id")),
     responses((status = 200, body = RunView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn get_run(
     State(state): State<Arc<AppState>>,
@@ -193,7 +193,7 @@ fn run_view(row: RunRow) -> RunView {
 
 /// `GET /v1/runs/{id}/outcomes`: a page of a run's rows in device-id order.
 #[utoipa::path(get, path = "/v1/runs/{id}/outcomes", tag = "runs",
-    params(("id" = Uuid, Path, description = "run id"), OutcomeQuery),
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "run id"), OutcomeQuery),
     responses((status = 200, body = OutcomePage), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn run_outcomes(
     State(state): State<Arc<AppState>>,
