@@ -103,6 +103,23 @@ pub struct DeviceDriftedData {
     pub reported_digest: SpecDigest,
     /// The `seq` of the report that showed the drift.
     pub reported_seq: u64,
+    /// An operator's exemption covers the device: the drift is recorded,
+    /// not remediated, until the exemption ends.
+    #[serde(default)]
+    pub exempt: bool,
+    /// Where the report differs from the desired spec: paths only, never
+    /// values (a spec may hold secrets), as `GET /v1/devices/{id}`'s `diff`
+    /// names them, at most 32 of at most 200 characters each; absent when
+    /// the server did not compare (a report stored before a restart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changed_paths: Option<Vec<String>>,
+    /// How many more paths differ than `changed_paths` lists.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub more_changed_paths: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// `data` of `io.idem.device.quarantined`: the device's last allowed attempt
@@ -217,6 +234,9 @@ mod tests {
             desired_digest: desired,
             reported_digest: reported,
             reported_seq: 42,
+            exempt: true,
+            changed_paths: Some(vec!["net.wifi.ssid".into()]),
+            more_changed_paths: 0,
         };
         assert_eq!(
             round_trip(&data),
@@ -224,6 +244,8 @@ mod tests {
                 "desired_digest": desired.to_string(),
                 "reported_digest": reported.to_string(),
                 "reported_seq": 42,
+                "exempt": true,
+                "changed_paths": ["net.wifi.ssid"],
             })
         );
     }

@@ -14,7 +14,7 @@ use clap::CommandFactory;
 const README: &str = include_str!("../../README.md");
 
 /// The headings `idem-server --help` groups the flags under, in order.
-const HEADINGS: [&str; 10] = [
+const HEADINGS: [&str; 11] = [
     "Fleet",
     "Database",
     "MQTT broker",
@@ -22,6 +22,7 @@ const HEADINGS: [&str; 10] = [
     "Event streams (SSE)",
     "Security",
     "Engine",
+    "Changes",
     "Events",
     "Retention",
     "Readiness",

@@ -150,7 +150,7 @@ async fn a_plan_over_two_thousand_devices_is_exact_changes_nothing_and_applies_o
         plan["counts"],
         json!({
             "targets": 2000, "already_converged": 1, "push": 1998, "skipped": 1,
-            "skipped_by_reason": {"offline": 1, "quarantined": 0, "no_report": 0}
+            "skipped_by_reason": {"offline": 1, "quarantined": 0, "exempt": 0, "no_report": 0}
         }),
         "{plan}"
     );

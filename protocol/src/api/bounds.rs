@@ -36,6 +36,13 @@ pub const TOKEN_NAME_PATTERN: &str = "^[A-Za-z0-9_.-]+$";
 pub const TOKEN_LIFETIME_PATTERN: &str = "^[0-9]{1,6}(ms|s|m|h|d)?$";
 
 /// Whether `name` is a valid token name.
+/// Longest reason of an exemption, in characters.
+pub const MAX_EXEMPTION_REASON_CHARS: usize = 512;
+
+/// Most exemptions in force at once (each is checked against every device
+/// its selector may match).
+pub const MAX_EXEMPTIONS: i64 = 1_000;
+
 /// A UUID as the API writes it (hyphenated): what run and plan ids in a
 /// path must look like.
 pub const UUID_PATTERN: &str =
@@ -199,6 +206,22 @@ pub mod schema {
             .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
             .pattern(Some(TOKEN_LIFETIME_PATTERN))
             .description(Some("e.g. `30d`; no expiry when absent"))
+            .into()
+    }
+
+    /// An exemption's reason.
+    pub fn exemption_reason() -> Schema {
+        text(1, MAX_EXEMPTION_REASON_CHARS, None).into()
+    }
+
+    /// An exemption's lifetime: a duration such as `4h` or `7d`.
+    pub fn exemption_lifetime() -> Schema {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .pattern(Some(TOKEN_LIFETIME_PATTERN))
+            .description(Some(
+                "e.g. `4h`, `7d`: from 1s to the server's `--exemption-max` (default 30d)",
+            ))
             .into()
     }
 

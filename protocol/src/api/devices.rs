@@ -78,6 +78,10 @@ pub struct DeviceView {
     pub id: String,
     pub labels: Value,
     pub status: DeviceStatus,
+    /// An exemption covers it (`GET /v1/exemptions`): its drift is shown
+    /// and evented, never remediated.
+    #[serde(default)]
+    pub exempt: bool,
     /// `None` until the device has said.
     pub online: Option<bool>,
     pub desired: Option<DesiredView>,

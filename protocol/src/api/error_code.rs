@@ -110,6 +110,12 @@ error_codes! {
     InvalidLimit = "invalid_limit",
     /// A run id that is not a UUID.
     InvalidRunId = "invalid_run_id",
+    /// An exemption id that is not a UUID.
+    InvalidExemptionId = "invalid_exemption_id",
+    /// An exemption's reason is empty or too long.
+    InvalidReason = "invalid_reason",
+    /// An exemption without `expires_in`.
+    MissingExpiry = "missing_expiry",
     /// A plan id that is not a UUID.
     InvalidPlanId = "invalid_plan_id",
     /// A `Last-Event-ID` (or `after`) that is not an event sequence number.
@@ -137,6 +143,10 @@ error_codes! {
     NothingQuarantined = "nothing_quarantined",
     /// The selector matches no registered device.
     NoMatchingDevices = "no_matching_devices",
+    /// No exemption in force has this id.
+    UnknownExemption = "unknown_exemption",
+    /// As many exemptions are in force as the server allows.
+    TooManyExemptions = "too_many_exemptions",
     /// No plan has this id (plans live in the server's memory until they
     /// expire, the newest few, and not across restarts).
     UnknownPlan = "unknown_plan",

@@ -12,6 +12,7 @@ mod access;
 pub mod bounds;
 mod devices;
 mod error_code;
+mod exemptions;
 mod plans;
 mod runs;
 mod targeting;
@@ -30,6 +31,9 @@ pub use devices::{
     FieldDiff, IssuedCredential, LastOutcome, Registered, ReportedError, ReportedView,
 };
 pub use error_code::ErrorCode;
+#[cfg(feature = "openapi")]
+pub use exemptions::schema::ExemptionRequest as ExemptionRequestSchema;
+pub use exemptions::{ExemptionList, ExemptionRequest, ExemptionView};
 pub use plans::{
     PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
     PlanState, PlanView, PlannedDevice,

@@ -66,6 +66,8 @@ pub struct PlanCounts {
 pub struct PlanSkipCounts {
     pub offline: u64,
     pub quarantined: u64,
+    /// Covered by an exemption (`POST /v1/exemptions`).
+    pub exempt: u64,
     /// Never reported: the run asks them to report and decides then.
     pub no_report: u64,
 }
@@ -108,6 +110,7 @@ pub enum PlanChange {
 pub enum PlanSkipReason {
     Offline,
     Quarantined,
+    Exempt,
     NoReport,
 }
 

@@ -59,10 +59,16 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     store::migrate(&pool).await?;
     let rows = store::devices::load_all(&pool).await?;
-    let fleet = Arc::new(FleetCache::from_entries(store::devices::cache_entries(
-        &rows,
-    )?));
+    let mut entries = store::devices::cache_entries(&rows)?;
     drop(rows);
+    let exempt: std::collections::HashSet<String> = store::exemptions::exempt_devices(&pool, None)
+        .await?
+        .into_iter()
+        .collect();
+    for (id, entry) in &mut entries {
+        entry.exempt = exempt.contains(id.as_str());
+    }
+    let fleet = Arc::new(FleetCache::from_entries(entries));
     tracing::info!(devices = fleet.len(), "device cache loaded");
 
     let (client, eventloop) = mqtt::connect(&config);
@@ -291,6 +297,15 @@ impl Workers {
                 config.retention,
                 intake_token.clone(),
             )),
+            tokio::spawn(crate::ops::exemptions::run(
+                crate::ops::exemptions::Sweeper {
+                    pool: state.pool.clone(),
+                    writer: state.writer.clone(),
+                    fleet: state.fleet.clone(),
+                    engine: state.engine.clone(),
+                },
+                intake_token.clone(),
+            )),
         ];
         let relay = event_relay(
             &config.events,
@@ -401,6 +416,7 @@ async fn metrics_upkeep(
             _ = tick.tick() => {
                 metrics.run_upkeep();
                 metrics.fleet_cache_bytes.set(fleet.footprint_bytes() as f64);
+                metrics.exempt_devices.set(fleet.ids_exempt().len() as f64);
                 let backlog = intake.backlog(std::time::Instant::now());
                 metrics.intake_messages.set(backlog.messages as f64);
                 metrics.intake_bytes.set(backlog.bytes as f64);

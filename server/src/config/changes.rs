@@ -1,5 +1,6 @@
 //! The changes group (`--help` heading "Changes"): how long a plan
-//! (`POST /v1/plans`) can be applied, and how many the server keeps.
+//! (`POST /v1/plans`) can be applied, how many the server keeps, and the
+//! longest drift exemption (`POST /v1/exemptions`).
 
 use std::time::Duration;
 
@@ -17,12 +18,18 @@ pub struct ChangesArgs {
     /// expired: re-plan.
     #[arg(long, env = "IDEM_PLAN_TTL", default_value = "1h", value_parser = parse_duration)]
     pub plan_ttl: Duration,
+
+    /// The longest drift exemption an operator may ask for, e.g. `30d`
+    /// (at least 1s, at most 365d).
+    #[arg(long, env = "IDEM_EXEMPTION_MAX", default_value = "30d", value_parser = parse_duration)]
+    pub exemption_max: Duration,
 }
 
 /// The changes group, validated.
 #[derive(Debug, Clone, Copy)]
 pub struct ChangesSettings {
     pub plan_ttl: Duration,
+    pub exemption_max: Duration,
 }
 
 impl ChangesArgs {
@@ -31,8 +38,14 @@ impl ChangesArgs {
         if !allowed.contains(&self.plan_ttl) {
             return Err(ConfigError::PlanTtl(self.plan_ttl));
         }
+        if !(Duration::from_secs(1)..=Duration::from_secs(365 * 24 * 3600))
+            .contains(&self.exemption_max)
+        {
+            return Err(ConfigError::ExemptionMax(self.exemption_max));
+        }
         Ok(ChangesSettings {
             plan_ttl: self.plan_ttl,
+            exemption_max: self.exemption_max,
         })
     }
 }
@@ -51,6 +64,21 @@ mod tests {
         assert_eq!(
             config.validate().unwrap().changes.plan_ttl,
             Duration::from_secs(900)
+        );
+    }
+
+    #[test]
+    fn exemptions_last_at_most_thirty_days_unless_configured_otherwise() {
+        let config = Config::defaults().validate().unwrap();
+        assert_eq!(
+            config.changes.exemption_max,
+            Duration::from_secs(30 * 24 * 3600)
+        );
+        let config = Config::try_parse_from(["idem-server", "--exemption-max", "400d"]).unwrap();
+        let error = config.validate().unwrap_err().to_string();
+        assert!(
+            error.contains("IDEM_EXEMPTION_MAX / --exemption-max"),
+            "{error}"
         );
     }
 

@@ -159,6 +159,8 @@ pub enum ConfigError {
     DatabaseUrl(SecretUrl),
     #[error("IDEM_PLAN_TTL / --plan-ttl must be between 1s and 7d (got {0:?})")]
     PlanTtl(Duration),
+    #[error("IDEM_EXEMPTION_MAX / --exemption-max must be between 1s and 365d (got {0:?})")]
+    ExemptionMax(Duration),
     #[error("IDEM_PUSH_TIMEOUT / --push-timeout must be at least 10ms (got {0:?})")]
     PushTimeout(Duration),
     #[error(

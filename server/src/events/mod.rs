@@ -135,6 +135,9 @@ mod tests {
                 desired_digest: desired,
                 reported_digest: reported,
                 reported_seq: 99,
+                exempt: false,
+                changed_paths: None,
+                more_changed_paths: 0,
             },
         );
         assert_eq!(drifted.event_type, EventType::DeviceDrifted);
@@ -145,6 +148,7 @@ mod tests {
                 "desired_digest": desired.to_string(),
                 "reported_digest": reported.to_string(),
                 "reported_seq": 99,
+                "exempt": false,
             })
             .to_string()
         );

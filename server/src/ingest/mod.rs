@@ -29,6 +29,7 @@ use crate::mqtt::{Publisher, Received};
 use crate::ops::metrics::{Metrics, ReportResult};
 use crate::ops::stall::Stall;
 use crate::reconcile::decide::ReportedState;
+use crate::reconcile::diff::{drift_paths, DriftPaths};
 use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::ReportRow;
 use crate::store::{self, DeviceWriter, StoreError};
@@ -306,6 +307,19 @@ impl Ingest {
         batch
     }
 
+    /// Where `report` differs from the device's desired spec, when it does
+    /// (for the `drifted` event: paths only, bounded).
+    fn drift_of(
+        &self,
+        device: &DeviceId,
+        report: &Reported,
+        digest: SpecDigest,
+    ) -> Option<Arc<DriftPaths>> {
+        let desired = self.fleet.desired(device)?;
+        (desired.digest != digest)
+            .then(|| Arc::new(drift_paths(&report.spec, &desired.spec, desired.digest)))
+    }
+
     /// `Some(highest seq)` for a device whose reports we accept.
     fn known_seq(&self, device: &DeviceId) -> Option<Option<u64>> {
         match self.fleet.reported_seq(device) {
@@ -336,6 +350,7 @@ impl Ingest {
                         .error
                         .as_ref()
                         .map(|e| (e.generation, e.message.clone())),
+                    drift: self.drift_of(device, report, *digest),
                 },
                 health: report.health,
             })

@@ -4,8 +4,11 @@
 //! Pure: no IO, no clock reads, no logging. The engine feeds it facts (including
 //! whether a deadline has passed) and carries out the `Decision`.
 
+use std::sync::Arc;
+
 use idem_protocol::SpecDigest;
 
+use super::diff::DriftPaths;
 use super::outcome::{FailureReason, Outcome};
 
 /// The operator's desired state for one device, as far as deciding needs it.
@@ -30,6 +33,10 @@ pub struct ReportedState {
     pub generation: Option<u64>,
     /// The last push the device refused: `(generation, message)`.
     pub rejection: Option<(u64, String)>,
+    /// Where the report differs from the desired spec, as the ingest found
+    /// when it stored it (`None`: it matched, or was not compared). For the
+    /// `drifted` event only; deciding never reads it.
+    pub drift: Option<Arc<DriftPaths>>,
 }
 
 /// Where this run's attempt on the device stands.
@@ -196,6 +203,7 @@ mod tests {
                 digest: d,
                 generation,
                 rejection,
+                drift: None,
             })
         };
         match situation {
@@ -301,6 +309,7 @@ mod tests {
             digest: digest(2),
             generation: Some(2),
             rejection: None,
+            drift: None,
         });
         let attempt = Attempt::Pushed {
             generation: 2,
@@ -331,6 +340,7 @@ mod tests {
             digest: digest(1),
             generation: Some(1),
             rejection: Some((1, "old news".to_owned())),
+            drift: None,
         });
         let attempt = Attempt::Pushed {
             generation: 2,
@@ -347,6 +357,7 @@ mod tests {
             digest: digest(7),
             generation: Some(2),
             rejection: None,
+            drift: None,
         });
         let attempt = Attempt::Pushed {
             generation: 2,
@@ -372,6 +383,7 @@ mod tests {
                     digest: digest(spec),
                     generation,
                     rejection,
+                    drift: None,
                 })
             });
         prop_oneof![Just(Actual::NeverReported), report]
@@ -388,6 +400,7 @@ mod tests {
             digest: desired.digest,
             generation: Some(desired.generation),
             rejection: None,
+            drift: None,
         })
     }
 

@@ -45,6 +45,9 @@ pub struct DeviceEntry {
     pub status: DeviceStatus,
     /// Consecutive failed attempts (reset by a success).
     pub failures: u32,
+    /// An operator's exemption covers it now: its drift is detected and
+    /// evented, never remediated (`policy::blocked`).
+    pub exempt: bool,
     /// Generation of the retained desired message on the broker (`None`:
     /// the broker holds none). Refreshed whenever it falls behind `desired`.
     pub retained_generation: Option<u64>,

@@ -6,8 +6,50 @@
 
 use std::fmt;
 
-use idem_protocol::canonical_json;
+use idem_protocol::{canonical_json, SpecDigest};
 use serde_json::{Map, Value};
+
+/// Paths a [`DriftPaths`] names at most.
+pub const MAX_DRIFT_PATHS: usize = 32;
+/// Characters of one path a [`DriftPaths`] keeps (a device chooses its
+/// keys; a longer path is cut and ends in `…`).
+pub const MAX_DRIFT_PATH_CHARS: usize = 200;
+
+/// Where a report differs from the desired spec it was compared with
+/// (`against`, its digest): paths only, never values (a spec may hold
+/// secrets), the first [`MAX_DRIFT_PATHS`] in path order, and how many more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriftPaths {
+    pub against: SpecDigest,
+    pub paths: Vec<String>,
+    pub more: u64,
+}
+
+/// The [`DriftPaths`] of `reported` against `desired`, whose digest is
+/// `against`.
+pub fn drift_paths(reported: &Value, desired: &Value, against: SpecDigest) -> DriftPaths {
+    let changes = diff(reported, desired);
+    let more = changes.len().saturating_sub(MAX_DRIFT_PATHS) as u64;
+    let paths = changes
+        .iter()
+        .take(MAX_DRIFT_PATHS)
+        .map(|change| {
+            let path = change.path().to_string();
+            if path.chars().count() <= MAX_DRIFT_PATH_CHARS {
+                path
+            } else {
+                let mut cut: String = path.chars().take(MAX_DRIFT_PATH_CHARS - 1).collect();
+                cut.push('…');
+                cut
+            }
+        })
+        .collect();
+    DriftPaths {
+        against,
+        paths,
+        more,
+    }
+}
 
 /// One step of a path into a JSON value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -240,6 +282,30 @@ mod tests {
 
     fn paths(changes: &[FieldChange]) -> Vec<String> {
         changes.iter().map(|c| c.path().to_string()).collect()
+    }
+
+    #[test]
+    fn drift_paths_name_at_most_thirty_two_paths_without_values_and_count_the_rest() {
+        let reported: Value = (0..40)
+            .map(|i| (format!("k{i:02}"), json!("secret")))
+            .collect::<Map<_, _>>()
+            .into();
+        let desired = json!({});
+        let drift = drift_paths(&reported, &desired, SpecDigest::of(&desired));
+        assert_eq!(drift.paths.len(), MAX_DRIFT_PATHS);
+        assert_eq!(drift.more, 8);
+        assert_eq!(drift.paths[0], "k00");
+        assert!(drift.paths.iter().all(|p| !p.contains("secret")));
+    }
+
+    #[test]
+    fn a_drift_path_longer_than_its_bound_is_cut() {
+        let key = "k".repeat(500);
+        let reported = json!({ key: 1 });
+        let desired = json!({});
+        let drift = drift_paths(&reported, &desired, SpecDigest::of(&desired));
+        assert_eq!(drift.paths[0].chars().count(), MAX_DRIFT_PATH_CHARS);
+        assert!(drift.paths[0].ends_with('…'));
     }
 
     #[test]

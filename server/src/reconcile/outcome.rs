@@ -40,6 +40,8 @@ pub enum FailureReason {
 pub enum SkipReason {
     Offline,
     Quarantined,
+    /// An operator exempted the device from remediation (`POST /v1/exemptions`).
+    Exempt,
     /// The device has no desired spec, so there is nothing to reconcile.
     NoDesiredSpec,
     /// The device was deleted while the run waited for it.
@@ -95,6 +97,7 @@ impl fmt::Display for SkipReason {
         f.write_str(match self {
             SkipReason::Offline => "offline",
             SkipReason::Quarantined => "quarantined",
+            SkipReason::Exempt => "exempt",
             SkipReason::NoDesiredSpec => "no desired spec",
             SkipReason::Deleted => "device deleted",
         })

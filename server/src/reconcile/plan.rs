@@ -41,7 +41,7 @@ pub enum Verdict {
 /// A run's first step for a device whose desired state would be
 /// `desired`: the gate, then the fresh decision, as the engine takes them.
 pub fn verdict(entry: &DeviceEntry, desired: &Desired, force: bool) -> Verdict {
-    if let Some(blocked) = blocked(entry.status, entry.online) {
+    if let Some(blocked) = blocked(entry.status, entry.exempt, entry.online) {
         return Verdict::Skipped(PlanSkip::Blocked(blocked));
     }
     match first_look(desired, &entry.actual(), force) {
@@ -70,6 +70,7 @@ pub struct Basis {
     pub reported_seq: Option<u64>,
     pub online: Option<bool>,
     pub status: DeviceStatus,
+    pub exempt: bool,
 }
 
 impl Basis {
@@ -79,6 +80,7 @@ impl Basis {
             reported_seq: entry.reported_seq(),
             online: entry.online,
             status: entry.status,
+            exempt: entry.exempt,
         }
     }
 }
@@ -104,12 +106,13 @@ pub struct PlanCounts {
     pub push: u64,
     pub offline: u64,
     pub quarantined: u64,
+    pub exempt: u64,
     pub no_report: u64,
 }
 
 impl PlanCounts {
     pub fn skipped(&self) -> u64 {
-        self.offline + self.quarantined + self.no_report
+        self.offline + self.quarantined + self.exempt + self.no_report
     }
 
     fn add(&mut self, verdict: Verdict) {
@@ -119,6 +122,7 @@ impl PlanCounts {
             Verdict::Push => self.push += 1,
             Verdict::Skipped(PlanSkip::Blocked(Blocked::Offline)) => self.offline += 1,
             Verdict::Skipped(PlanSkip::Blocked(Blocked::Quarantined)) => self.quarantined += 1,
+            Verdict::Skipped(PlanSkip::Blocked(Blocked::Exempt)) => self.exempt += 1,
             Verdict::Skipped(PlanSkip::NoReport) => self.no_report += 1,
         }
     }
@@ -160,7 +164,8 @@ pub fn plan_devices(
 }
 
 /// What changed since a plan was computed, device by device (each counted
-/// once, under the first of: gone, desired, reported, connection, status),
+/// once, under the first of: gone, desired, reported, connection, status
+/// or exemption),
 /// plus devices its targeting matches now and did not then.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Staleness {
@@ -197,7 +202,7 @@ impl Staleness {
                 self.reported += 1;
             } else if now.online != then.online {
                 self.connection += 1;
-            } else if now.status != then.status {
+            } else if now.status != then.status || now.exempt != then.exempt {
                 self.status += 1;
             }
         }
@@ -233,7 +238,10 @@ impl fmt::Display for Staleness {
             ),
             (
                 self.status,
-                format!("status changed for {} since the plan", devices(self.status)),
+                format!(
+                    "status or exemption changed for {} since the plan",
+                    devices(self.status)
+                ),
             ),
             (
                 self.gone,

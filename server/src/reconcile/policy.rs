@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use idem_protocol::{Backoff, DeviceId, Health, SpecDigest};
 
-use super::decide::{first_look, Actual, Desired, FirstLook};
+use super::decide::{first_look, Desired, FirstLook};
 use super::outcome::{Outcome, SkipReason};
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::device::DeviceEntry;
@@ -20,6 +20,8 @@ use crate::reconcile::device::DeviceEntry;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Blocked {
     Quarantined,
+    /// An operator's exemption: drift is seen, never remediated.
+    Exempt,
     Offline,
 }
 
@@ -27,15 +29,19 @@ impl From<Blocked> for SkipReason {
     fn from(blocked: Blocked) -> Self {
         match blocked {
             Blocked::Quarantined => SkipReason::Quarantined,
+            Blocked::Exempt => SkipReason::Exempt,
             Blocked::Offline => SkipReason::Offline,
         }
     }
 }
 
-/// Whether a device's status or connection keeps a run from attempting it.
-pub fn blocked(status: DeviceStatus, online: Option<bool>) -> Option<Blocked> {
+/// Whether a device's status, exemption or connection keeps a run from
+/// attempting it.
+pub fn blocked(status: DeviceStatus, exempt: bool, online: Option<bool>) -> Option<Blocked> {
     if status == DeviceStatus::Quarantined {
         Some(Blocked::Quarantined)
+    } else if exempt {
+        Some(Blocked::Exempt)
     } else if online == Some(false) {
         Some(Blocked::Offline)
     } else {
@@ -44,10 +50,10 @@ pub fn blocked(status: DeviceStatus, online: Option<bool>) -> Option<Blocked> {
 }
 
 /// Why a run does not attempt a device at all, if it does not.
-pub fn gate(status: DeviceStatus, online: Option<bool>, has_desired: bool) -> Option<SkipReason> {
-    if let Some(blocked) = blocked(status, online) {
+pub fn gate(entry: &DeviceEntry) -> Option<SkipReason> {
+    if let Some(blocked) = blocked(entry.status, entry.exempt, entry.online) {
         Some(blocked.into())
-    } else if !has_desired {
+    } else if entry.desired.is_none() {
         Some(SkipReason::NoDesiredSpec)
     } else {
         None
@@ -59,20 +65,11 @@ pub fn gate(status: DeviceStatus, online: Option<bool>, has_desired: bool) -> Op
 /// unforced attempt (the gate lets it through and the reported digest is the
 /// desired one). Such targets are decided in the transaction that creates
 /// the run; the engine carries only the rest.
-pub fn converged_at_creation(
-    status: DeviceStatus,
-    online: Option<bool>,
-    desired: Option<&Desired>,
-    actual: &Actual,
-    force: bool,
-) -> bool {
-    let Some(desired) = desired else {
-        return false;
-    };
-    if force || gate(status, online, true).is_some() {
+pub fn converged_at_creation(entry: &DeviceEntry, desired: &Desired, force: bool) -> bool {
+    if force || blocked(entry.status, entry.exempt, entry.online).is_some() {
         return false;
     }
-    match first_look(desired, actual, force) {
+    match first_look(desired, &entry.actual(), force) {
         FirstLook::AlreadyConverged => true,
         FirstLook::Push | FirstLook::AskForReport => false,
     }
@@ -120,13 +117,7 @@ pub fn converged_targets(
         let Some(desired) = desired.filter(|d| d.generation > 0) else {
             continue;
         };
-        if !converged_at_creation(
-            entry.status,
-            entry.online,
-            Some(&desired),
-            &entry.actual(),
-            force,
-        ) {
+        if !converged_at_creation(&entry, &desired, force) {
             continue;
         }
         let change =
@@ -196,16 +187,15 @@ pub fn status_after(outcome: &Outcome) -> Option<DeviceStatus> {
         Outcome::Failed(_) => Some(DeviceStatus::Failed),
         Outcome::Skipped(SkipReason::Offline) => Some(DeviceStatus::Offline),
         Outcome::Skipped(SkipReason::Quarantined) => Some(DeviceStatus::Quarantined),
-        Outcome::Skipped(SkipReason::NoDesiredSpec | SkipReason::Deleted) | Outcome::Superseded => {
-            None
-        }
+        Outcome::Skipped(SkipReason::NoDesiredSpec | SkipReason::Deleted | SkipReason::Exempt)
+        | Outcome::Superseded => None,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reconcile::decide::ReportedState;
+    use crate::reconcile::decide::{Actual, ReportedState};
     use crate::reconcile::outcome::FailureReason;
     use idem_protocol::SpecDigest;
 
@@ -215,6 +205,7 @@ mod tests {
             digest: SpecDigest::of(&serde_json::json!({ "v": version })),
             generation: Some(version),
             rejection: None,
+            drift: None,
         })
     }
 
@@ -258,63 +249,57 @@ mod tests {
         }
     }
 
+    /// A device with `status` and connection `online` that last reported
+    /// `actual`.
+    fn device(status: DeviceStatus, online: Option<bool>, actual: Actual) -> DeviceEntry {
+        DeviceEntry {
+            status,
+            online,
+            reported: match actual {
+                Actual::Reported(report) => Some(report),
+                Actual::NeverReported => None,
+            },
+            ..DeviceEntry::default()
+        }
+    }
+
     #[test]
     fn only_a_device_that_reports_its_desired_spec_and_may_be_attempted_is_converged_at_creation() {
         let online = Some(true);
         let converged = DeviceStatus::Converged;
-        assert!(converged_at_creation(
-            converged,
-            online,
-            Some(&wanting(2)),
-            &reporting(2),
+        let wants = wanting(2);
+        let at_creation =
+            |entry: DeviceEntry, force: bool| converged_at_creation(&entry, &wants, force);
+        assert!(at_creation(device(converged, online, reporting(2)), false));
+        assert!(at_creation(
+            device(DeviceStatus::Unknown, None, reporting(2)),
             false
         ));
-        assert!(converged_at_creation(
-            DeviceStatus::Unknown,
-            None,
-            Some(&wanting(2)),
-            &reporting(2),
-            false
-        ));
-        assert!(!converged_at_creation(
-            converged,
-            online,
-            Some(&wanting(2)),
-            &reporting(1),
-            false
-        ));
-        assert!(!converged_at_creation(
-            converged,
-            online,
-            Some(&wanting(2)),
-            &Actual::NeverReported,
+        assert!(!at_creation(device(converged, online, reporting(1)), false));
+        assert!(!at_creation(
+            device(converged, online, Actual::NeverReported),
             false
         ));
         assert!(
-            !converged_at_creation(converged, online, Some(&wanting(2)), &reporting(2), true),
+            !at_creation(device(converged, online, reporting(2)), true),
             "forced"
         );
         assert!(
-            !converged_at_creation(
-                converged,
-                Some(false),
-                Some(&wanting(2)),
-                &reporting(2),
-                false
-            ),
+            !at_creation(device(converged, Some(false), reporting(2)), false),
             "offline"
         );
-        assert!(!converged_at_creation(
-            DeviceStatus::Quarantined,
-            online,
-            Some(&wanting(2)),
-            &reporting(2),
-            false
-        ));
         assert!(
-            !converged_at_creation(converged, online, None, &reporting(2), false),
-            "no desired spec"
+            !at_creation(
+                device(DeviceStatus::Quarantined, online, reporting(2)),
+                false
+            ),
+            "quarantined"
         );
+        let exempt = DeviceEntry {
+            exempt: true,
+            ..device(converged, online, reporting(2))
+        };
+        assert!(!at_creation(exempt, false), "exempt");
     }
 
     fn policy() -> RetryPolicy {
@@ -365,22 +350,53 @@ mod tests {
         assert_eq!(p.after_failure(1, 1.0), AfterFailure::Quarantine);
     }
 
+    /// A device with `status`, connection `online`, an exemption or not,
+    /// and a desired spec or not.
+    fn gated(
+        status: DeviceStatus,
+        online: Option<bool>,
+        exempt: bool,
+        desired: bool,
+    ) -> DeviceEntry {
+        let spec = serde_json::json!({ "v": 1 });
+        DeviceEntry {
+            status,
+            online,
+            exempt,
+            desired: desired.then(|| crate::reconcile::device::DesiredState {
+                generation: 1,
+                digest: SpecDigest::of(&spec),
+                spec: std::sync::Arc::new(spec),
+            }),
+            ..DeviceEntry::default()
+        }
+    }
+
     #[test]
-    fn quarantined_and_offline_devices_are_not_attempted() {
-        assert_eq!(
-            gate(DeviceStatus::Quarantined, Some(true), true),
-            Some(SkipReason::Quarantined)
-        );
-        assert_eq!(
-            gate(DeviceStatus::Converged, Some(false), true),
-            Some(SkipReason::Offline)
-        );
-        assert_eq!(
-            gate(DeviceStatus::Unknown, None, false),
-            Some(SkipReason::NoDesiredSpec)
-        );
-        assert_eq!(gate(DeviceStatus::Failed, None, true), None);
-        assert_eq!(gate(DeviceStatus::Offline, Some(true), true), None);
+    fn quarantined_exempt_and_offline_devices_are_not_attempted() {
+        let cases = [
+            (
+                gated(DeviceStatus::Quarantined, Some(true), true, true),
+                Some(SkipReason::Quarantined),
+            ),
+            (
+                gated(DeviceStatus::Drifted, Some(false), true, true),
+                Some(SkipReason::Exempt),
+            ),
+            (
+                gated(DeviceStatus::Converged, Some(false), false, true),
+                Some(SkipReason::Offline),
+            ),
+            (
+                gated(DeviceStatus::Unknown, None, false, false),
+                Some(SkipReason::NoDesiredSpec),
+            ),
+            (gated(DeviceStatus::Failed, None, false, true), None),
+            (gated(DeviceStatus::Offline, Some(true), false, true), None),
+        ];
+        for (entry, expected) in cases {
+            assert_eq!(gate(&entry), expected, "{entry:?}");
+        }
     }
 
     #[test]

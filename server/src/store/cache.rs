@@ -31,6 +31,8 @@ pub enum FleetChange {
         health: Option<Health>,
     },
     Online(DeviceId, bool),
+    /// An exemption now covers the device (`true`) or no longer does.
+    Exempt(DeviceId, bool),
     /// An operator reset the device's reported state.
     ReportedCleared(DeviceId),
     /// An operator released a quarantined device: `failed`, no failures counted.
@@ -96,6 +98,11 @@ impl FleetCache {
         self.devices.get(id).map(|e| e.value().clone())
     }
 
+    /// One device's desired state (its spec shared, not copied).
+    pub fn desired(&self, id: &DeviceId) -> Option<DesiredState> {
+        self.devices.get(id).and_then(|e| e.value().desired.clone())
+    }
+
     fn set_desired(&self, id: &DeviceId, desired: DesiredState) {
         if let Some(mut entry) = self.devices.get_mut(id) {
             entry.desired = Some(desired);
@@ -134,6 +141,11 @@ impl FleetCache {
                     health,
                 } => self.set_reported(&id, reported, health),
                 FleetChange::Online(id, online) => self.set_online(&id, online),
+                FleetChange::Exempt(id, exempt) => {
+                    if let Some(mut entry) = self.devices.get_mut(&id) {
+                        entry.exempt = exempt;
+                    }
+                }
                 FleetChange::ReportedCleared(id) => self.clear_reported(&id),
                 FleetChange::Released(id) => {
                     if let Some(mut entry) = self.devices.get_mut(&id) {
@@ -164,6 +176,15 @@ impl FleetCache {
     #[cfg(test)]
     pub(crate) fn insert(&self, id: DeviceId, entry: DeviceEntry) {
         self.devices.insert(id, entry);
+    }
+
+    /// Ids of every device an exemption covers.
+    pub fn ids_exempt(&self) -> Vec<DeviceId> {
+        self.devices
+            .iter()
+            .filter(|e| e.value().exempt)
+            .map(|e| e.key().clone())
+            .collect()
     }
 
     /// Ids of every device with a desired spec, sorted.

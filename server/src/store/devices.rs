@@ -94,6 +94,7 @@ fn entry_from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) 
                 (Some(g), Some(msg)) => Some((to_u64(g), msg.clone())),
                 _ => None,
             },
+            drift: None,
         }),
         _ => None,
     };
@@ -106,6 +107,8 @@ fn entry_from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) 
         status: row.status,
         failures: u32::try_from(row.attempts).unwrap_or(0),
         retained_generation: row.retained_generation.map(to_u64),
+        // Set from the exemptions table (`store::exemptions`), not the row.
+        exempt: false,
     }
 }
 

@@ -9,6 +9,7 @@ pub mod cache;
 pub mod copy;
 pub mod devices;
 pub mod events;
+pub mod exemptions;
 pub mod runs;
 pub mod writer;
 

@@ -83,6 +83,20 @@ impl<'a> DeviceWrite<'a> {
         self.write.mirror(changes);
     }
 
+    /// Brings the cache's exemption flags of `scope` up to date in this
+    /// transaction; the engine reconciles the devices whose exemption ends
+    /// once it commits.
+    pub(super) async fn refresh_exemptions(
+        &mut self,
+        scope: store::exemptions::Scope<'_>,
+    ) -> Result<(), ApiError> {
+        let ended = store::exemptions::refresh(&mut self.write, &self.state.fleet, scope).await?;
+        if !ended.is_empty() {
+            self.then.push(EngineCommand::ExemptionsEnded(ended));
+        }
+        Ok(())
+    }
+
     /// A command for the engine once the cache is updated.
     pub(super) fn then_tell(&mut self, command: EngineCommand) {
         self.then.push(command);

@@ -140,7 +140,12 @@ pub(super) async fn register_devices(
     };
     let devices = audited_ids(checked.ids.iter().map(DeviceId::as_str));
     // Registered before their desired state: the cache applies in order.
+    let registered: Vec<String> = checked.ids.iter().map(DeviceId::to_string).collect();
     write.change(checked.ids.drain(..).map(FleetChange::Registered));
+    // Their labels may have moved them into or out of a selector's exemption.
+    write
+        .refresh_exemptions(store::exemptions::Scope::Devices(&registered))
+        .await?;
     let desired_changed = write_desired(&mut write, &checked.specs).await?;
     let answer = Registered {
         created: counts.created,
@@ -239,10 +244,13 @@ pub(super) async fn upsert_device(
     };
     write.change([FleetChange::Registered(id.clone())]);
     write
+        .refresh_exemptions(store::exemptions::Scope::Devices(&[id.to_string()]))
+        .await?;
+    write
         .commit("committing a registration", call.audit(status, note))
         .await?;
     let row = store::devices::get(&state.pool, id.as_str()).await?;
-    Ok(recorded(status, row.map(device_view)))
+    Ok(recorded(status, row.map(|row| device_view(&state, row))))
 }
 
 /// `GET /v1/devices/{id}`: the device with its newest attempts.
@@ -258,7 +266,7 @@ pub(super) async fn get_device(
         return Err(unknown_device(&id));
     };
     let history = store::devices::history(&state.pool, id.as_str(), HISTORY_SHOWN).await?;
-    let mut device = device_view(row);
+    let mut device = device_view(&state, row);
     device.history = Some(history.into_iter().map(attempt).collect());
     device.diff = match (&device.reported, &device.desired) {
         (Some(reported), Some(desired)) => Some(field_diffs(&reported.spec, &desired.spec)),
@@ -354,7 +362,10 @@ pub(super) async fn reset_reported(
         )
         .await?;
     let row = store::devices::get(&state.pool, id.as_str()).await?;
-    Ok(recorded(StatusCode::OK, row.map(device_view)))
+    Ok(recorded(
+        StatusCode::OK,
+        row.map(|row| device_view(&state, row)),
+    ))
 }
 
 /// The store's filter for a device list query, each parameter checked.
@@ -434,7 +445,7 @@ pub(super) async fn list_devices(
                 break;
             }
             filter.after = Some(row.id.clone());
-            let device = device_view(row);
+            let device = device_view(&state, row);
             bytes += serde_json::to_vec(&device).map_or(0, |json| json.len());
             devices.push(device);
         }
@@ -446,8 +457,12 @@ pub(super) async fn list_devices(
     }))
 }
 
-/// A stored device as the API shows it.
-pub(super) fn device_view(row: DeviceRow) -> DeviceView {
+/// A stored device as the API shows it (its exemption from the cache).
+pub(super) fn device_view(state: &AppState, row: DeviceRow) -> DeviceView {
+    let exempt = DeviceId::parse(&row.id)
+        .ok()
+        .and_then(|id| state.fleet.get(&id))
+        .is_some_and(|entry| entry.exempt);
     let desired = row.desired_spec.map(|spec| DesiredView {
         generation: generation(row.desired_generation),
         spec,
@@ -482,6 +497,7 @@ pub(super) fn device_view(row: DeviceRow) -> DeviceView {
         id: row.id,
         labels: row.labels,
         status: row.status,
+        exempt,
         online: row.online,
         desired,
         reported,

@@ -18,6 +18,7 @@ mod command;
 mod credentials;
 mod desired;
 mod devices;
+mod exemptions;
 mod fleet;
 pub mod openapi;
 mod ops;

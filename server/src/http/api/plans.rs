@@ -262,6 +262,7 @@ async fn plan_view(
             skipped_by_reason: PlanSkipCounts {
                 offline: counts.offline,
                 quarantined: counts.quarantined,
+                exempt: counts.exempt,
                 no_report: counts.no_report,
             },
         },
@@ -322,6 +323,9 @@ fn change_of(verdict: Verdict) -> (PlanChange, Option<PlanSkipReason>) {
         }
         Verdict::Skipped(PlanSkip::Blocked(Blocked::Quarantined)) => {
             (PlanChange::Skipped, Some(PlanSkipReason::Quarantined))
+        }
+        Verdict::Skipped(PlanSkip::Blocked(Blocked::Exempt)) => {
+            (PlanChange::Skipped, Some(PlanSkipReason::Exempt))
         }
         Verdict::Skipped(PlanSkip::NoReport) => {
             (PlanChange::Skipped, Some(PlanSkipReason::NoReport))

@@ -12,7 +12,9 @@ use utoipa::openapi::{OpenApi, RefOr, Response, ResponseBuilder};
 use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
 use utoipa_axum::routes;
 
-use super::{audit, credentials, desired, devices, fleet, openapi, ops, plans, runs, tokens};
+use super::{
+    audit, credentials, desired, devices, exemptions, fleet, openapi, ops, plans, runs, tokens,
+};
 use crate::app::state::AppState;
 use crate::http::auth::{access_for, Access, AuthSettings, Role, Route};
 use crate::http::sse;
@@ -42,6 +44,9 @@ fn table() -> Vec<(Access, UtoipaMethodRouter<Arc<AppState>>)> {
         (viewer, routes!(plans::get_plan)),
         (viewer, routes!(plans::plan_devices_page)),
         (operator, routes!(plans::apply_plan)),
+        (operator, routes!(exemptions::create_exemption)),
+        (viewer, routes!(exemptions::list_exemptions)),
+        (operator, routes!(exemptions::delete_exemption)),
         (viewer, routes!(runs::list_runs)),
         (operator, routes!(runs::start_manual_run)),
         (viewer, routes!(runs::get_run)),

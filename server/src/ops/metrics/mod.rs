@@ -81,6 +81,8 @@ pub struct Metrics {
     pub quarantined: Counter,
     pub drifts: Counter,
     pub unhealthy_converged: Gauge,
+    /// Devices an exemption covers now.
+    pub exempt_devices: Gauge,
     pub fleet_cache_bytes: Gauge,
     devices_by_status: [Gauge; DeviceStatus::ALL.len()],
     last_run: [Gauge; OutcomeKind::ALL.len()],
@@ -168,6 +170,7 @@ impl Metrics {
             quarantined: QUARANTINED.register(r, &[]),
             drifts: DRIFT_DETECTED.register(r, &[]),
             unhealthy_converged: DEVICES_UNHEALTHY.register(r, &[]),
+            exempt_devices: DEVICES_EXEMPT.register(r, &[]),
             fleet_cache_bytes: FLEET_CACHE_BYTES.register(r, &[]),
             http_connections: HTTP_CONNECTIONS.register(r, &[]),
             http_connections_refused: ConnectionRefusal::ALL

@@ -148,6 +148,10 @@ pub(super) const DEVICES_UNHEALTHY: Family<Gauge> = Family::new(
     "idem_devices_unhealthy",
     "Converged devices whose report says degraded or unhealthy",
 );
+pub(super) const DEVICES_EXEMPT: Family<Gauge> = Family::new(
+    "idem_devices_exempt",
+    "Devices a drift exemption covers now (drift seen, not remediated)",
+);
 pub(super) const FLEET_CACHE_BYTES: Family<Gauge> = Family::new(
     "idem_fleet_cache_bytes",
     "Estimated bytes of the in-memory fleet cache (table slots, ids, refusal messages, distinct desired specs)",

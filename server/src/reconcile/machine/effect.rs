@@ -44,6 +44,9 @@ pub enum EngineCommand {
     /// These devices were deleted (committed, gone from the cache): their
     /// attempts end `skipped`, nothing more is published to them.
     DevicesRemoved(Vec<DeviceId>),
+    /// Exemptions of these devices ended (committed, in the cache): a
+    /// drifted one is reconciled like any drifted device.
+    ExemptionsEnded(Vec<DeviceId>),
     /// Refresh every retained desired message that is behind (start-up).
     SyncRetained,
     /// The broker may have dropped messages for the server: ask every

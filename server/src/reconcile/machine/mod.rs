@@ -141,6 +141,7 @@ impl Machine {
                     self.connectivity_changed(&id, online, now.at);
                 }
             }
+            EngineCommand::ExemptionsEnded(ids) => self.exemptions_ended(ids, now.at),
             EngineCommand::Recheck => {
                 self.recheck_since = Some(now.wall);
                 self.gaps.recheck(self.fleet.ids_not_offline());
@@ -348,7 +349,7 @@ impl Machine {
                     phase: Phase::Fresh,
                 },
             );
-            if let Some(skip) = gate(entry.status, entry.online, entry.desired.is_some()) {
+            if let Some(skip) = gate(&entry) {
                 self.finish(&id, Outcome::Skipped(skip), &entry, None, now, out);
             } else {
                 self.advance(&id, false, now, out);

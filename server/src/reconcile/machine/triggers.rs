@@ -26,6 +26,10 @@ impl Machine {
         if entry.status != DeviceStatus::Converged || desired.digest == reported.digest {
             return;
         }
+        let drift = reported
+            .drift
+            .as_deref()
+            .filter(|drift| drift.against == desired.digest);
         self.record.tally.drifts += 1;
         self.record.device(id).status = Some(DeviceStatus::Drifted);
         self.record.drafts.push(EventDraft::device_drifted(
@@ -35,9 +39,34 @@ impl Machine {
                 desired_digest: desired.digest,
                 reported_digest: reported.digest,
                 reported_seq: reported.seq,
+                exempt: entry.exempt,
+                changed_paths: drift.map(|d| d.paths.clone()),
+                more_changed_paths: drift.map_or(0, |d| d.more),
             },
         ));
-        self.debounce(Trigger::Drift, id.clone(), now);
+        if !entry.exempt {
+            self.debounce(Trigger::Drift, id.clone(), now);
+        }
+    }
+
+    /// Exemptions of these devices ended: each one that drifted meanwhile
+    /// is reconciled like any drifted device (a drift run, debounced).
+    pub(super) fn exemptions_ended(&mut self, ids: Vec<DeviceId>, now: Instant) {
+        for id in ids {
+            let Some(entry) = self.entry(&id) else {
+                continue;
+            };
+            if entry.exempt || self.in_flight.contains_key(&id) {
+                continue;
+            }
+            let drifted = match (&entry.desired, &entry.reported) {
+                (Some(desired), Some(reported)) => desired.digest != reported.digest,
+                (Some(_), None) | (None, _) => false,
+            };
+            if drifted {
+                self.debounce(Trigger::Drift, id, now);
+            }
+        }
     }
 
     pub(super) fn connectivity_changed(&mut self, id: &DeviceId, online: bool, now: Instant) {

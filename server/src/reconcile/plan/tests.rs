@@ -28,6 +28,7 @@ fn entry(reported: Option<u64>) -> DeviceEntry {
             digest: digest(version),
             generation: Some(1),
             rejection: None,
+            drift: None,
         }),
         online: Some(true),
         status: DeviceStatus::Converged,

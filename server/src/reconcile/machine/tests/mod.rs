@@ -81,6 +81,8 @@ struct World {
     /// Every committed run completion, in order.
     completed: Vec<CompletedRun>,
     events: Vec<EventType>,
+    /// The data of every `io.idem.device.drifted` event, in order.
+    drifted: Vec<(String, Value)>,
     seq: u64,
     /// Records handed out and not yet written (`None`: each is written at once).
     held: Option<Vec<Record>>,
@@ -115,6 +117,7 @@ impl World {
             stored: BTreeMap::new(),
             completed: Vec::new(),
             events: Vec::new(),
+            drifted: Vec::new(),
             seq: 0,
             held: None,
             all_targets: BTreeMap::new(),
@@ -143,6 +146,7 @@ impl World {
                 digest: SpecDigest::of(&spec(v)),
                 generation: Some(v),
                 rejection: None,
+                drift: None,
             }
         });
         let status = match (&desired, &reported) {
@@ -227,6 +231,13 @@ impl World {
         }
         self.events
             .extend(record.drafts.iter().map(|draft| draft.event_type));
+        self.drifted.extend(
+            record
+                .drafts
+                .iter()
+                .filter(|draft| draft.event_type == EventType::DeviceDrifted)
+                .map(|draft| (draft.subject.clone(), draft.data.clone())),
+        );
         self.completed.extend(record.completed);
         self.machine.record_written(self.clock);
     }
@@ -356,6 +367,7 @@ impl World {
             digest: SpecDigest::of(&spec(version)),
             generation,
             rejection: None,
+            drift: None,
         };
         self.deliver(device, reported);
     }
@@ -382,6 +394,7 @@ impl World {
             digest: SpecDigest::of(&spec(version)),
             generation: Some(version),
             rejection: Some((generation, "no space left".into())),
+            drift: None,
         };
         self.deliver(device, reported);
     }
@@ -396,6 +409,15 @@ impl World {
                 spec: Arc::new(spec(version)),
             },
         )]);
+    }
+
+    /// An operator's exemption now covers `device` (`true`) or has ended.
+    fn exempt(&mut self, device: &DeviceId, exempt: bool) {
+        self.fleet
+            .apply_committed([FleetChange::Exempt(device.clone(), exempt)]);
+        if !exempt {
+            self.command(EngineCommand::ExemptionsEnded(vec![device.clone()]));
+        }
     }
 
     /// Every device that received a push (reason `Attempt`), in order.

@@ -114,3 +114,77 @@ fn a_recheck_asks_every_device_not_known_offline_and_not_heard_from_since_at_its
         "each quiet device once; not the offline one, not the one that reported since"
     );
 }
+
+#[test]
+fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_remediated_until_its_exemption_ends() {
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(2, 0);
+    world.exempt(&fleet[0], true);
+    world.reports(&fleet[0], 9, Some(2));
+    world.wait(Duration::from_secs(2));
+    assert_eq!(world.status(&fleet[0]), DeviceStatus::Drifted);
+    assert_eq!(world.drifted.len(), 1);
+    assert_eq!(world.drifted[0].0, fleet[0].as_str());
+    assert_eq!(world.drifted[0].1["exempt"], true, "{:?}", world.drifted);
+    assert!(world.runs.is_empty(), "no drift run for an exempt device");
+
+    // A run over it skips it, for the exemption.
+    let run = world.create(fleet.clone(), false);
+    world.settle();
+    let outcomes = &world.outcomes[&run];
+    let skipped = outcomes.iter().find(|(d, _, _)| *d == fleet[0]).unwrap();
+    assert_eq!(
+        (skipped.1, skipped.2.as_deref()),
+        (OutcomeKind::Skipped, Some("exempt"))
+    );
+    assert!(world.pushed().is_empty());
+
+    // Once it ends, the device is reconciled like any drifted one.
+    world.exempt(&fleet[0], false);
+    world.wait(Duration::from_secs(2));
+    let last = world.runs.last().unwrap();
+    assert_eq!(
+        (last.trigger, last.targets.clone()),
+        (Trigger::Drift, vec![fleet[0].clone()])
+    );
+    assert_eq!(world.pushed(), vec![fleet[0].clone()]);
+}
+
+#[test]
+fn a_drifted_event_names_the_changed_paths_the_ingest_found_against_the_current_desired_spec() {
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(2, 0);
+    let desired = world.fleet.get(&fleet[0]).unwrap().desired.unwrap();
+    let with_drift = |world: &mut World, against: SpecDigest| {
+        world.seq += 1;
+        ReportedState {
+            seq: world.seq,
+            digest: SpecDigest::of(&spec(9)),
+            generation: Some(2),
+            rejection: None,
+            drift: Some(Arc::new(crate::reconcile::diff::DriftPaths {
+                against,
+                paths: vec!["fw".into()],
+                more: 0,
+            })),
+        }
+    };
+    let report = with_drift(&mut world, desired.digest);
+    world.deliver(&fleet[0], report);
+    // Compared with a desired spec that is no longer the device's: no paths.
+    let report = with_drift(&mut world, SpecDigest::of(&spec(1)));
+    world.deliver(&fleet[1], report);
+    world.settle();
+    let paths: Vec<(String, Value)> = world
+        .drifted
+        .iter()
+        .map(|(device, data)| (device.clone(), data["changed_paths"].clone()))
+        .collect();
+    assert_eq!(
+        paths,
+        vec![
+            (fleet[0].to_string(), json!(["fw"])),
+            (fleet[1].to_string(), Value::Null)
+        ]
+    );
+}

@@ -1,0 +1,309 @@
+//! Drift exemptions end to end against real PostgreSQL and a private
+//! Mosquitto: an exempt device's drift is seen, evented and shown, never
+//! remediated, until its exemption ends; then it is reconciled like any
+//! drifted device.
+
+// Test code: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use idem_device_sim::FleetPlan;
+use idem_protocol::DeviceId;
+use idem_tests::{Scenario, ServerSettings};
+use serde_json::{json, Value};
+
+/// The `data` of every event of `type` about `device`, in sequence order.
+async fn events_of(scenario: &Scenario, kind: &str, device: &str) -> Vec<Value> {
+    sqlx::query_scalar(
+        "SELECT cloudevent->'data' FROM events WHERE type = $1 AND subject = $2 ORDER BY sequence",
+    )
+    .bind(kind)
+    .bind(device)
+    .fetch_all(scenario.db.pool())
+    .await
+    .unwrap()
+}
+
+/// Waits until `done` holds, failing with `what` after `timeout`.
+async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !done().await {
+        assert!(Instant::now() < deadline, "{what} within {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn status_of(scenario: &Scenario, device: &str) -> Value {
+    let (status, view) = scenario
+        .server
+        .get(&format!("/v1/devices/{device}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{view}");
+    view
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_its_exemption_expires(
+) {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("exempt-", 5).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 5).await.unwrap();
+    let exempt = plan.devices[0].id.to_string();
+    let other = plan.devices[1].id.to_string();
+    for device in [&exempt, &other] {
+        wait_until(
+            Duration::from_secs(10),
+            "converged by its report",
+            || async { status_of(&scenario, device).await["status"] == "converged" },
+        )
+        .await;
+    }
+
+    let (status, created) = scenario
+        .server
+        .post(
+            "/v1/exemptions",
+            &json!({"device": exempt, "reason": "field test of a new interval", "expires_in": "5s"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["devices"], 1, "{created}");
+    assert_eq!(status_of(&scenario, &exempt).await["exempt"], true);
+    let (_, preview) = scenario
+        .server
+        .post(
+            "/v1/plans",
+            &json!({"all": true, "spec": plan.desired_spec}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        preview["counts"]["skipped_by_reason"]["exempt"], 1,
+        "{preview}"
+    );
+
+    // Both drift in the same field; only the one not exempt is remediated.
+    let mut drifted = plan.desired_spec.clone();
+    drifted["telemetry"]["interval_s"] = json!(30);
+    for device in [&exempt, &other] {
+        let id = DeviceId::parse(device).unwrap();
+        fleet.set_local_spec(&id, drifted.clone()).unwrap();
+        fleet.request_report(&id).unwrap();
+    }
+    wait_until(
+        Duration::from_secs(15),
+        "the other device remediated",
+        || async {
+            !events_of(&scenario, "io.idem.device.provisioned", &other)
+                .await
+                .is_empty()
+        },
+    )
+    .await;
+    for (device, exempt_flag) in [(&exempt, true), (&other, false)] {
+        let events = events_of(&scenario, "io.idem.device.drifted", device).await;
+        assert_eq!(events.len(), 1, "{device}: {events:?}");
+        assert_eq!(events[0]["exempt"], exempt_flag, "{device}: {events:?}");
+        assert_eq!(
+            events[0]["changed_paths"],
+            json!(["telemetry.interval_s"]),
+            "{device}: {events:?}"
+        );
+        // Paths only: no field of the event carries a spec value.
+        let fields: Vec<&String> = events[0].as_object().unwrap().keys().collect();
+        assert_eq!(
+            fields,
+            [
+                "changed_paths",
+                "desired_digest",
+                "exempt",
+                "reported_digest",
+                "reported_seq"
+            ],
+            "{events:?}"
+        );
+    }
+    assert_eq!(status_of(&scenario, &exempt).await["status"], "drifted");
+
+    // A run over it skips it as exempt.
+    let (status, started) = scenario
+        .server
+        .post("/v1/runs", &json!({"devices": [exempt]}))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{started}");
+    let run_id = started["run_id"].as_str().unwrap();
+    scenario
+        .server
+        .wait_run_completed(run_id, Duration::from_secs(15))
+        .await
+        .unwrap();
+    let outcomes = scenario.server.run_outcomes(run_id).await.unwrap();
+    assert_eq!(
+        (
+            &outcomes[exempt.as_str()]["outcome"],
+            &outcomes[exempt.as_str()]["reason"]
+        ),
+        (&json!("skipped"), &json!("exempt"))
+    );
+    assert!(
+        events_of(&scenario, "io.idem.device.provisioned", &exempt)
+            .await
+            .is_empty(),
+        "an exempt device is never pushed"
+    );
+
+    // When the exemption expires, the device is reconciled like any drifted one.
+    wait_until(
+        Duration::from_secs(20),
+        "the device remediated after its exemption",
+        || async {
+            !events_of(&scenario, "io.idem.device.provisioned", &exempt)
+                .await
+                .is_empty()
+        },
+    )
+    .await;
+    let (_, list) = scenario.server.get("/v1/exemptions").await.unwrap();
+    assert_eq!(list["exemptions"], json!([]), "{list}");
+    let device = status_of(&scenario, &exempt).await;
+    assert_eq!(
+        (&device["status"], &device["exempt"]),
+        (&json!("converged"), &json!(false))
+    );
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exemptions_are_refused_without_a_bounded_expiry_and_listed_deleted_and_audited() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("exemptions-", 3).build().unwrap();
+    scenario
+        .register(&plan.devices, &plan.desired_spec)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE devices SET labels = '{\"site\": \"lab\"}' WHERE id <> $1")
+        .bind(plan.devices[0].id.as_str())
+        .execute(scenario.db.pool())
+        .await
+        .unwrap();
+    let server = &scenario.server;
+    let device = plan.devices[0].id.to_string();
+    let refusals = [
+        (
+            json!({"device": device, "reason": "r"}),
+            400,
+            "missing_expiry",
+            "30d",
+        ),
+        (
+            json!({"device": device, "reason": "r", "expires_in": "31d"}),
+            400,
+            "invalid_expiry",
+            "30d",
+        ),
+        (
+            json!({"device": device, "reason": "", "expires_in": "1h"}),
+            400,
+            "invalid_reason",
+            "512",
+        ),
+        (
+            json!({"device": device, "selector": {"labels": {"a": "b"}}, "reason": "r", "expires_in": "1h"}),
+            400,
+            "invalid_targets",
+            "exactly one",
+        ),
+        (
+            json!({"device": "nobody", "reason": "r", "expires_in": "1h"}),
+            404,
+            "unknown_device",
+            "nobody",
+        ),
+    ];
+    for (body, status, code, named) in refusals {
+        let (got, answer) = server.post("/v1/exemptions", &body).await.unwrap();
+        assert_eq!(
+            (got, &answer["error"]["code"]),
+            (status, &json!(code)),
+            "{body}: {answer}"
+        );
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(named), "{body}: {message}");
+    }
+    let viewer = server
+        .client_for_role("exemption-viewer", "viewer")
+        .await
+        .unwrap();
+    let (status, _) = viewer
+        .post(
+            "/v1/exemptions",
+            &json!({"device": device, "reason": "r", "expires_in": "1h"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 403);
+
+    // A selector covers the devices its labels match, and the cache follows
+    // a label change: a device relabelled into the selector becomes exempt.
+    let (status, by_label) = server
+        .post(
+            "/v1/exemptions",
+            &json!({"selector": {"labels": {"site": "lab"}}, "reason": "lab devices", "expires_in": "1h"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{by_label}");
+    assert_eq!(by_label["devices"], 2, "{by_label}");
+    assert_eq!(status_of(&scenario, &device).await["exempt"], false);
+    let (status, _) = server
+        .put(
+            &format!("/v1/devices/{device}"),
+            &json!({"labels": {"site": "lab"}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(status_of(&scenario, &device).await["exempt"], true);
+    let (_, list) = viewer.get("/v1/exemptions").await.unwrap();
+    assert_eq!(list["exemptions"][0]["devices"], 3, "{list}");
+    assert_eq!(list["exemptions"][0]["reason"], "lab devices");
+
+    let id = by_label["id"].as_str().unwrap();
+    let (status, deleted) = server
+        .delete(&format!("/v1/exemptions/{id}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{deleted}");
+    assert_eq!(status_of(&scenario, &device).await["exempt"], false);
+    let (status, again) = server
+        .delete(&format!("/v1/exemptions/{id}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, &again["error"]["code"]),
+        (404, &json!("unknown_exemption"))
+    );
+
+    let audited: Vec<(String, String, i32)> = sqlx::query_as(
+        "SELECT method, route, status FROM audit_log WHERE route LIKE '/v1/exemptions%' \
+         AND status < 300 ORDER BY at",
+    )
+    .fetch_all(scenario.db.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        audited,
+        vec![
+            ("POST".into(), "/v1/exemptions".into(), 201),
+            ("DELETE".into(), "/v1/exemptions/{id}".into(), 200),
+        ]
+    );
+}
