@@ -9,46 +9,8 @@ use std::time::{Duration, Instant};
 
 use idem_device_sim::{DeviceBehaviour, OfflineMode, SimDevice};
 use idem_protocol::{Channel, Desired, DeviceId, SpecBudget, TopicRoot};
-use idem_tests::{PrivateMosquitto, Scenario, ServerSettings};
-use rumqttc::{AsyncClient, Event, Packet, QoS};
+use idem_tests::{Scenario, ServerSettings};
 use serde_json::{json, Value};
-
-/// The retained message a fresh subscriber gets on `topic`: `None` when the
-/// broker holds none. A marker published after subscribing tells "nothing
-/// retained" from "not delivered yet": retained messages come first.
-async fn retained_on(broker: &PrivateMosquitto, topic: &str) -> Option<Vec<u8>> {
-    let options = broker.mqtt_options(format!("retained-probe-{}", uuid::Uuid::new_v4().simple()));
-    let (client, mut eventloop) = AsyncClient::new(options, 10);
-    client.subscribe(topic, QoS::AtLeastOnce).await.unwrap();
-    let marker = b"retained-probe-marker".to_vec();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut marker_sent = false;
-    loop {
-        let event = tokio::time::timeout_at(deadline.into(), eventloop.poll())
-            .await
-            .expect("the probe got neither a retained message nor its marker")
-            .unwrap();
-        match event {
-            Event::Incoming(Packet::SubAck(_)) if !marker_sent => {
-                client
-                    .publish(topic, QoS::AtLeastOnce, false, marker.clone())
-                    .await
-                    .unwrap();
-                marker_sent = true;
-            }
-            Event::Incoming(Packet::Publish(p)) => {
-                let _ = client.try_disconnect();
-                if p.retain {
-                    return Some(p.payload.to_vec());
-                }
-                if p.payload.as_ref() == marker.as_slice() {
-                    return None;
-                }
-            }
-            Event::Incoming(_) | Event::Outgoing(_) => {}
-        }
-    }
-}
 
 async fn set_desired(scenario: &Scenario, id: &str, spec: &Value) -> Value {
     let (status, answer) = scenario
@@ -103,7 +65,7 @@ async fn a_rebooting_device_never_applies_a_withdrawn_generation() {
     let desired_topic = topic(&scenario.server.topic_root, &id, Channel::Desired);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let retained = retained_on(&scenario.broker, &desired_topic).await.unwrap();
+        let retained = scenario.broker.retained_on(&desired_topic).await.unwrap();
         let retained = Desired::decode(&retained, SpecBudget::default()).unwrap();
         if retained.generation == 3 {
             assert_eq!(retained.spec, v1);
@@ -168,7 +130,7 @@ async fn a_device_never_pushed_to_gets_no_retained_message_for_a_change_it_alrea
         "1 already converged, 0 provisioned, 0 failed"
     );
     let desired_topic = topic(&scenario.server.topic_root, &id, Channel::Desired);
-    assert_eq!(retained_on(&scenario.broker, &desired_topic).await, None);
+    assert_eq!(scenario.broker.retained_on(&desired_topic).await, None);
     assert_eq!(fleet.state(&id).unwrap().desired_received, 0);
 }
 
@@ -211,9 +173,7 @@ async fn deleting_a_device_clears_its_retained_messages_and_ends_its_attempt_ski
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let desired_topic = topic(&root, &pushed, Channel::Desired);
-    assert!(retained_on(&scenario.broker, &desired_topic)
-        .await
-        .is_some());
+    assert!(scenario.broker.retained_on(&desired_topic).await.is_some());
 
     for id in [&pushed, &hung] {
         let (status, body) = scenario
@@ -237,7 +197,7 @@ async fn deleting_a_device_clears_its_retained_messages_and_ends_its_attempt_ski
     for id in [&pushed, &hung] {
         for channel in [Channel::Desired, Channel::Status] {
             let t = topic(&root, id, channel);
-            assert_eq!(retained_on(&scenario.broker, &t).await, None, "{t}");
+            assert_eq!(scenario.broker.retained_on(&t).await, None, "{t}");
         }
         let (status, _) = scenario
             .server

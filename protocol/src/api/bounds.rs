@@ -43,6 +43,13 @@ pub const MAX_EXEMPTION_REASON_CHARS: usize = 512;
 /// its selector may match).
 pub const MAX_EXEMPTIONS: i64 = 1_000;
 
+/// Owned-field paths in one list (server-wide, or of one selector), at most.
+pub const MAX_OWNED_FIELDS: usize = 64;
+/// Selectors with owned fields, at most.
+pub const MAX_OWNED_SELECTORS: usize = 16;
+/// Characters of one owned-field path, at most.
+pub const MAX_OWNED_PATH_CHARS: usize = 200;
+
 /// A UUID as the API writes it (hyphenated): what run and plan ids in a
 /// path must look like.
 pub const UUID_PATTERN: &str =
@@ -206,6 +213,17 @@ pub mod schema {
             .schema_type(SchemaType::from_iter([Type::String, Type::Null]))
             .pattern(Some(TOKEN_LIFETIME_PATTERN))
             .description(Some("e.g. `30d`; no expiry when absent"))
+            .into()
+    }
+
+    /// A list of owned-field paths.
+    pub fn owned_paths() -> Schema {
+        ArrayBuilder::new()
+            .items(text(1, MAX_OWNED_PATH_CHARS, None))
+            .max_items(Some(MAX_OWNED_FIELDS))
+            .description(Some(
+                "paths as diffs write them (`net.rssi`, `labels[\"a.b\"]`), object keys only",
+            ))
             .into()
     }
 

@@ -117,6 +117,10 @@ pub struct FieldDiff {
     pub old: Option<serde_json::Value>,
     /// The desired value; `null` when `change` is `removed`.
     pub new: Option<serde_json::Value>,
+    /// The path is one the device owns (`PUT /v1/owned-fields`): it never
+    /// causes a push or a drift, and is never sent to the device.
+    #[serde(default)]
+    pub ignored: bool,
 }
 
 /// How a leaf differs.

@@ -118,6 +118,9 @@ error_codes! {
     MissingExpiry = "missing_expiry",
     /// A plan id that is not a UUID.
     InvalidPlanId = "invalid_plan_id",
+    /// An owned-field path that is no path, too long, or a list or a
+    /// selector count beyond its bound.
+    InvalidOwnedFields = "invalid_owned_fields",
     /// A `Last-Event-ID` (or `after`) that is not an event sequence number.
     InvalidLastEventId = "invalid_last_event_id",
     /// A token name that breaks the name rules.

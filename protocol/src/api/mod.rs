@@ -13,6 +13,7 @@ pub mod bounds;
 mod devices;
 mod error_code;
 mod exemptions;
+mod owned;
 mod plans;
 mod runs;
 mod targeting;
@@ -34,6 +35,7 @@ pub use error_code::ErrorCode;
 #[cfg(feature = "openapi")]
 pub use exemptions::schema::ExemptionRequest as ExemptionRequestSchema;
 pub use exemptions::{ExemptionList, ExemptionRequest, ExemptionView};
+pub use owned::{OwnedBySelector, OwnedFieldsDeclaration, OwnedFieldsView};
 pub use plans::{
     PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
     PlanState, PlanView, PlannedDevice,

@@ -59,7 +59,9 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     store::migrate(&pool).await?;
     let rows = store::devices::load_all(&pool).await?;
-    let mut entries = store::devices::cache_entries(&rows)?;
+    let owned = store::owned::declared_set(&pool).await?;
+    let mut resolver = crate::reconcile::owned::OwnedResolver::new(owned.clone());
+    let mut entries = store::devices::cache_entries(&rows, &mut resolver)?;
     drop(rows);
     let exempt: std::collections::HashSet<String> = store::exemptions::exempt_devices(&pool, None)
         .await?
@@ -68,7 +70,7 @@ pub async fn run(
     for (id, entry) in &mut entries {
         entry.exempt = exempt.contains(id.as_str());
     }
-    let fleet = Arc::new(FleetCache::from_entries(entries));
+    let fleet = Arc::new(FleetCache::from_entries(entries).with_owned_set(owned));
     tracing::info!(devices = fleet.len(), "device cache loaded");
 
     let (client, eventloop) = mqtt::connect(&config);

@@ -12,6 +12,7 @@ use uuid::Uuid;
 use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedData};
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::device::DeviceEntry;
+use crate::reconcile::owned::NewSpecDigests;
 use crate::reconcile::plan::{Plan, Staleness};
 use crate::reconcile::policy::{converged_targets, Converged};
 use crate::reconcile::run::RunSpec;
@@ -165,8 +166,16 @@ pub async fn commit_run(
         .iter()
         .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
         .collect();
-    let new_digest = digest_and_spec.as_ref().map(|(digest, _)| *digest);
-    let converged = converged_targets(view, &targets, run.force, new_digest, &new_generations);
+    let mut new_spec = digest_and_spec
+        .as_ref()
+        .map(|(digest, spec)| NewSpecDigests::new(spec, *digest));
+    let converged = converged_targets(
+        view,
+        &targets,
+        run.force,
+        new_spec.as_mut(),
+        &new_generations,
+    );
     let (undecided, undecided_ids) = split_undecided(&targets, &converged);
     let started = RunStartedData {
         trigger: run.trigger,
@@ -202,11 +211,13 @@ pub async fn commit_run(
         let mut changes = Vec::with_capacity(desired_changes.len());
         for row in desired_changes {
             let id = store::device_id(&row.id, "reading the ids of a desired change")?;
-            let desired = DesiredState {
-                generation: store::to_u64(row.desired_generation),
+            // The cache leaves out what the device owns (`set_desired`).
+            let desired = DesiredState::new(
+                store::to_u64(row.desired_generation),
                 digest,
-                spec: spec.clone(),
-            };
+                spec.clone(),
+                None,
+            );
             changes.push(FleetChange::Desired(id, desired));
         }
         write.mirror(changes);

@@ -30,6 +30,7 @@ use crate::ops::metrics::{Metrics, ReportResult};
 use crate::ops::stall::Stall;
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::diff::{drift_paths, DriftPaths};
+use crate::reconcile::owned::OwnedFields;
 use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::ReportRow;
 use crate::store::{self, DeviceWriter, StoreError};
@@ -308,16 +309,24 @@ impl Ingest {
     }
 
     /// Where `report` differs from the device's desired spec, when it does
-    /// (for the `drifted` event: paths only, bounded).
+    /// (for the `drifted` event: paths only, bounded), leaving out the
+    /// fields it owns.
     fn drift_of(
-        &self,
+        fleet: &FleetCache,
         device: &DeviceId,
         report: &Reported,
         digest: SpecDigest,
+        owned: Option<&OwnedFields>,
     ) -> Option<Arc<DriftPaths>> {
-        let desired = self.fleet.desired(device)?;
-        (desired.digest != digest)
-            .then(|| Arc::new(drift_paths(&report.spec, &desired.spec, desired.digest)))
+        let desired = fleet.desired(device)?;
+        (desired.digest != digest).then(|| {
+            Arc::new(drift_paths(
+                &report.spec,
+                &desired.spec,
+                desired.digest,
+                |path| owned.is_some_and(|owned| owned.covers(path)),
+            ))
+        })
     }
 
     /// `Some(highest seq)` for a device whose reports we accept.
@@ -336,7 +345,7 @@ impl Ingest {
         if batch.reports.is_empty() && batch.online.is_empty() {
             return Some(Vec::new());
         }
-        let rows: Vec<PendingReport> = batch
+        let rows: Vec<PendingReport<'_>> = batch
             .reports
             .iter()
             .map(|(device, (report, digest))| PendingReport {
@@ -350,8 +359,11 @@ impl Ingest {
                         .error
                         .as_ref()
                         .map(|e| (e.generation, e.message.clone())),
-                    drift: self.drift_of(device, report, *digest),
+                    // Recomputed under the writer for a device that owns
+                    // fields (`write`).
+                    drift: Self::drift_of(&self.fleet, device, report, *digest, None),
                 },
+                report,
                 health: report.health,
             })
             .collect();
@@ -360,7 +372,7 @@ impl Ingest {
         let mut refused = Vec::new();
         // Report slices still to write; the connection state goes with the
         // first write that commits (alone, if every report was refused).
-        let mut pending: Vec<&[PendingReport]> = vec![&rows];
+        let mut pending: Vec<&[PendingReport<'_>]> = vec![&rows];
         let mut online: &[(DeviceId, bool)] = &online;
         let mut backoff = Backoff::store_and_broker();
         loop {
@@ -417,7 +429,7 @@ impl Ingest {
 
     async fn write(
         &self,
-        rows: &[PendingReport],
+        rows: &[PendingReport<'_>],
         online: &[(DeviceId, bool)],
     ) -> Result<(), WriteFailure> {
         let classify_failure = |e: StoreError| {
@@ -437,11 +449,31 @@ impl Ingest {
         store::devices::set_online(&mut write, &online_rows)
             .await
             .map_err(classify_failure)?;
-        write.mirror(rows.iter().map(|r| FleetChange::Reported {
-            id: r.device.clone(),
-            reported: r.state.clone(),
-            health: r.health,
-        }));
+        // Under the writer, the owned fields are those every committed
+        // change (a new declaration, a relabelling) left: the digest the
+        // cache compares leaves them out.
+        let reported: Vec<FleetChange> = rows
+            .iter()
+            .map(|r| {
+                let mut state = r.state.clone();
+                if let Some(owned) = write.cache().owned(&r.device) {
+                    state.digest = owned.digest(&r.report.spec);
+                    state.drift = Self::drift_of(
+                        write.cache(),
+                        &r.device,
+                        r.report,
+                        state.digest,
+                        Some(&owned),
+                    );
+                }
+                FleetChange::Reported {
+                    id: r.device.clone(),
+                    reported: state,
+                    health: r.health,
+                }
+            })
+            .collect();
+        write.mirror(reported);
         write.mirror(
             online
                 .iter()
@@ -456,11 +488,13 @@ impl Ingest {
 }
 
 /// One report of a batch on its way to PostgreSQL.
-struct PendingReport {
+struct PendingReport<'a> {
     device: DeviceId,
     row: ReportRow,
-    /// What the cache holds once the row has committed.
+    /// What the cache holds once the row has committed (its digest and
+    /// drift recomputed under the writer for a device that owns fields).
     state: ReportedState,
+    report: &'a Reported,
     health: Option<Health>,
 }
 

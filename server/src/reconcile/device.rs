@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::{self, Actual, ReportedState};
+use crate::reconcile::owned::OwnedFields;
 
 /// The fleet as the state machine reads it: committed state only.
 pub trait FleetRead: Send + Sync {
@@ -29,9 +30,32 @@ pub trait FleetRead: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct DesiredState {
     pub generation: u64,
+    /// The digest convergence compares: of `spec` without the paths the
+    /// device owns (`spec_digest` when it owns none).
     pub digest: SpecDigest,
+    /// The digest of the whole spec, as stored: a new desired spec is a new
+    /// generation only when this differs.
+    pub spec_digest: SpecDigest,
     /// Shared: a bulk change gives thousands of devices the same spec.
     pub spec: Arc<Value>,
+}
+
+impl DesiredState {
+    /// `spec` (whose own digest is `spec_digest`) as generation
+    /// `generation` of a device that owns `owned`.
+    pub fn new(
+        generation: u64,
+        spec_digest: SpecDigest,
+        spec: Arc<Value>,
+        owned: Option<&OwnedFields>,
+    ) -> Self {
+        Self {
+            generation,
+            digest: crate::reconcile::owned::convergence_digest(&spec, spec_digest, owned),
+            spec_digest,
+            spec,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -48,6 +72,9 @@ pub struct DeviceEntry {
     /// An operator's exemption covers it now: its drift is detected and
     /// evented, never remediated (`policy::blocked`).
     pub exempt: bool,
+    /// The spec paths the device owns (`reconcile::owned`): left out of
+    /// both digests above, never published. `None`: it owns none.
+    pub owned: Option<Arc<OwnedFields>>,
     /// Generation of the retained desired message on the broker (`None`:
     /// the broker holds none). Refreshed whenever it falls behind `desired`.
     pub retained_generation: Option<u64>,
@@ -89,6 +116,19 @@ impl DeviceEntry {
             generation: d.generation,
             digest: d.digest,
         })
+    }
+
+    /// The desired spec as the device is sent it: without the paths it owns
+    /// (shared, not copied, when there is nothing to leave out).
+    pub fn spec_to_publish(&self, desired: &DesiredState) -> Arc<Value> {
+        match self
+            .owned
+            .as_deref()
+            .map(|owned| owned.strip(&desired.spec))
+        {
+            Some(std::borrow::Cow::Owned(stripped)) => Arc::new(stripped),
+            Some(std::borrow::Cow::Borrowed(_)) | None => desired.spec.clone(),
+        }
     }
 
     pub fn reported_seq(&self) -> Option<u64> {

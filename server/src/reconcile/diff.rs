@@ -26,9 +26,16 @@ pub struct DriftPaths {
 }
 
 /// The [`DriftPaths`] of `reported` against `desired`, whose digest is
-/// `against`.
-pub fn drift_paths(reported: &Value, desired: &Value, against: SpecDigest) -> DriftPaths {
-    let changes = diff(reported, desired);
+/// `against`, leaving out the paths `ignored` names (fields the device
+/// owns).
+pub fn drift_paths(
+    reported: &Value,
+    desired: &Value,
+    against: SpecDigest,
+    ignored: impl Fn(&FieldPath) -> bool,
+) -> DriftPaths {
+    let mut changes = diff(reported, desired);
+    changes.retain(|change| !ignored(change.path()));
     let more = changes.len().saturating_sub(MAX_DRIFT_PATHS) as u64;
     let paths = changes
         .iter()
@@ -52,14 +59,14 @@ pub fn drift_paths(reported: &Value, desired: &Value, against: SpecDigest) -> Dr
 }
 
 /// One step of a path into a JSON value.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum PathStep {
     Key(String),
     Index(usize),
 }
 
 /// Where a change is: the steps from the root (none: the whole value).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
 pub struct FieldPath(pub Vec<PathStep>);
 
 impl FieldPath {
@@ -291,7 +298,7 @@ mod tests {
             .collect::<Map<_, _>>()
             .into();
         let desired = json!({});
-        let drift = drift_paths(&reported, &desired, SpecDigest::of(&desired));
+        let drift = drift_paths(&reported, &desired, SpecDigest::of(&desired), |_| false);
         assert_eq!(drift.paths.len(), MAX_DRIFT_PATHS);
         assert_eq!(drift.more, 8);
         assert_eq!(drift.paths[0], "k00");
@@ -299,11 +306,22 @@ mod tests {
     }
 
     #[test]
+    fn drift_paths_leave_out_the_paths_ignored() {
+        let reported = json!({"uptime": 5, "net": {"rssi": -60, "ssid": "home"}});
+        let desired = json!({"net": {"rssi": -40, "ssid": "office"}});
+        let owned =
+            |path: &FieldPath| path.to_string() == "uptime" || path.to_string() == "net.rssi";
+        let drift = drift_paths(&reported, &desired, SpecDigest::of(&desired), owned);
+        assert_eq!(drift.paths, vec!["net.ssid".to_owned()]);
+        assert_eq!(drift.more, 0);
+    }
+
+    #[test]
     fn a_drift_path_longer_than_its_bound_is_cut() {
         let key = "k".repeat(500);
         let reported = json!({ key: 1 });
         let desired = json!({});
-        let drift = drift_paths(&reported, &desired, SpecDigest::of(&desired));
+        let drift = drift_paths(&reported, &desired, SpecDigest::of(&desired), |_| false);
         assert_eq!(drift.paths[0].chars().count(), MAX_DRIFT_PATH_CHARS);
         assert!(drift.paths[0].ends_with('…'));
     }

@@ -12,6 +12,7 @@ pub mod diff;
 pub mod event_draft;
 pub mod machine;
 pub mod outcome;
+pub mod owned;
 pub mod pacer;
 pub mod plan;
 pub mod policy;

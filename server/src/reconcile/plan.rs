@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use super::decide::{first_look, Desired, FirstLook};
 use super::device::{DesiredState, DeviceEntry};
+use super::owned::NewSpecDigests;
 use super::policy::{blocked, Blocked};
 
 /// Why a plan counts a device `skipped`: a run would not push to it.
@@ -51,12 +52,13 @@ pub fn verdict(entry: &DeviceEntry, desired: &Desired, force: bool) -> Verdict {
     }
 }
 
-/// The desired generation a device would have after a change to `digest`
-/// (`store::devices::set_desired` counts up only when the digest differs),
-/// and whether that is a new one.
-pub fn planned_generation(current: Option<&DesiredState>, digest: SpecDigest) -> (u64, bool) {
+/// The desired generation a device would have after a change to a spec
+/// whose own digest is `spec_digest` (`store::devices::set_desired` counts
+/// up only when the whole spec's digest differs), and whether that is a new
+/// one.
+pub fn planned_generation(current: Option<&DesiredState>, spec_digest: SpecDigest) -> (u64, bool) {
     match current {
-        Some(d) if d.digest == digest => (d.generation, false),
+        Some(d) if d.spec_digest == spec_digest => (d.generation, false),
         Some(d) => (d.generation + 1, true),
         None => (1, true),
     }
@@ -68,6 +70,10 @@ pub fn planned_generation(current: Option<&DesiredState>, digest: SpecDigest) ->
 pub struct Basis {
     pub desired_generation: Option<u64>,
     pub reported_seq: Option<u64>,
+    /// The digests convergence compares: they change with the fields the
+    /// device owns, with generation and seq unchanged.
+    pub desired_digest: Option<SpecDigest>,
+    pub reported_digest: Option<SpecDigest>,
     pub online: Option<bool>,
     pub status: DeviceStatus,
     pub exempt: bool,
@@ -78,6 +84,8 @@ impl Basis {
         Self {
             desired_generation: entry.desired.as_ref().map(|d| d.generation),
             reported_seq: entry.reported_seq(),
+            desired_digest: entry.desired.as_ref().map(|d| d.digest),
+            reported_digest: entry.reported.as_ref().map(|r| r.digest),
             online: entry.online,
             status: entry.status,
             exempt: entry.exempt,
@@ -128,13 +136,14 @@ impl PlanCounts {
     }
 }
 
-/// Every target's verdict for a change to `digest` (with `force`), judged
-/// on `view`, in device-id order. A target `view` does not know (deleted
-/// since it was resolved) is left out.
+/// Every target's verdict for a change to `spec` (with `force`), judged
+/// on `view`, in device-id order; each device compares the spec without
+/// the fields it owns. A target `view` does not know (deleted since it was
+/// resolved) is left out.
 pub fn plan_devices(
     targets: &[DeviceId],
     view: impl Fn(&DeviceId) -> Option<DeviceEntry>,
-    digest: SpecDigest,
+    spec: &mut NewSpecDigests<'_>,
     force: bool,
 ) -> (Vec<PlannedDevice>, PlanCounts) {
     let mut devices = Vec::with_capacity(targets.len());
@@ -147,8 +156,11 @@ pub fn plan_devices(
         let Some(entry) = view(id) else {
             continue;
         };
-        let (generation, new_generation) = planned_generation(entry.desired.as_ref(), digest);
-        let desired = Desired { generation, digest };
+        let (generation, new_generation) = planned_generation(entry.desired.as_ref(), spec.full());
+        let desired = Desired {
+            generation,
+            digest: spec.for_device(entry.owned.as_ref()),
+        };
         let verdict = verdict(&entry, &desired, force);
         counts.add(verdict);
         devices.push(PlannedDevice {
@@ -164,8 +176,8 @@ pub fn plan_devices(
 }
 
 /// What changed since a plan was computed, device by device (each counted
-/// once, under the first of: gone, desired, reported, connection, status
-/// or exemption),
+/// once, under the first of: gone, desired, reported, owned fields,
+/// connection, status or exemption),
 /// plus devices its targeting matches now and did not then.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Staleness {
@@ -174,6 +186,8 @@ pub struct Staleness {
     pub reported: u64,
     pub connection: u64,
     pub status: u64,
+    /// Devices whose owned fields changed (`PUT /v1/owned-fields`).
+    pub owned: u64,
     pub joined: u64,
 }
 
@@ -200,6 +214,10 @@ impl Staleness {
                 self.desired += 1;
             } else if now.reported_seq != then.reported_seq {
                 self.reported += 1;
+            } else if now.desired_digest != then.desired_digest
+                || now.reported_digest != then.reported_digest
+            {
+                self.owned += 1;
             } else if now.online != then.online {
                 self.connection += 1;
             } else if now.status != then.status || now.exempt != then.exempt {
@@ -241,6 +259,13 @@ impl fmt::Display for Staleness {
                 format!(
                     "status or exemption changed for {} since the plan",
                     devices(self.status)
+                ),
+            ),
+            (
+                self.owned,
+                format!(
+                    "owned fields changed for {} since the plan",
+                    devices(self.owned)
                 ),
             ),
             (

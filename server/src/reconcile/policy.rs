@@ -15,6 +15,7 @@ use super::decide::{first_look, Desired, FirstLook};
 use super::outcome::{Outcome, SkipReason};
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::device::DeviceEntry;
+use crate::reconcile::owned::NewSpecDigests;
 
 /// Why a device with a desired spec is not attempted, if it is not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,13 +89,13 @@ pub struct Converged {
 /// The targets of a new run decided `already_converged` at its creation
 /// ([`converged_at_creation`]), judged on `view` — the state machine's view
 /// of each device (cache plus changes not yet written) — with the desired
-/// change the run makes (`new_digest`, and the generations it gave each
+/// change the run makes (`new_spec`, and the generations it gave each
 /// device), and what each one's row must change.
 pub fn converged_targets(
     view: impl Fn(&DeviceId) -> Option<DeviceEntry>,
     targets: &[DeviceId],
     force: bool,
-    new_digest: Option<SpecDigest>,
+    mut new_spec: Option<&mut NewSpecDigests<'_>>,
     new_generations: &HashMap<&str, u64>,
 ) -> Vec<Converged> {
     // Targets are distinct (the API and the engine's own runs deduplicate).
@@ -103,14 +104,14 @@ pub fn converged_targets(
         let Some(entry) = view(id) else {
             continue;
         };
-        let desired = match (new_digest, entry.desired_for_decision()) {
-            (Some(digest), current) => Some(Desired {
+        let desired = match (new_spec.as_deref_mut(), entry.desired_for_decision()) {
+            (Some(new_spec), current) => Some(Desired {
                 generation: new_generations
                     .get(id.as_str())
                     .copied()
                     .or(current.map(|d| d.generation))
                     .unwrap_or(0),
-                digest,
+                digest: new_spec.for_device(entry.owned.as_ref()),
             }),
             (None, current) => current,
         };
@@ -363,10 +364,13 @@ mod tests {
             status,
             online,
             exempt,
-            desired: desired.then(|| crate::reconcile::device::DesiredState {
-                generation: 1,
-                digest: SpecDigest::of(&spec),
-                spec: std::sync::Arc::new(spec),
+            desired: desired.then(|| {
+                crate::reconcile::device::DesiredState::new(
+                    1,
+                    SpecDigest::of(&spec),
+                    std::sync::Arc::new(spec),
+                    None,
+                )
             }),
             ..DeviceEntry::default()
         }

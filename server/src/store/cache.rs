@@ -4,17 +4,18 @@
 //! Postgres stays the source of truth: entries change only after the write
 //! that they mirror has committed. Never hold a guard across `.await`.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use chrono::{DateTime, Utc};
 use dashmap::DashMap;
-use idem_protocol::{DeviceId, DeviceStatus, Health};
+use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
 use serde_json::Value;
 
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::device::FleetRead;
 pub use crate::reconcile::device::{DesiredState, DeviceEntry};
+use crate::reconcile::owned::{OwnedFieldSet, OwnedFields};
 
 /// A committed change to mirror in the cache. [`FleetCache::apply`] is the only
 /// way the cache changes, always after the transaction that wrote the change
@@ -33,6 +34,19 @@ pub enum FleetChange {
     Online(DeviceId, bool),
     /// An exemption now covers the device (`true`) or no longer does.
     Exempt(DeviceId, bool),
+    /// The declared owned fields changed (`PUT /v1/owned-fields`).
+    OwnedSet(Arc<OwnedFieldSet>),
+    /// What the device owns now, and its report's digest as convergence
+    /// compares it without those paths (`None`: it has no report); its
+    /// desired digest is recomputed from the desired spec. `retained_stale`:
+    /// the retained desired message holds what it now owns, and is to be
+    /// published again.
+    Owned {
+        id: DeviceId,
+        owned: Option<Arc<OwnedFields>>,
+        reported_digest: Option<SpecDigest>,
+        retained_stale: bool,
+    },
     /// An operator reset the device's reported state.
     ReportedCleared(DeviceId),
     /// An operator released a quarantined device: `failed`, no failures counted.
@@ -69,6 +83,8 @@ impl FleetRead for FleetCache {
 #[derive(Debug, Default)]
 pub struct FleetCache {
     devices: DashMap<DeviceId, DeviceEntry>,
+    /// The declared owned fields each entry's `owned` was resolved from.
+    owned_set: RwLock<Arc<OwnedFieldSet>>,
 }
 
 impl FleetCache {
@@ -78,7 +94,45 @@ impl FleetCache {
         for (id, entry) in entries {
             devices.insert(id, entry);
         }
-        Self { devices }
+        Self {
+            devices,
+            owned_set: RwLock::default(),
+        }
+    }
+
+    /// The same cache, its entries' owned fields resolved from `set`.
+    pub fn with_owned_set(self, set: OwnedFieldSet) -> Self {
+        Self {
+            owned_set: RwLock::new(Arc::new(set)),
+            ..self
+        }
+    }
+
+    /// The declared owned fields.
+    pub fn owned_set(&self) -> Arc<OwnedFieldSet> {
+        // A poisoned lock still holds a whole `Arc`: it is only ever replaced.
+        self.owned_set
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Whether any device owns a path.
+    pub fn any_owned(&self) -> bool {
+        self.devices.iter().any(|e| e.value().owned.is_some())
+    }
+
+    /// How many devices own a path.
+    pub fn count_owning(&self) -> usize {
+        self.devices
+            .iter()
+            .filter(|e| e.value().owned.is_some())
+            .count()
+    }
+
+    /// The paths one device owns.
+    pub fn owned(&self, id: &DeviceId) -> Option<Arc<OwnedFields>> {
+        self.devices.get(id).and_then(|e| e.value().owned.clone())
     }
 
     pub fn len(&self) -> usize {
@@ -103,8 +157,19 @@ impl FleetCache {
         self.devices.get(id).and_then(|e| e.value().desired.clone())
     }
 
+    /// Records a desired change, its convergence digest leaving out what
+    /// the device owns.
     fn set_desired(&self, id: &DeviceId, desired: DesiredState) {
         if let Some(mut entry) = self.devices.get_mut(id) {
+            let desired = match entry.owned.as_deref() {
+                Some(owned) => DesiredState::new(
+                    desired.generation,
+                    desired.spec_digest,
+                    desired.spec,
+                    Some(owned),
+                ),
+                None => desired,
+            };
             entry.desired = Some(desired);
         }
     }
@@ -141,6 +206,39 @@ impl FleetCache {
                     health,
                 } => self.set_reported(&id, reported, health),
                 FleetChange::Online(id, online) => self.set_online(&id, online),
+                FleetChange::OwnedSet(set) => {
+                    *self
+                        .owned_set
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = set;
+                }
+                FleetChange::Owned {
+                    id,
+                    owned,
+                    reported_digest,
+                    retained_stale,
+                } => {
+                    if let Some(mut entry) = self.devices.get_mut(&id) {
+                        let entry = &mut *entry;
+                        entry.owned = owned;
+                        if let Some(desired) = &mut entry.desired {
+                            *desired = DesiredState::new(
+                                desired.generation,
+                                desired.spec_digest,
+                                desired.spec.clone(),
+                                entry.owned.as_deref(),
+                            );
+                        }
+                        if let (Some(reported), Some(digest)) =
+                            (&mut entry.reported, reported_digest)
+                        {
+                            reported.digest = digest;
+                        }
+                        if retained_stale && entry.retained_generation.is_some() {
+                            entry.retained_generation = Some(0);
+                        }
+                    }
+                }
                 FleetChange::Exempt(id, exempt) => {
                     if let Some(mut entry) = self.devices.get_mut(&id) {
                         entry.exempt = exempt;

@@ -15,6 +15,7 @@ use super::{to_i64, to_u64, Context, StoreError};
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::device::{DesiredState, DeviceEntry};
 use crate::reconcile::machine::AttemptRecord;
+use crate::reconcile::owned::{convergence_digest, OwnedFields, OwnedResolver};
 
 /// One device as stored, for loading the cache and for the API.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -51,22 +52,33 @@ const DEVICE_COLUMNS: &str =
     reported_error, reported_health, reported_at, status, online, attempts, next_attempt_at, \
     last_error, last_outcome, last_outcome_reason, last_run_id, retained_generation, updated_at";
 
-/// The cache's entry of every row; desired specs shared by many devices are
-/// held once. A row whose id breaks the id rules (a hand edit) is an error
-/// naming it: the server does not start on a table it cannot mirror.
-pub fn cache_entries(rows: &[DeviceRow]) -> Result<Vec<(DeviceId, DeviceEntry)>, StoreError> {
+/// The cache's entry of every row, owning what `owned` resolves for its
+/// labels; desired specs shared by many devices are held once. A row whose
+/// id breaks the id rules (a hand edit) is an error naming it: the server
+/// does not start on a table it cannot mirror.
+pub fn cache_entries(
+    rows: &[DeviceRow],
+    owned: &mut OwnedResolver,
+) -> Result<Vec<(DeviceId, DeviceEntry)>, StoreError> {
     let mut specs = HashMap::new();
     rows.iter()
         .map(|row| {
             let id = super::device_id(&row.id, "loading the fleet cache")?;
-            Ok((id, entry_from_row(row, &mut specs)))
+            Ok((
+                id,
+                entry_from_row(row, &mut specs, owned.for_labels(&row.labels)),
+            ))
         })
         .collect()
 }
 
 /// `specs` interns desired specs by digest, so a fleet sharing one
 /// desired spec holds it once.
-fn entry_from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) -> DeviceEntry {
+fn entry_from_row(
+    row: &DeviceRow,
+    specs: &mut HashMap<SpecDigest, Arc<Value>>,
+    owned: Option<Arc<OwnedFields>>,
+) -> DeviceEntry {
     let desired = match (&row.desired_spec, &row.desired_digest) {
         (Some(spec), Some(stored)) if row.desired_generation > 0 => {
             let digest = stored_digest(stored, spec);
@@ -74,11 +86,12 @@ fn entry_from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) 
                 .entry(digest)
                 .or_insert_with(|| Arc::new(spec.clone()))
                 .clone();
-            Some(DesiredState {
-                generation: to_u64(row.desired_generation),
+            Some(DesiredState::new(
+                to_u64(row.desired_generation),
                 digest,
                 spec,
-            })
+                owned.as_deref(),
+            ))
         }
         _ => None,
     };
@@ -86,7 +99,9 @@ fn entry_from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) 
         (Some(stored), Some(seq)) => Some(ReportedState {
             seq: to_u64(seq),
             digest: match &row.reported_spec {
-                Some(spec) => stored_digest(stored, spec),
+                Some(spec) => {
+                    convergence_digest(spec, stored_digest(stored, spec), owned.as_deref())
+                }
                 None => SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(&Value::Null)),
             },
             generation: row.reported_generation.map(to_u64),
@@ -109,6 +124,7 @@ fn entry_from_row(row: &DeviceRow, specs: &mut HashMap<SpecDigest, Arc<Value>>) 
         retained_generation: row.retained_generation.map(to_u64),
         // Set from the exemptions table (`store::exemptions`), not the row.
         exempt: false,
+        owned,
     }
 }
 

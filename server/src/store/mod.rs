@@ -10,6 +10,7 @@ pub mod copy;
 pub mod devices;
 pub mod events;
 pub mod exemptions;
+pub mod owned;
 pub mod runs;
 pub mod writer;
 

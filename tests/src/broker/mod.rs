@@ -35,6 +35,7 @@ mod bridge;
 mod builder;
 mod client_options;
 mod config_file;
+mod retained_probe;
 #[cfg(test)]
 mod tests;
 

@@ -11,6 +11,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use idem_protocol::api::ErrorCode;
+use idem_protocol::DeviceId;
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -22,6 +23,7 @@ use crate::engine::EngineCommand;
 use crate::engine::{RunAnswer, RunRequest};
 use crate::http::auth::{AuditNote, AuditWritten, Call};
 use crate::http::error::ApiError;
+use crate::reconcile::owned::OwnedFieldSet;
 use crate::store::access::AuditRecord;
 use crate::store::cache::FleetChange;
 use crate::store::{self, DeviceTx};
@@ -97,6 +99,35 @@ impl<'a> DeviceWrite<'a> {
         Ok(())
     }
 
+    /// Brings the cache's owned fields of `scope` up to date with `set` in
+    /// this transaction; the engine republishes the retained desired
+    /// messages that held a path now owned once it commits. Returns the
+    /// devices whose owned fields changed.
+    pub(super) async fn refresh_owned(
+        &mut self,
+        set: &OwnedFieldSet,
+        scope: store::owned::Scope<'_>,
+    ) -> Result<Vec<DeviceId>, ApiError> {
+        let refreshed = store::owned::refresh(&mut self.write, set, scope).await?;
+        if refreshed.retained_stale {
+            self.then.push(EngineCommand::SyncRetained);
+        }
+        Ok(refreshed.devices)
+    }
+
+    /// Brings the owned fields of devices whose labels may have changed up
+    /// to date with the declared set.
+    pub(super) async fn refresh_owned_of(&mut self, ids: &[String]) -> Result<(), ApiError> {
+        let set = self.state.fleet.owned_set();
+        let changed = self
+            .refresh_owned(&set, store::owned::Scope::Devices(ids))
+            .await?;
+        if !changed.is_empty() {
+            self.then.push(EngineCommand::OwnedChanged(changed));
+        }
+        Ok(())
+    }
+
     /// A command for the engine once the cache is updated.
     pub(super) fn then_tell(&mut self, command: EngineCommand) {
         self.then.push(command);
@@ -135,7 +166,18 @@ pub(super) async fn start_run(
     run: NewRun,
     note: AuditNote,
 ) -> Result<(Uuid, usize), ApiError> {
-    let answer = ask_engine(state, call, run, note, false).await?;
+    let answer = ask_engine(state, call, run, Some(note), false).await?;
+    Ok((answer.run_id, answer.targets))
+}
+
+/// As [`start_run`], for a run that follows a change this call already
+/// committed with its audit record: the run carries no record of its own.
+pub(super) async fn start_follow_up_run(
+    state: &AppState,
+    call: &Call,
+    run: NewRun,
+) -> Result<(Uuid, usize), ApiError> {
+    let answer = ask_engine(state, call, run, None, false).await?;
     Ok((answer.run_id, answer.targets))
 }
 
@@ -148,18 +190,18 @@ pub(super) async fn start_or_join_manual_run(
     run: NewRun,
     note: AuditNote,
 ) -> Result<RunAnswer, ApiError> {
-    ask_engine(state, call, run, note, true).await
+    ask_engine(state, call, run, Some(note), true).await
 }
 
 async fn ask_engine(
     state: &AppState,
     call: &Call,
     mut run: NewRun,
-    note: AuditNote,
+    note: Option<AuditNote>,
     join_identical: bool,
 ) -> Result<RunAnswer, ApiError> {
     run.started_by = Some(call.actor.name.clone());
-    run.audit = Some(call.audit(StatusCode::OK, note));
+    run.audit = note.map(|note| call.audit(StatusCode::OK, note));
     let shutting_down = || {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

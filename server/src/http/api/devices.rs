@@ -28,6 +28,7 @@ use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
 use crate::reconcile::diff::{self, FieldChange};
+use crate::reconcile::owned::OwnedFields;
 use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::{DeviceFilter, DeviceRow, HistoryRow, Registration};
 use crate::store::{self, generation, to_u64};
@@ -146,6 +147,8 @@ pub(super) async fn register_devices(
     write
         .refresh_exemptions(store::exemptions::Scope::Devices(&registered))
         .await?;
+    // And into or out of a selector's owned fields.
+    write.refresh_owned_of(&registered).await?;
     let desired_changed = write_desired(&mut write, &checked.specs).await?;
     let answer = Registered {
         created: counts.created,
@@ -194,11 +197,13 @@ async fn write_desired(
         let spec = Arc::new(spec.clone());
         for w in written {
             let id = store::device_id(&w.id, "reading the ids of a desired change")?;
-            let desired = DesiredState {
-                generation: store::to_u64(w.desired_generation),
-                digest: *digest,
-                spec: spec.clone(),
-            };
+            // The cache leaves out what the device owns (`set_desired`).
+            let desired = DesiredState::new(
+                store::to_u64(w.desired_generation),
+                *digest,
+                spec.clone(),
+                None,
+            );
             write.change([FleetChange::Desired(id.clone(), desired)]);
             changed_ids.push(id);
         }
@@ -246,6 +251,7 @@ pub(super) async fn upsert_device(
     write
         .refresh_exemptions(store::exemptions::Scope::Devices(&[id.to_string()]))
         .await?;
+    write.refresh_owned_of(&[id.to_string()]).await?;
     write
         .commit("committing a registration", call.audit(status, note))
         .await?;
@@ -269,19 +275,28 @@ pub(super) async fn get_device(
     let mut device = device_view(&state, row);
     device.history = Some(history.into_iter().map(attempt).collect());
     device.diff = match (&device.reported, &device.desired) {
-        (Some(reported), Some(desired)) => Some(field_diffs(&reported.spec, &desired.spec)),
+        (Some(reported), Some(desired)) => Some(field_diffs(
+            &reported.spec,
+            &desired.spec,
+            state.fleet.owned(&id).as_deref(),
+        )),
         _ => None,
     };
     Ok(Json(device))
 }
 
-/// The core's diff from `old` to `new`, as the API shows it.
-pub(super) fn field_diffs(old: &Value, new: &Value) -> Vec<FieldDiff> {
-    diff::diff(old, new).into_iter().map(field_diff).collect()
+/// The core's diff from `old` to `new`, as the API shows it, the paths a
+/// device that owns `owned` owns marked ignored.
+pub(super) fn field_diffs(old: &Value, new: &Value, owned: Option<&OwnedFields>) -> Vec<FieldDiff> {
+    diff::diff(old, new)
+        .into_iter()
+        .map(|change| field_diff(change, owned))
+        .collect()
 }
 
 /// A change of the core's diff as the API shows it.
-fn field_diff(change: FieldChange) -> FieldDiff {
+fn field_diff(change: FieldChange, owned: Option<&OwnedFields>) -> FieldDiff {
+    let ignored = owned.is_some_and(|owned| owned.covers(change.path()));
     let path = change.path().to_string();
     let (change, old, new) = match change {
         FieldChange::Added { new, .. } => (FieldChangeKind::Added, None, Some(new)),
@@ -293,6 +308,7 @@ fn field_diff(change: FieldChange) -> FieldDiff {
         change,
         old,
         new,
+        ignored,
     }
 }
 
@@ -457,12 +473,24 @@ pub(super) async fn list_devices(
     }))
 }
 
-/// A stored device as the API shows it (its exemption from the cache).
+/// A stored device as the API shows it (its exemption and owned fields
+/// from the cache).
 pub(super) fn device_view(state: &AppState, row: DeviceRow) -> DeviceView {
-    let exempt = DeviceId::parse(&row.id)
+    let entry = DeviceId::parse(&row.id)
         .ok()
-        .and_then(|id| state.fleet.get(&id))
-        .is_some_and(|entry| entry.exempt);
+        .and_then(|id| state.fleet.get(&id));
+    let exempt = entry.as_ref().is_some_and(|entry| entry.exempt);
+    let owned = entry.and_then(|entry| entry.owned);
+    let in_sync = match (&row.desired_digest, &row.reported_digest, &owned) {
+        (Some(_), Some(_), Some(owned)) => match (&row.desired_spec, &row.reported_spec) {
+            (Some(desired), Some(reported)) => {
+                Some(owned.digest(desired) == owned.digest(reported))
+            }
+            _ => None,
+        },
+        (Some(d), Some(r), None) => Some(d == r),
+        _ => None,
+    };
     let desired = row.desired_spec.map(|spec| DesiredView {
         generation: generation(row.desired_generation),
         spec,
@@ -489,10 +517,6 @@ pub(super) fn device_view(state: &AppState, row: DeviceRow) -> DeviceView {
         reason: row.last_outcome_reason,
         run_id: row.last_run_id,
     });
-    let in_sync = match (&row.desired_digest, &row.reported_digest) {
-        (Some(d), Some(r)) => Some(d == r),
-        _ => None,
-    };
     DeviceView {
         id: row.id,
         labels: row.labels,

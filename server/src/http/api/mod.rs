@@ -22,6 +22,7 @@ mod exemptions;
 mod fleet;
 pub mod openapi;
 mod ops;
+mod owned;
 mod params;
 mod plans;
 mod routes;

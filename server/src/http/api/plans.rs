@@ -32,6 +32,7 @@ use crate::http::auth::{AuditNote, Call, DryRun};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
+use crate::reconcile::owned::NewSpecDigests;
 use crate::reconcile::plan::{
     self, joined_since, plan_devices, Plan, PlanSkip, PlanState, Unusable, Verdict,
 };
@@ -58,7 +59,9 @@ pub(super) async fn create_plan(
     let targeting = checked_targeting(&body)?;
     let targets = matching(&state, &targeting).await?;
     let digest = SpecDigest::of(&spec);
-    let (devices, counts) = plan_devices(&targets, |id| state.fleet.get(id), digest, body.force);
+    let mut digests = NewSpecDigests::new(&spec, digest);
+    let (devices, counts) =
+        plan_devices(&targets, |id| state.fleet.get(id), &mut digests, body.force);
     let now = Utc::now();
     let ttl = chrono::Duration::from_std(state.config.changes.plan_ttl)
         .unwrap_or(chrono::Duration::hours(1));
@@ -306,7 +309,13 @@ async fn page(
                 reason,
                 generation: device.generation,
                 unchanged: !device.new_generation,
-                diff: spec.map(|reported| field_diffs(reported, &plan.spec)),
+                diff: spec.map(|reported| {
+                    field_diffs(
+                        reported,
+                        &plan.spec,
+                        state.fleet.owned(&device.id).as_deref(),
+                    )
+                }),
                 reported_since_plan: seq != device.basis.reported_seq,
             }
         })

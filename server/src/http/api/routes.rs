@@ -13,7 +13,8 @@ use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
 use utoipa_axum::routes;
 
 use super::{
-    audit, credentials, desired, devices, exemptions, fleet, openapi, ops, plans, runs, tokens,
+    audit, credentials, desired, devices, exemptions, fleet, openapi, ops, owned, plans, runs,
+    tokens,
 };
 use crate::app::state::AppState;
 use crate::http::auth::{access_for, Access, AuthSettings, Role, Route};
@@ -47,6 +48,8 @@ fn table() -> Vec<(Access, UtoipaMethodRouter<Arc<AppState>>)> {
         (operator, routes!(exemptions::create_exemption)),
         (viewer, routes!(exemptions::list_exemptions)),
         (operator, routes!(exemptions::delete_exemption)),
+        (operator, routes!(owned::put_owned_fields)),
+        (viewer, routes!(owned::get_owned_fields)),
         (viewer, routes!(runs::list_runs)),
         (operator, routes!(runs::start_manual_run)),
         (viewer, routes!(runs::get_run)),

@@ -47,6 +47,10 @@ pub enum EngineCommand {
     /// Exemptions of these devices ended (committed, in the cache): a
     /// drifted one is reconciled like any drifted device.
     ExemptionsEnded(Vec<DeviceId>),
+    /// The fields these devices own changed (committed, in the cache, with
+    /// the digests that follow): one that differs now is reconciled like
+    /// any drifted device.
+    OwnedChanged(Vec<DeviceId>),
     /// Refresh every retained desired message that is behind (start-up).
     SyncRetained,
     /// The broker may have dropped messages for the server: ask every

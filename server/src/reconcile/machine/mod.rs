@@ -141,7 +141,9 @@ impl Machine {
                     self.connectivity_changed(&id, online, now.at);
                 }
             }
-            EngineCommand::ExemptionsEnded(ids) => self.exemptions_ended(ids, now.at),
+            EngineCommand::ExemptionsEnded(ids) | EngineCommand::OwnedChanged(ids) => {
+                self.recheck_drift(ids, now.at);
+            }
             EngineCommand::Recheck => {
                 self.recheck_since = Some(now.wall);
                 self.gaps.recheck(self.fleet.ids_not_offline());
@@ -509,7 +511,7 @@ impl Machine {
         out.push(Effect::Publish {
             device: id.clone(),
             generation: desired.generation,
-            spec: desired.spec.clone(),
+            spec: entry.spec_to_publish(desired),
             reason: PublishReason::Attempt,
         });
     }
@@ -533,7 +535,7 @@ impl Machine {
         out.push(Effect::Publish {
             device: id.clone(),
             generation: desired.generation,
-            spec: desired.spec.clone(),
+            spec: entry.spec_to_publish(desired),
             reason: PublishReason::RefreshRetained,
         });
     }

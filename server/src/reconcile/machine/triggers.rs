@@ -49,9 +49,10 @@ impl Machine {
         }
     }
 
-    /// Exemptions of these devices ended: each one that drifted meanwhile
-    /// is reconciled like any drifted device (a drift run, debounced).
-    pub(super) fn exemptions_ended(&mut self, ids: Vec<DeviceId>, now: Instant) {
+    /// Exemptions of these devices ended, or what they own changed: each
+    /// one whose report differs from its desired spec now is reconciled
+    /// like any drifted device (a drift run, debounced).
+    pub(super) fn recheck_drift(&mut self, ids: Vec<DeviceId>, now: Instant) {
         for id in ids {
             let Some(entry) = self.entry(&id) else {
                 continue;

@@ -12,11 +12,12 @@ fn digest(version: u64) -> SpecDigest {
 }
 
 fn desired(generation: u64, version: u64) -> DesiredState {
-    DesiredState {
+    DesiredState::new(
         generation,
-        digest: digest(version),
-        spec: Arc::new(json!({ "fw": version })),
-    }
+        digest(version),
+        Arc::new(json!({ "fw": version })),
+        None,
+    )
 }
 
 /// An online device wanting generation 1 (version 1) that reported `reported`.
@@ -127,7 +128,9 @@ fn a_plan_lists_every_known_target_in_id_order_with_counts_per_verdict() {
         id("b-silent"),
         id("a-drifted"),
     ];
-    let (devices, counts) = plan_devices(&targets, |id| fleet.get(id).cloned(), digest(2), false);
+    let new_spec = json!({ "fw": 2 });
+    let mut spec = NewSpecDigests::new(&new_spec, digest(2));
+    let (devices, counts) = plan_devices(&targets, |id| fleet.get(id).cloned(), &mut spec, false);
     let listed: Vec<(&str, Verdict)> = devices.iter().map(|d| (d.id.as_str(), d.verdict)).collect();
     assert_eq!(
         listed,
@@ -151,7 +154,9 @@ fn a_plan_lists_every_known_target_in_id_order_with_counts_per_verdict() {
 
 fn plan_of(fleet: &HashMap<DeviceId, DeviceEntry>, created_at: DateTime<Utc>) -> Plan {
     let targets: Vec<DeviceId> = fleet.keys().cloned().collect();
-    let (devices, counts) = plan_devices(&targets, |id| fleet.get(id).cloned(), digest(2), false);
+    let new_spec = json!({ "fw": 2 });
+    let mut spec = NewSpecDigests::new(&new_spec, digest(2));
+    let (devices, counts) = plan_devices(&targets, |id| fleet.get(id).cloned(), &mut spec, false);
     Plan {
         id: Uuid::now_v7(),
         author: "ops".into(),
@@ -280,4 +285,67 @@ fn the_book_keeps_the_newest_plans_and_forgets_long_expired_ones() {
     assert!(book.get(middle.id, much_later).is_none());
     assert!(book.get(newest.id, much_later).is_none());
     assert!(book.get(fresh.id, much_later).is_some());
+}
+
+#[test]
+fn a_plan_is_stale_when_what_a_device_owns_changed_its_digests() {
+    let mut fleet = fleet();
+    let plan = plan_of(&fleet, Utc::now());
+    // Same report, same generation: only the digest convergence compares
+    // moved, as a new declaration of owned fields moves it.
+    fleet
+        .get_mut(&id("c-converged"))
+        .unwrap()
+        .reported
+        .as_mut()
+        .unwrap()
+        .digest = digest(9);
+    let mut staleness = Staleness::default();
+    staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
+    assert_eq!(
+        staleness,
+        Staleness {
+            owned: 1,
+            ..Staleness::default()
+        }
+    );
+    assert_eq!(
+        staleness.to_string(),
+        "owned fields changed for 1 device since the plan; re-plan"
+    );
+}
+
+#[test]
+fn a_device_differing_only_in_a_field_it_owns_is_planned_converged_with_its_generation_counted_on_the_whole_spec(
+) {
+    use crate::reconcile::owned::{parse_path, OwnedFields};
+    let owned = Arc::new(OwnedFields::new(vec![parse_path("uptime").unwrap()]));
+    let reported = json!({ "fw": 2, "uptime": 77 });
+    let device = DeviceEntry {
+        owned: Some(owned.clone()),
+        reported: Some(ReportedState {
+            seq: 10,
+            digest: owned.digest(&reported),
+            generation: Some(1),
+            rejection: None,
+            drift: None,
+        }),
+        ..entry(None)
+    };
+    let fleet: HashMap<DeviceId, DeviceEntry> = [(id("owner"), device)].into();
+    let new_spec = json!({ "fw": 2, "uptime": 0 });
+    let mut spec = NewSpecDigests::new(&new_spec, SpecDigest::of(&new_spec));
+    let (devices, counts) = plan_devices(
+        &[id("owner")],
+        |id| fleet.get(id).cloned(),
+        &mut spec,
+        false,
+    );
+    assert_eq!(devices[0].verdict, Verdict::Converged);
+    assert_eq!((counts.converged, counts.push), (1, 0));
+    // The stored spec changes, so the generation counts up all the same.
+    assert_eq!(
+        (devices[0].generation, devices[0].new_generation),
+        (2, true)
+    );
 }

@@ -134,11 +134,8 @@ impl World {
     /// A registered, online device that wants `desired` and last reported `reported`.
     fn device(&mut self, name: &str, desired: Option<u64>, reported: Option<u64>) -> DeviceId {
         let device = id(name);
-        let desired = desired.map(|v| DesiredState {
-            generation: v,
-            digest: SpecDigest::of(&spec(v)),
-            spec: Arc::new(spec(v)),
-        });
+        let desired = desired
+            .map(|v| DesiredState::new(v, SpecDigest::of(&spec(v)), Arc::new(spec(v)), None));
         let reported = reported.map(|v| {
             self.seq += 1;
             ReportedState {
@@ -403,11 +400,12 @@ impl World {
     fn wants(&self, device: &DeviceId, generation: u64, version: u64) {
         self.fleet.apply_committed([FleetChange::Desired(
             device.clone(),
-            DesiredState {
+            DesiredState::new(
                 generation,
-                digest: SpecDigest::of(&spec(version)),
-                spec: Arc::new(spec(version)),
-            },
+                SpecDigest::of(&spec(version)),
+                Arc::new(spec(version)),
+                None,
+            ),
         )]);
     }
 

@@ -7,6 +7,7 @@
 use super::property::{step, Step, DEVICES};
 use super::*;
 use crate::reconcile::outcome::Outcome;
+use crate::reconcile::owned::NewSpecDigests;
 use crate::reconcile::plan::{plan_devices, PlanSkip, Verdict};
 
 proptest! {
@@ -36,9 +37,10 @@ proptest! {
         prop_assume!(world.machine.stats() == MachineStats::default());
         let targets: Vec<DeviceId> =
             fleet.iter().filter(|id| world.fleet.contains(id)).cloned().collect();
-        let digest = SpecDigest::of(&spec(version));
+        let new_spec = spec(version);
+        let mut digests = NewSpecDigests::new(&new_spec, SpecDigest::of(&new_spec));
         let machine = &world.machine;
-        let (planned, _) = plan_devices(&targets, |id| machine.view(id), digest, force);
+        let (planned, _) = plan_devices(&targets, |id| machine.view(id), &mut digests, force);
         prop_assert_eq!(planned.len(), targets.len());
 
         // Applied as `engine::new_run::commit_run` applies a desired change.

@@ -1,0 +1,189 @@
+//! Device-owned fields: the one stored declaration (`owned_fields`), and
+//! the fleet cache's per-device owned paths and convergence digests, kept
+//! equal to it by [`refresh`] in the transaction of every change that can
+//! move them (a new declaration, a registration or relabelling).
+
+use chrono::{DateTime, Utc};
+use idem_protocol::api::OwnedFieldsDeclaration;
+use idem_protocol::{DeviceId, SpecDigest};
+use serde_json::Value;
+use sqlx::{PgExecutor, PgPool};
+
+use super::cache::FleetChange;
+use super::{Context, DeviceTx, StoreError};
+use crate::reconcile::owned::{convergence_digest, OwnedFieldSet, OwnedResolver};
+
+/// The declaration as stored, with who made it and when.
+#[derive(Debug, Clone)]
+pub struct StoredDeclaration {
+    pub declaration: OwnedFieldsDeclaration,
+    pub set: OwnedFieldSet,
+    pub updated_by: String,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// The stored declaration (`None`: none was ever made). One that no longer
+/// reads as a declaration (a hand edit) is corrupt data, named as such: the
+/// server does not guess which fields devices own.
+pub async fn load(db: impl PgExecutor<'_>) -> Result<Option<StoredDeclaration>, StoreError> {
+    let row: Option<(Value, String, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT declaration, updated_by, updated_at FROM owned_fields WHERE singleton",
+    )
+    .fetch_optional(db)
+    .await
+    .context("reading the owned fields")?;
+    let Some((raw, updated_by, updated_at)) = row else {
+        return Ok(None);
+    };
+    let corrupt = |detail: String| StoreError::Corrupt {
+        context: "reading the owned fields",
+        detail,
+    };
+    let declaration: OwnedFieldsDeclaration =
+        serde_json::from_value(raw).map_err(|e| corrupt(e.to_string()))?;
+    let set = OwnedFieldSet::from_declaration(&declaration).map_err(|e| corrupt(e.to_string()))?;
+    Ok(Some(StoredDeclaration {
+        declaration,
+        set,
+        updated_by,
+        updated_at,
+    }))
+}
+
+/// The declared set, empty when none was made.
+pub async fn declared_set(pool: &PgPool) -> Result<OwnedFieldSet, StoreError> {
+    Ok(load(pool).await?.map(|d| d.set).unwrap_or_default())
+}
+
+/// Replaces the declaration.
+pub async fn save(
+    write: &mut DeviceTx<'_>,
+    declaration: &OwnedFieldsDeclaration,
+    updated_by: &str,
+) -> Result<(), StoreError> {
+    let raw = serde_json::to_value(declaration).map_err(|e| StoreError::Corrupt {
+        context: "writing the owned fields",
+        detail: e.to_string(),
+    })?;
+    sqlx::query(
+        "INSERT INTO owned_fields (singleton, declaration, updated_by, updated_at) \
+         VALUES (true, $1, $2, now()) \
+         ON CONFLICT (singleton) DO UPDATE SET declaration = $1, updated_by = $2, updated_at = now()",
+    )
+    .bind(raw)
+    .bind(updated_by)
+    .execute(&mut **write.tx())
+    .await
+    .context("writing the owned fields")?;
+    Ok(())
+}
+
+/// Which devices to bring up to date.
+#[derive(Debug, Clone, Copy)]
+pub enum Scope<'a> {
+    All,
+    Devices(&'a [String]),
+}
+
+/// What [`refresh`] changed.
+#[derive(Debug, Default)]
+pub struct Refreshed {
+    /// Devices whose owned paths changed.
+    pub devices: Vec<DeviceId>,
+    /// Whether some device's retained desired message now holds a path it
+    /// owns and is to be published again.
+    pub retained_stale: bool,
+}
+
+#[derive(sqlx::FromRow)]
+struct OwnedRow {
+    id: String,
+    labels: Value,
+    reported_spec: Option<Value>,
+    reported_digest: Option<String>,
+}
+
+/// Sets the cache's owned paths of every device in `scope` to what `set`
+/// gives its labels, with the convergence digests that follow (mirrored
+/// when `write` commits). Reads nothing when neither `set` nor any device
+/// in `scope` owns a path.
+pub async fn refresh(
+    write: &mut DeviceTx<'_>,
+    set: &OwnedFieldSet,
+    scope: Scope<'_>,
+) -> Result<Refreshed, StoreError> {
+    let among = match scope {
+        Scope::All => None,
+        Scope::Devices(ids) => Some(ids),
+    };
+    if set.is_empty() {
+        let owning = match among {
+            None => write.cache().any_owned(),
+            Some(ids) => ids
+                .iter()
+                .filter_map(|raw| DeviceId::parse(raw).ok())
+                .any(|id| write.cache().owned(&id).is_some()),
+        };
+        if !owning {
+            return Ok(Refreshed::default());
+        }
+    }
+    let rows: Vec<OwnedRow> = sqlx::query_as(
+        "SELECT id, labels, reported_spec, reported_digest FROM devices \
+         WHERE $1::text[] IS NULL OR id = ANY($1)",
+    )
+    .bind(among)
+    .fetch_all(&mut **write.tx())
+    .await
+    .context("reading the devices whose owned fields to resolve")?;
+    let mut resolver = OwnedResolver::new(set.clone());
+    let mut refreshed = Refreshed::default();
+    let mut stale = Vec::new();
+    let mut changes = Vec::new();
+    for row in rows {
+        let id = super::device_id(&row.id, "resolving owned fields")?;
+        let owned = resolver.for_labels(&row.labels);
+        // A device registered in this transaction is not in the cache yet:
+        // its entry is mirrored, empty, before this change.
+        let entry = write.cache().get(&id).unwrap_or_default();
+        if entry.owned.as_deref() == owned.as_deref() {
+            continue;
+        }
+        let reported_digest = match (&row.reported_spec, &row.reported_digest) {
+            (Some(spec), Some(stored)) => {
+                let full = SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(spec));
+                Some(convergence_digest(spec, full, owned.as_deref()))
+            }
+            _ => None,
+        };
+        let retained_stale = entry.retained_generation.is_some()
+            && entry.desired.as_ref().is_some_and(|desired| {
+                let mut with_new = entry.clone();
+                with_new.owned.clone_from(&owned);
+                entry.spec_to_publish(desired) != with_new.spec_to_publish(desired)
+            });
+        if retained_stale {
+            stale.push(row.id.clone());
+        }
+        refreshed.devices.push(id.clone());
+        changes.push(FleetChange::Owned {
+            id,
+            owned,
+            reported_digest,
+            retained_stale,
+        });
+    }
+    if !stale.is_empty() {
+        sqlx::query(
+            "UPDATE devices SET retained_generation = 0 \
+             WHERE id = ANY($1) AND retained_generation IS NOT NULL",
+        )
+        .bind(&stale)
+        .execute(&mut **write.tx())
+        .await
+        .context("marking retained desired messages to publish again")?;
+        refreshed.retained_stale = true;
+    }
+    write.mirror(changes);
+    Ok(refreshed)
+}
