@@ -1,8 +1,8 @@
 """Hooks for scripts/api-fuzz (schemathesis): the fuzzer must not revoke the
 token it runs with, or every later call answers 401 and tests nothing; and
-a stateful link from a field that is null (a run's `plan_id` when the run
-applied no plan) reaches a path as the text "None", which is not an id the
-API ever answered with."""
+a link from a field that is null reaches a path as the text "None", which
+is not an id the API ever answered with (the API leaves such fields out,
+e.g. a run's `plan_id`, so this is a guard)."""
 
 import os
 

@@ -32,7 +32,7 @@ pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};
 pub use postgres::PrivatePostgres;
 pub use process_server::ProcessServer;
 pub use prometheus::PrivatePrometheus;
-pub use scenario::Scenario;
+pub use scenario::{wait_until, Scenario};
 pub use server::{DesiredWatcher, ServerSettings, TestServer};
 pub use sse_client::{SseClient, SseMessage, StalledSseClient};
 pub use witness::ReportWitness;

@@ -195,4 +195,44 @@ impl Scenario {
                 .context("counting events")?;
         Ok(rows.into_iter().collect())
     }
+
+    /// The `data` of every event of type `kind` about `device`, in
+    /// sequence order.
+    pub async fn event_data(&self, kind: &str, device: &str) -> Result<Vec<Value>> {
+        sqlx::query_scalar(
+            "SELECT cloudevent->'data' FROM events WHERE type = $1 AND subject = $2 \
+             ORDER BY sequence",
+        )
+        .bind(kind)
+        .bind(device)
+        .fetch_all(self.db.pool())
+        .await
+        .context("reading a device's events")
+    }
+
+    /// `GET /v1/devices/{id}`, which must answer 200.
+    pub async fn device(&self, id: &str) -> Result<Value> {
+        let (status, view) = self.server.get(&format!("/v1/devices/{id}")).await?;
+        if status != 200 {
+            bail!("GET /v1/devices/{id}: {status} {view}");
+        }
+        Ok(view)
+    }
+}
+
+/// Waits until `done` holds, checking every 50 ms; an error naming `what`
+/// after `timeout`.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut done: F) -> Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !done().await {
+        if Instant::now() >= deadline {
+            bail!("{what}: not within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }

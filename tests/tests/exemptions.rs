@@ -6,47 +6,12 @@
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idem_device_sim::FleetPlan;
 use idem_protocol::DeviceId;
-use idem_tests::{Scenario, ServerSettings};
-use serde_json::{json, Value};
-
-/// The `data` of every event of `type` about `device`, in sequence order.
-async fn events_of(scenario: &Scenario, kind: &str, device: &str) -> Vec<Value> {
-    sqlx::query_scalar(
-        "SELECT cloudevent->'data' FROM events WHERE type = $1 AND subject = $2 ORDER BY sequence",
-    )
-    .bind(kind)
-    .bind(device)
-    .fetch_all(scenario.db.pool())
-    .await
-    .unwrap()
-}
-
-/// Waits until `done` holds, failing with `what` after `timeout`.
-async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !done().await {
-        assert!(Instant::now() < deadline, "{what} within {timeout:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn status_of(scenario: &Scenario, device: &str) -> Value {
-    let (status, view) = scenario
-        .server
-        .get(&format!("/v1/devices/{device}"))
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{view}");
-    view
-}
+use idem_tests::{wait_until, Scenario, ServerSettings};
+use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_its_exemption_expires(
@@ -60,9 +25,10 @@ async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_
         wait_until(
             Duration::from_secs(10),
             "converged by its report",
-            || async { status_of(&scenario, device).await["status"] == "converged" },
+            || async { scenario.device(device).await.unwrap()["status"] == "converged" },
         )
-        .await;
+        .await
+        .unwrap();
     }
 
     let (status, created) = scenario
@@ -75,7 +41,7 @@ async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_
         .unwrap();
     assert_eq!(status, 201, "{created}");
     assert_eq!(created["devices"], 1, "{created}");
-    assert_eq!(status_of(&scenario, &exempt).await["exempt"], true);
+    assert_eq!(scenario.device(&exempt).await.unwrap()["exempt"], true);
     let (_, preview) = scenario
         .server
         .post(
@@ -101,14 +67,20 @@ async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_
         Duration::from_secs(15),
         "the other device remediated",
         || async {
-            !events_of(&scenario, "io.idem.device.provisioned", &other)
+            !scenario
+                .event_data("io.idem.device.provisioned", &other)
                 .await
+                .unwrap()
                 .is_empty()
         },
     )
-    .await;
+    .await
+    .unwrap();
     for (device, exempt_flag) in [(&exempt, true), (&other, false)] {
-        let events = events_of(&scenario, "io.idem.device.drifted", device).await;
+        let events = scenario
+            .event_data("io.idem.device.drifted", device)
+            .await
+            .unwrap();
         assert_eq!(events.len(), 1, "{device}: {events:?}");
         assert_eq!(events[0]["exempt"], exempt_flag, "{device}: {events:?}");
         assert_eq!(
@@ -130,7 +102,7 @@ async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_
             "{events:?}"
         );
     }
-    assert_eq!(status_of(&scenario, &exempt).await["status"], "drifted");
+    assert_eq!(scenario.device(&exempt).await.unwrap()["status"], "drifted");
 
     // A run over it skips it as exempt.
     let (status, started) = scenario
@@ -154,8 +126,10 @@ async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_
         (&json!("skipped"), &json!("exempt"))
     );
     assert!(
-        events_of(&scenario, "io.idem.device.provisioned", &exempt)
+        scenario
+            .event_data("io.idem.device.provisioned", &exempt)
             .await
+            .unwrap()
             .is_empty(),
         "an exempt device is never pushed"
     );
@@ -165,15 +139,18 @@ async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_
         Duration::from_secs(20),
         "the device remediated after its exemption",
         || async {
-            !events_of(&scenario, "io.idem.device.provisioned", &exempt)
+            !scenario
+                .event_data("io.idem.device.provisioned", &exempt)
                 .await
+                .unwrap()
                 .is_empty()
         },
     )
-    .await;
+    .await
+    .unwrap();
     let (_, list) = scenario.server.get("/v1/exemptions").await.unwrap();
     assert_eq!(list["exemptions"], json!([]), "{list}");
-    let device = status_of(&scenario, &exempt).await;
+    let device = scenario.device(&exempt).await.unwrap();
     assert_eq!(
         (&device["status"], &device["exempt"]),
         (&json!("converged"), &json!(false))
@@ -262,7 +239,7 @@ async fn exemptions_are_refused_without_a_bounded_expiry_and_listed_deleted_and_
         .unwrap();
     assert_eq!(status, 201, "{by_label}");
     assert_eq!(by_label["devices"], 2, "{by_label}");
-    assert_eq!(status_of(&scenario, &device).await["exempt"], false);
+    assert_eq!(scenario.device(&device).await.unwrap()["exempt"], false);
     let (status, _) = server
         .put(
             &format!("/v1/devices/{device}"),
@@ -271,7 +248,7 @@ async fn exemptions_are_refused_without_a_bounded_expiry_and_listed_deleted_and_
         .await
         .unwrap();
     assert_eq!(status, 200);
-    assert_eq!(status_of(&scenario, &device).await["exempt"], true);
+    assert_eq!(scenario.device(&device).await.unwrap()["exempt"], true);
     let (_, list) = viewer.get("/v1/exemptions").await.unwrap();
     assert_eq!(list["exemptions"][0]["devices"], 3, "{list}");
     assert_eq!(list["exemptions"][0]["reason"], "lab devices");
@@ -282,7 +259,7 @@ async fn exemptions_are_refused_without_a_bounded_expiry_and_listed_deleted_and_
         .await
         .unwrap();
     assert_eq!(status, 200, "{deleted}");
-    assert_eq!(status_of(&scenario, &device).await["exempt"], false);
+    assert_eq!(scenario.device(&device).await.unwrap()["exempt"], false);
     let (status, again) = server
         .delete(&format!("/v1/exemptions/{id}"))
         .await

@@ -11,43 +11,8 @@ use std::time::{Duration, Instant};
 
 use idem_device_sim::{Fleet, FleetPlan};
 use idem_protocol::{Channel, DeviceId};
-use idem_tests::{Scenario, ServerSettings, TestServer};
+use idem_tests::{wait_until, Scenario, ServerSettings, TestServer};
 use serde_json::{json, Value};
-
-/// The `data` of every event of `type` about `device`, in sequence order.
-async fn events_of(scenario: &Scenario, kind: &str, device: &str) -> Vec<Value> {
-    sqlx::query_scalar(
-        "SELECT cloudevent->'data' FROM events WHERE type = $1 AND subject = $2 ORDER BY sequence",
-    )
-    .bind(kind)
-    .bind(device)
-    .fetch_all(scenario.db.pool())
-    .await
-    .unwrap()
-}
-
-/// Waits until `done` holds, failing with `what` after `timeout`.
-async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !done().await {
-        assert!(Instant::now() < deadline, "{what} within {timeout:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn device(scenario: &Scenario, id: &str) -> Value {
-    let (status, view) = scenario
-        .server
-        .get(&format!("/v1/devices/{id}"))
-        .await
-        .unwrap();
-    assert_eq!(status, 200, "{view}");
-    view
-}
 
 /// Sets what the simulated device runs, makes it report, and waits until
 /// the server has stored that report and the engine has had time to act.
@@ -56,11 +21,12 @@ async fn reports(scenario: &Scenario, fleet: &Fleet, id: &str, spec: Value) {
     let before = fleet.state(&device_id).unwrap().seq;
     fleet.set_local_spec(&device_id, spec).unwrap();
     wait_until(Duration::from_secs(10), "the report stored", || async {
-        device(scenario, id).await["reported"]["seq"]
+        scenario.device(id).await.unwrap()["reported"]["seq"]
             .as_u64()
             .is_some_and(|seq| seq > before)
     })
-    .await;
+    .await
+    .unwrap();
     // A drift is evented and debounced at once; a push would follow it.
     tokio::time::sleep(Duration::from_millis(1500)).await;
 }
@@ -68,9 +34,10 @@ async fn reports(scenario: &Scenario, fleet: &Fleet, id: &str, spec: Value) {
 async fn wait_converged(scenario: &Scenario, ids: &[&str]) {
     for id in ids {
         wait_until(Duration::from_secs(15), "converged", || async {
-            device(scenario, id).await["status"] == "converged"
+            scenario.device(id).await.unwrap()["status"] == "converged"
         })
-        .await;
+        .await
+        .unwrap();
     }
 }
 
@@ -122,18 +89,22 @@ async fn a_report_changing_only_an_owned_field_causes_no_push_no_drift_and_no_dr
     reports(&scenario, &fleet, sensor, with_battery.clone()).await;
     for id in [everywhere, sensor] {
         assert!(
-            events_of(&scenario, "io.idem.device.drifted", id)
+            scenario
+                .event_data("io.idem.device.drifted", id)
                 .await
+                .unwrap()
                 .is_empty(),
             "{id}: a change in an owned field is no drift"
         );
         assert!(
-            events_of(&scenario, "io.idem.device.provisioned", id)
+            scenario
+                .event_data("io.idem.device.provisioned", id)
                 .await
+                .unwrap()
                 .is_empty(),
             "{id}: a change in an owned field causes no push"
         );
-        let view = device(&scenario, id).await;
+        let view = scenario.device(id).await.unwrap();
         assert_eq!(
             (&view["status"], &view["in_sync"]),
             (&json!("converged"), &json!(true)),
@@ -148,7 +119,7 @@ async fn a_report_changing_only_an_owned_field_causes_no_push_no_drift_and_no_dr
             "{view}"
         );
     }
-    let diff = &device(&scenario, sensor).await["diff"];
+    let diff = &scenario.device(sensor).await.unwrap()["diff"];
     assert_eq!(
         diff,
         &json!([
@@ -162,7 +133,10 @@ async fn a_report_changing_only_an_owned_field_causes_no_push_no_drift_and_no_dr
     plain_battery["battery"] = json!(50);
     plain_battery["uptime"] = json!(7);
     reports(&scenario, &fleet, plain, plain_battery).await;
-    let drifted = events_of(&scenario, "io.idem.device.drifted", plain).await;
+    let drifted = scenario
+        .event_data("io.idem.device.drifted", plain)
+        .await
+        .unwrap();
     assert_eq!(drifted.len(), 1, "{drifted:?}");
     assert_eq!(
         drifted[0]["changed_paths"],
@@ -175,12 +149,18 @@ async fn a_report_changing_only_an_owned_field_causes_no_push_no_drift_and_no_dr
     elsewhere["telemetry"]["interval_s"] = json!(30);
     reports(&scenario, &fleet, sensor, elsewhere).await;
     wait_until(Duration::from_secs(15), "the sensor remediated", || async {
-        !events_of(&scenario, "io.idem.device.provisioned", sensor)
+        !scenario
+            .event_data("io.idem.device.provisioned", sensor)
             .await
+            .unwrap()
             .is_empty()
     })
-    .await;
-    let drifted = events_of(&scenario, "io.idem.device.drifted", sensor).await;
+    .await
+    .unwrap();
+    let drifted = scenario
+        .event_data("io.idem.device.drifted", sensor)
+        .await
+        .unwrap();
     assert_eq!(drifted.len(), 1, "{drifted:?}");
     assert_eq!(
         drifted[0]["changed_paths"],
@@ -211,7 +191,7 @@ async fn a_report_changing_only_an_owned_field_causes_no_push_no_drift_and_no_dr
     {
         let id = sensor;
         let device_id = DeviceId::parse(id).unwrap();
-        let generation = device(&scenario, id).await["desired"]["generation"].clone();
+        let generation = scenario.device(id).await.unwrap()["desired"]["generation"].clone();
         let topic = scenario
             .server
             .topic_root
@@ -264,7 +244,7 @@ async fn declaring_owned_fields_converges_devices_that_differed_only_there_witho
     changed["telemetry"]["interval_s"] = json!(45);
     reports(&scenario, &fleet, elsewhere, changed).await;
     for id in [battery, elsewhere] {
-        assert_eq!(device(&scenario, id).await["status"], "drifted");
+        assert_eq!(scenario.device(id).await.unwrap()["status"], "drifted");
     }
     let (status, stale_plan) = scenario
         .server
@@ -339,12 +319,17 @@ async fn declaring_owned_fields_converges_devices_that_differed_only_there_witho
         "{outcomes:?}"
     );
     assert!(
-        events_of(&scenario, "io.idem.device.provisioned", battery)
+        scenario
+            .event_data("io.idem.device.provisioned", battery)
             .await
+            .unwrap()
             .is_empty(),
         "its only difference is owned now: no push"
     );
-    assert_eq!(device(&scenario, battery).await["status"], "converged");
+    assert_eq!(
+        scenario.device(battery).await.unwrap()["status"],
+        "converged"
+    );
 
     // The plan was computed on the old declaration.
     let id = stale_plan["plan_id"].as_str().unwrap();

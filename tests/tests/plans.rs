@@ -191,7 +191,7 @@ async fn a_plan_over_two_thousand_devices_is_exact_changes_nothing_and_applies_o
         .clone();
     assert_eq!(
         firmware_change,
-        json!({"path": "firmware", "change": "changed", "old": "2.4.1", "new": "2.5.0"})
+        json!({"path": "firmware", "change": "changed", "old": "2.4.1", "new": "2.5.0", "ignored": false})
     );
     let converged = all_planned(&scenario, &plan_id, "converged").await;
     assert_eq!(converged.len(), 1);

@@ -49,6 +49,10 @@ pub const MAX_OWNED_FIELDS: usize = 64;
 pub const MAX_OWNED_SELECTORS: usize = 16;
 /// Characters of one owned-field path, at most.
 pub const MAX_OWNED_PATH_CHARS: usize = 200;
+/// An owned-field path: object keys, each a word (`net.rssi`, joined by
+/// `.`) or a JSON string in brackets (`labels["a.b"]`, escapes other than
+/// `\u` only).
+pub const OWNED_PATH_PATTERN: &str = r#"^(?:[A-Za-z_][A-Za-z0-9_-]*|\["(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*"\])(?:\.[A-Za-z_][A-Za-z0-9_-]*|\["(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*"\])*$"#;
 
 /// A UUID as the API writes it (hyphenated): what run and plan ids in a
 /// path must look like.
@@ -219,7 +223,7 @@ pub mod schema {
     /// A list of owned-field paths.
     pub fn owned_paths() -> Schema {
         ArrayBuilder::new()
-            .items(text(1, MAX_OWNED_PATH_CHARS, None))
+            .items(text(1, MAX_OWNED_PATH_CHARS, Some(OWNED_PATH_PATTERN)))
             .max_items(Some(MAX_OWNED_FIELDS))
             .description(Some(
                 "paths as diffs write them (`net.rssi`, `labels[\"a.b\"]`), object keys only",

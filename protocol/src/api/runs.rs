@@ -40,8 +40,9 @@ pub struct RunView {
     /// The operator token that started the run; `None` for runs the server
     /// started itself (see `trigger`).
     pub started_by: Option<String>,
-    /// The plan this run applied (`POST /v1/plans/{id}/apply`); `None`
+    /// The plan this run applied (`POST /v1/plans/{id}/apply`); absent
     /// for every other run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_id: Option<Uuid>,
 }
 
