@@ -147,6 +147,30 @@ impl ApiClient {
         decode(response).await
     }
 
+    /// Sends `body` with `method` (`POST` or `PUT`) and checks it is
+    /// refused with `status` and error `code`, its message naming `named`.
+    pub async fn expect_refused(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: &Value,
+        (status, code, named): (u16, &str, &str),
+    ) -> Result<()> {
+        let (got, answer) = if method == reqwest::Method::PUT {
+            self.put(path, body).await?
+        } else {
+            self.post(path, body).await?
+        };
+        if (got, &answer["error"]["code"]) != (status, &Value::from(code)) {
+            bail!("{method} {path} {body}: expected {status} {code}, got {got} {answer}");
+        }
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        if !message.contains(named) {
+            bail!("{method} {path} {body}: the message does not name {named:?}: {message}");
+        }
+        Ok(())
+    }
+
     /// POST with a raw body, for malformed-input tests.
     pub async fn post_raw(&self, path: &str, body: &'static str) -> Result<(u16, Value)> {
         let response = self

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use idem_device_sim::{Fleet, FleetPlan};
 use idem_protocol::{Channel, DeviceId};
 use idem_tests::{wait_until, Scenario, ServerSettings, TestServer};
+use reqwest::Method;
 use serde_json::{json, Value};
 
 /// Sets what the simulated device runs, makes it report, and waits until
@@ -279,14 +280,10 @@ async fn declaring_owned_fields_converges_devices_that_differed_only_there_witho
         ),
     ];
     for (body, code, named) in refusals {
-        let (status, answer) = server.put("/v1/owned-fields", &body).await.unwrap();
-        assert_eq!(
-            (status, &answer["error"]["code"]),
-            (400, &json!(code)),
-            "{body}: {answer}"
-        );
-        let message = answer["error"]["message"].as_str().unwrap();
-        assert!(message.contains(named), "{body}: {message}");
+        server
+            .expect_refused(Method::PUT, "/v1/owned-fields", &body, (400, code, named))
+            .await
+            .unwrap();
     }
     let viewer = server
         .client_for_role("owned-viewer", "viewer")
