@@ -398,15 +398,27 @@ impl World {
 
     /// The operator sets desired `generation`, whose spec is version `version`.
     fn wants(&self, device: &DeviceId, generation: u64, version: u64) {
+        self.wants_spec(device, generation, spec(version));
+    }
+
+    /// The operator sets desired `generation` to `spec` (the cache leaves
+    /// out what the device owns, as it does for every desired change).
+    fn wants_spec(&self, device: &DeviceId, generation: u64, spec: Value) {
         self.fleet.apply_committed([FleetChange::Desired(
             device.clone(),
-            DesiredState::new(
-                generation,
-                SpecDigest::of(&spec(version)),
-                Arc::new(spec(version)),
-                None,
-            ),
+            DesiredState::new(generation, SpecDigest::of(&spec), Arc::new(spec), None),
         )]);
+    }
+
+    /// `device` owns the paths `owned` from now on, as a declaration of
+    /// owned fields leaves it (its reports hold none of them).
+    fn owns(&self, device: &DeviceId, owned: &Arc<crate::reconcile::owned::OwnedFields>) {
+        self.fleet.apply_committed([FleetChange::Owned {
+            id: device.clone(),
+            owned: Some(owned.clone()),
+            reported_digest: None,
+            retained_stale: false,
+        }]);
     }
 
     /// An operator's exemption now covers `device` (`true`) or has ended.

@@ -2,12 +2,14 @@
 //! behind, a plan's verdict for each device is what applying it does
 //! first, device for device — `converged` ends `already_converged` at the
 //! run's creation, `push` is pushed, `skipped` ends skipped for the same
-//! reason, `no_report` is asked for a report.
+//! reason, `no_report` is asked for a report. Some devices own a field
+//! the new spec may name: they compare the spec without it, in the plan as
+//! in the run.
 
 use super::property::{step, Step, DEVICES};
 use super::*;
 use crate::reconcile::outcome::Outcome;
-use crate::reconcile::owned::NewSpecDigests;
+use crate::reconcile::owned::{parse_path, NewSpecDigests, OwnedFields};
 use crate::reconcile::plan::{plan_devices, PlanSkip, Verdict};
 
 proptest! {
@@ -19,6 +21,8 @@ proptest! {
         steps in proptest::collection::vec(step(), 0..30),
         version in 1u64..4,
         force in any::<bool>(),
+        owners in proptest::collection::vec(any::<bool>(), DEVICES),
+        uptime in proptest::option::of(0u64..3),
     ) {
         let mut world = World::new(settings());
         let fleet: Vec<DeviceId> = initial
@@ -26,6 +30,10 @@ proptest! {
             .enumerate()
             .map(|(i, (desired, reported))| world.device(&format!("p-{i}"), Some(*desired), *reported))
             .collect();
+        let owned = Arc::new(OwnedFields::new(vec![parse_path("uptime").unwrap()]));
+        for (device, _) in fleet.iter().zip(&owners).filter(|(_, owns)| **owns) {
+            world.owns(device, &owned);
+        }
         let steps: Vec<&Step> = steps.iter().filter(|s| !matches!(s, Step::HoldWrites)).collect();
         for step in steps {
             world.play(&fleet, step);
@@ -37,7 +45,10 @@ proptest! {
         prop_assume!(world.machine.stats() == MachineStats::default());
         let targets: Vec<DeviceId> =
             fleet.iter().filter(|id| world.fleet.contains(id)).cloned().collect();
-        let new_spec = spec(version);
+        let mut new_spec = spec(version);
+        if let Some(uptime) = uptime {
+            new_spec["uptime"] = json!(uptime);
+        }
         let mut digests = NewSpecDigests::new(&new_spec, SpecDigest::of(&new_spec));
         let machine = &world.machine;
         let (planned, _) = plan_devices(&targets, |id| machine.view(id), &mut digests, force);
@@ -45,7 +56,7 @@ proptest! {
 
         // Applied as `engine::new_run::commit_run` applies a desired change.
         for device in planned.iter().filter(|d| d.new_generation) {
-            world.wants(&device.id, device.generation, version);
+            world.wants_spec(&device.id, device.generation, new_spec.clone());
         }
         let (published, asked) = (world.published.len(), world.asked.len());
         let run = world.create(targets, force);
