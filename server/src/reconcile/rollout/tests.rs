@@ -1,0 +1,287 @@
+use super::*;
+
+fn wave(size: WaveSize) -> WaveSpec {
+    WaveSpec {
+        size,
+        pause: Pause::None,
+        gates: Gates::default(),
+        approve: false,
+    }
+}
+
+fn pct(p: f64) -> WaveSize {
+    WaveSize::Percent(p)
+}
+
+fn spec(waves: Vec<WaveSpec>) -> RolloutSpec {
+    RolloutSpec::new(waves).unwrap()
+}
+
+fn canary_with_gate(max_failures: u64) -> RolloutSpec {
+    let mut first = wave(pct(10.0));
+    first.gates.max_failures = Some(FailureLimit::Count(max_failures));
+    let mut second = wave(pct(50.0));
+    second.gates.max_failures = Some(FailureLimit::Count(max_failures));
+    spec(vec![first, second, wave(pct(100.0))])
+}
+
+fn record_many(
+    rollout: &mut Rollout,
+    wave: usize,
+    outcome: WaveOutcome,
+    n: u64,
+    now: Instant,
+) -> Vec<Transition> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.extend(rollout.record(wave, outcome, now));
+    }
+    out
+}
+
+#[test]
+fn wave_ends_are_cumulative_over_the_devices_that_need_a_push_and_rounded_up() {
+    let waves = spec(vec![wave(pct(1.0)), wave(pct(10.0)), wave(pct(100.0))]);
+    assert_eq!(waves.ends(100), vec![1, 10, 100]);
+    // A 1 % canary of 50 devices is one device, never none.
+    assert_eq!(waves.ends(50), vec![1, 5, 50]);
+    assert_eq!(waves.ends(0), vec![0, 0, 0]);
+    let counted = spec(vec![
+        wave(WaveSize::Count(10)),
+        wave(WaveSize::Count(500)),
+        wave(pct(100.0)),
+    ]);
+    assert_eq!(counted.ends(100_000), vec![10, 500, 100_000]);
+    // A small fleet leaves later waves empty, never beyond the fleet.
+    assert_eq!(counted.ends(20), vec![10, 20, 20]);
+}
+
+#[test]
+fn waves_that_do_not_increase_or_end_at_all_devices_are_refused_naming_the_field() {
+    let refused = |waves: Vec<WaveSpec>| RolloutSpec::new(waves).unwrap_err().to_string();
+    assert_eq!(
+        refused(vec![wave(pct(10.0)), wave(pct(50.0))]),
+        "`rollout.waves[1].size` is 50%; the last wave must be \"100%\" so that every device is reached"
+    );
+    assert_eq!(
+        refused(vec![wave(pct(50.0)), wave(pct(10.0)), wave(pct(100.0))]),
+        "`rollout.waves[1].size` (10%) is not above the wave before it (50%); sizes are cumulative and increase"
+    );
+    assert!(refused(vec![wave(pct(150.0))]).starts_with("`rollout.waves[0].size` is 150"));
+    assert!(refused(vec![wave(pct(0.0)), wave(pct(100.0))]).contains("above 0"));
+    assert!(refused(vec![
+        wave(pct(10.0)),
+        wave(WaveSize::Count(500)),
+        wave(pct(100.0))
+    ])
+    .contains("a count after a percentage"));
+    assert!(refused(vec![wave(WaveSize::Count(0)), wave(pct(100.0))]).contains("at least one"));
+    assert_eq!(RolloutSpec::new(vec![]).unwrap_err(), RolloutError::NoWaves);
+    let mut gated = wave(pct(100.0));
+    gated.gates.min_success_ratio = Some(1.5);
+    assert!(refused(vec![gated]).starts_with("`rollout.waves[0].gates.min_success_ratio` is 1.5"));
+    gated.gates.min_success_ratio = None;
+    gated.gates.max_failures = Some(FailureLimit::Ratio(-0.1));
+    assert!(refused(vec![gated]).starts_with("`rollout.waves[0].gates.max_failures`"));
+}
+
+#[test]
+fn a_failure_bound_is_breached_the_moment_failures_pass_it() {
+    let gates = Gates {
+        max_failures: Some(FailureLimit::Count(2)),
+        ..Gates::default()
+    };
+    let mut counts = WaveCounts {
+        size: 40,
+        failed: 2,
+        ..WaveCounts::default()
+    };
+    assert_eq!(breach(&gates, &counts), None);
+    counts.failed = 3;
+    assert_eq!(
+        breach(&gates, &counts),
+        Some(Breach {
+            gate: GateKind::MaxFailures,
+            limit: 2.0,
+            observed: 3.0
+        })
+    );
+    let share = Gates {
+        max_failures: Some(FailureLimit::Ratio(0.05)),
+        ..Gates::default()
+    };
+    assert_eq!(
+        breach(&share, &counts).map(|b| b.observed),
+        Some(3.0 / 40.0)
+    );
+}
+
+#[test]
+fn a_success_ratio_is_breached_once_it_can_no_longer_be_met() {
+    let gates = Gates {
+        min_success_ratio: Some(0.9),
+        ..Gates::default()
+    };
+    // 10 devices: 9 must succeed. One failure still leaves it possible.
+    let mut counts = WaveCounts {
+        size: 10,
+        failed: 1,
+        ..WaveCounts::default()
+    };
+    assert_eq!(breach(&gates, &counts), None);
+    counts.skipped = 1;
+    let breached = breach(&gates, &counts).unwrap();
+    assert_eq!(breached.gate, GateKind::MinSuccessRatio);
+    assert_eq!(breached.limit, 0.9);
+    // An empty wave breaches nothing.
+    assert_eq!(breach(&gates, &WaveCounts::default()), None);
+}
+
+#[test]
+fn a_rollout_starts_its_first_wave_and_moves_on_as_each_wave_completes() {
+    let start = Instant::now();
+    let (mut rollout, started) = Rollout::start(spec(vec![wave(pct(10.0)), wave(pct(100.0))]), 100);
+    assert_eq!(started, vec![Transition::WaveStarted { wave: 0 }]);
+    assert_eq!(rollout.pushable(), 0..10);
+    assert_eq!(
+        (rollout.wave_of(0), rollout.wave_of(9), rollout.wave_of(10)),
+        (0, 0, 1)
+    );
+    let out = record_many(&mut rollout, 0, WaveOutcome::Provisioned, 10, start);
+    assert_eq!(
+        out,
+        vec![
+            Transition::WaveCompleted {
+                wave: 0,
+                counts: WaveCounts {
+                    size: 10,
+                    provisioned: 10,
+                    ..WaveCounts::default()
+                }
+            },
+            Transition::WaveStarted { wave: 1 }
+        ]
+    );
+    assert_eq!(rollout.pushable(), 0..100);
+    let out = record_many(&mut rollout, 1, WaveOutcome::Provisioned, 90, start);
+    assert_eq!(out.last(), Some(&Transition::Completed));
+    assert_eq!(rollout.state(), RolloutState::Completed);
+}
+
+#[test]
+fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushable_until_resumed() {
+    let now = Instant::now();
+    // 100 devices need a push: waves end at 10, 50, 100.
+    let (mut rollout, _) = Rollout::start(canary_with_gate(2), 100);
+    record_many(&mut rollout, 0, WaveOutcome::Provisioned, 10, now);
+    assert_eq!(rollout.state(), RolloutState::Running { wave: 1 });
+    record_many(&mut rollout, 1, WaveOutcome::Failed, 2, now);
+    assert_eq!(rollout.state(), RolloutState::Running { wave: 1 });
+    let out = rollout.record(1, WaveOutcome::Failed, now);
+    let reason = PauseReason::Gate(Breach {
+        gate: GateKind::MaxFailures,
+        limit: 2.0,
+        observed: 3.0,
+    });
+    assert_eq!(out, vec![Transition::Paused { wave: 1, reason }]);
+    assert_eq!(rollout.pushable(), 0..0);
+    // Outcomes of devices already pushed still count, and pause nothing again.
+    assert_eq!(rollout.record(1, WaveOutcome::Provisioned, now), vec![]);
+    assert_eq!(rollout.counts()[1].provisioned, 1);
+
+    let out = rollout.resume(now).unwrap();
+    assert_eq!(
+        out,
+        vec![
+            Transition::Resumed { wave: 1 },
+            Transition::WaveStarted { wave: 2 }
+        ]
+    );
+    // The paused wave's rest goes with the next wave.
+    assert_eq!(rollout.pushable(), 0..100);
+    assert_eq!(rollout.resume(now), Err(NotNow::NotPaused("running")));
+}
+
+#[test]
+fn an_abort_ends_the_rollout_and_nothing_more_is_pushable() {
+    let now = Instant::now();
+    let (mut rollout, _) = Rollout::start(canary_with_gate(0), 100);
+    rollout.record(0, WaveOutcome::Failed, now);
+    assert!(matches!(
+        rollout.state(),
+        RolloutState::Paused { wave: 0, .. }
+    ));
+    assert_eq!(rollout.abort(), Ok(vec![Transition::Aborted]));
+    assert_eq!(rollout.pushable(), 0..0);
+    assert_eq!(rollout.abort(), Err(NotNow::Ended("been aborted")));
+    assert_eq!(rollout.resume(now), Err(NotNow::Ended("been aborted")));
+}
+
+#[test]
+fn a_timed_pause_starts_the_next_wave_when_its_time_has_passed() {
+    let start = Instant::now();
+    let mut canary = wave(pct(10.0));
+    canary.pause = Pause::For(Duration::from_secs(600));
+    let (mut rollout, _) = Rollout::start(spec(vec![canary, wave(pct(100.0))]), 10);
+    let out = rollout.record(0, WaveOutcome::Provisioned, start);
+    let until = start + Duration::from_secs(600);
+    assert_eq!(
+        out.last(),
+        Some(&Transition::Paused {
+            wave: 0,
+            reason: PauseReason::Timed { until }
+        })
+    );
+    assert_eq!(rollout.tick(start + Duration::from_secs(599)), vec![]);
+    assert_eq!(
+        rollout.tick(until),
+        vec![Transition::WaveStarted { wave: 1 }]
+    );
+}
+
+#[test]
+fn a_manual_pause_waits_for_a_resume_and_an_approval_wave_for_an_approval() {
+    let now = Instant::now();
+    let mut manual = wave(WaveSize::Count(1));
+    manual.pause = Pause::Manual;
+    let mut approved = wave(WaveSize::Count(2));
+    approved.approve = true;
+    let (mut rollout, _) = Rollout::start(spec(vec![manual, approved, wave(pct(100.0))]), 10);
+    rollout.record(0, WaveOutcome::Provisioned, now);
+    assert_eq!(
+        rollout.state(),
+        RolloutState::Paused {
+            wave: 0,
+            reason: PauseReason::Manual
+        }
+    );
+    assert_eq!(
+        rollout.approve(now),
+        Err(NotNow::NoApprovalPending("paused"))
+    );
+    rollout.resume(now).unwrap();
+    rollout.record(1, WaveOutcome::Provisioned, now);
+    assert_eq!(
+        rollout.state(),
+        RolloutState::Paused {
+            wave: 1,
+            reason: PauseReason::Approval
+        }
+    );
+    assert_eq!(rollout.resume(now), Err(NotNow::AwaitingApproval));
+    assert_eq!(
+        rollout.approve(now).unwrap(),
+        vec![
+            Transition::Approved { wave: 1 },
+            Transition::WaveStarted { wave: 2 }
+        ]
+    );
+}
+
+#[test]
+fn nothing_to_push_completes_the_rollout_at_its_start() {
+    let (rollout, out) = Rollout::start(canary_with_gate(2), 0);
+    assert_eq!(rollout.state(), RolloutState::Completed);
+    assert_eq!(out.first(), Some(&Transition::WaveStarted { wave: 0 }));
+    assert_eq!(out.last(), Some(&Transition::Completed));
+}
