@@ -359,6 +359,51 @@ async fn declaring_owned_fields_converges_devices_that_differed_only_there_witho
     .unwrap();
     assert!(audited.contains(&("PUT".into(), 200)), "{audited:?}");
 
+    // A retained desired message holding a path that becomes owned is
+    // published again without it, at the same generation.
+    let mut with_window = plan.desired_spec.clone();
+    with_window["ota_window"] = json!("night");
+    let (status, set) = server
+        .put(
+            &format!("/v1/devices/{elsewhere}/desired"),
+            &json!({"spec": with_window}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{set}");
+    server
+        .wait_run_completed(set["run_id"].as_str().unwrap(), Duration::from_secs(15))
+        .await
+        .unwrap();
+    let topic = server
+        .topic_root
+        .topic(&DeviceId::parse(elsewhere).unwrap(), Channel::Desired);
+    let retained =
+        |payload: Option<Vec<u8>>| -> Value { serde_json::from_slice(&payload.unwrap()).unwrap() };
+    let before = retained(scenario.broker.retained_on(&topic).await);
+    assert_eq!(before["spec"]["ota_window"], "night", "{before}");
+    let (status, declared) = server
+        .put(
+            "/v1/owned-fields",
+            &json!({"fields": ["battery", "ota_window"]}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{declared}");
+    wait_until(
+        Duration::from_secs(10),
+        "the retained message republished",
+        || async {
+            retained(scenario.broker.retained_on(&topic).await)["spec"]
+                .get("ota_window")
+                .is_none()
+        },
+    )
+    .await
+    .unwrap();
+    let after = retained(scenario.broker.retained_on(&topic).await);
+    assert_eq!(after["generation"], before["generation"], "{after}");
+
     // Stored: a restarted server owns the same fields.
     fleet.shutdown().await;
     let Scenario { server, db, broker } = scenario;
@@ -375,6 +420,55 @@ async fn declaring_owned_fields_converges_devices_that_differed_only_there_witho
     // (Offline now: the fleet stopped before the restart.)
     assert_eq!(again["in_sync"], true, "{again}");
     let (_, read) = restarted.get("/v1/owned-fields").await.unwrap();
-    assert_eq!(read["fields"], json!(["battery"]), "{read}");
+    assert_eq!(read["fields"], json!(["battery", "ota_window"]), "{read}");
     restarted.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_its_first_report_registers_owns_the_server_wide_fields() {
+    let settings = ServerSettings {
+        auto_register: true,
+        ..ServerSettings::default()
+    };
+    let scenario = Scenario::start(settings).await.unwrap();
+    let (status, declared) = scenario
+        .server
+        .put("/v1/owned-fields", &json!({"fields": ["uptime"]}))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{declared}");
+    let plan = FleetPlan::new("auto-", 1).build().unwrap();
+    let fleet = scenario.start_fleet(plan.devices.clone()).await.unwrap();
+    scenario
+        .wait_reports_stored(1, Duration::from_secs(15))
+        .await
+        .unwrap();
+    let id = plan.devices[0].id.to_string();
+    let mut with_uptime = plan.desired_spec.clone();
+    with_uptime["uptime"] = json!(99);
+    reports(&scenario, &fleet, &id, with_uptime).await;
+
+    // Its desired spec is what it runs but for `uptime`: nothing to push.
+    let (status, set) = scenario
+        .server
+        .put(
+            &format!("/v1/devices/{id}/desired"),
+            &json!({"spec": plan.desired_spec}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{set}");
+    let run_id = set["run_id"].as_str().unwrap();
+    scenario
+        .server
+        .wait_run_completed(run_id, Duration::from_secs(15))
+        .await
+        .unwrap();
+    let outcomes = scenario.server.run_outcomes(run_id).await.unwrap();
+    assert_eq!(
+        outcomes[id.as_str()]["outcome"],
+        "already_converged",
+        "{outcomes:?}"
+    );
+    fleet.shutdown().await;
 }

@@ -12,6 +12,7 @@ pub mod intake;
 
 use crate::engine::recheck::{RecheckSignal, RecheckTrigger};
 use crate::ingest::intake::IntakeReceiver;
+use std::cell::OnceCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -452,27 +453,46 @@ impl Ingest {
         // Under the writer, the owned fields are those every committed
         // change (a new declaration, a relabelling) left: the digest the
         // cache compares leaves them out.
-        let reported: Vec<FleetChange> = rows
-            .iter()
-            .map(|r| {
-                let mut state = r.state.clone();
-                if let Some(owned) = write.cache().owned(&r.device) {
-                    state.digest = owned.digest(&r.report.spec);
-                    state.drift = Self::drift_of(
-                        write.cache(),
-                        &r.device,
-                        r.report,
-                        state.digest,
-                        Some(&owned),
-                    );
-                }
-                FleetChange::Reported {
+        // A device its first report registers (`--auto-register`) has no
+        // labels: it owns the server-wide paths.
+        let unlabelled = OnceCell::new();
+        let mut reported = Vec::with_capacity(rows.len());
+        for r in rows {
+            let mut state = r.state.clone();
+            let (owned, registered) = match write.cache().owned_if_known(&r.device) {
+                Some(owned) => (owned, false),
+                None => (
+                    unlabelled
+                        .get_or_init(|| write.cache().owned_set().unlabelled())
+                        .clone(),
+                    true,
+                ),
+            };
+            if let Some(owned) = &owned {
+                state.digest = owned.digest(&r.report.spec);
+                state.drift = Self::drift_of(
+                    write.cache(),
+                    &r.device,
+                    r.report,
+                    state.digest,
+                    Some(owned),
+                );
+            }
+            let digest = state.digest;
+            reported.push(FleetChange::Reported {
+                id: r.device.clone(),
+                reported: state,
+                health: r.health,
+            });
+            if registered && owned.is_some() {
+                reported.push(FleetChange::Owned {
                     id: r.device.clone(),
-                    reported: state,
-                    health: r.health,
-                }
-            })
-            .collect();
+                    owned,
+                    reported_digest: Some(digest),
+                    retained_stale: false,
+                });
+            }
+        }
         write.mirror(reported);
         write.mirror(
             online

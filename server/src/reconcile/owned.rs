@@ -161,6 +161,12 @@ impl OwnedFieldSet {
         self.everywhere.is_empty() && self.by_selector.iter().all(|(_, p)| p.is_empty())
     }
 
+    /// What a device without labels owns (one registered by its first
+    /// report): the server-wide paths.
+    pub fn unlabelled(&self) -> Option<Arc<OwnedFields>> {
+        (!self.everywhere.is_empty()).then(|| Arc::new(OwnedFields::new(self.everywhere.clone())))
+    }
+
     /// The set a declaration names, every path parsed and every list within
     /// its bound; the first thing wrong is the error.
     pub fn from_declaration(

@@ -135,6 +135,12 @@ impl FleetCache {
         self.devices.get(id).and_then(|e| e.value().owned.clone())
     }
 
+    /// The paths a known device owns (`Some(None)`: none); `None` for a
+    /// device the cache does not hold.
+    pub fn owned_if_known(&self, id: &DeviceId) -> Option<Option<Arc<OwnedFields>>> {
+        self.devices.get(id).map(|e| e.value().owned.clone())
+    }
+
     pub fn len(&self) -> usize {
         self.devices.len()
     }
