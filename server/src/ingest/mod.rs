@@ -321,12 +321,16 @@ impl Ingest {
     ) -> Option<Arc<DriftPaths>> {
         let desired = fleet.desired(device)?;
         (desired.digest != digest).then(|| {
-            Arc::new(drift_paths(
-                &report.spec,
-                &desired.spec,
-                desired.digest,
-                |path| owned.is_some_and(|owned| owned.covers(path)),
-            ))
+            Arc::new(match owned {
+                // The paths of the specs as compared: without what it owns.
+                Some(owned) => drift_paths(
+                    &owned.strip(&report.spec),
+                    &owned.strip(&desired.spec),
+                    desired.digest,
+                    |path| owned.covers(path),
+                ),
+                None => drift_paths(&report.spec, &desired.spec, desired.digest, |_| false),
+            })
         })
     }
 

@@ -13,7 +13,7 @@ use idem_protocol::api::OwnedFieldsDeclaration;
 use idem_protocol::SpecDigest;
 use serde_json::Value;
 
-use super::diff::{FieldPath, PathStep};
+use super::diff::{diff, FieldChange, FieldPath, PathStep};
 
 /// Why a declared path is not one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -101,9 +101,12 @@ impl OwnedFields {
             .any(|owned| path.0.len() >= owned.0.len() && path.0[..owned.0.len()] == owned.0[..])
     }
 
-    /// `spec` without the owned paths (borrowed when it has none of them).
+    /// `spec` without the owned paths, and without the objects on the way
+    /// to one that are (or are left) empty, on either side alike: a device
+    /// reporting `{"net": {"rssi": -61}}` for a desired spec without `net`
+    /// owns all of the difference. Borrowed when there is nothing to take.
     pub fn strip<'a>(&self, spec: &'a Value) -> Cow<'a, Value> {
-        if !self.paths.iter().any(|path| holds(spec, &path.0)) {
+        if !self.paths.iter().any(|path| touches(spec, &path.0)) {
             return Cow::Borrowed(spec);
         }
         let mut stripped = spec.clone();
@@ -113,24 +116,50 @@ impl OwnedFields {
         Cow::Owned(stripped)
     }
 
+    /// For each change of `changes` (the diff from `old` to `new`), whether
+    /// it lies wholly in what the device owns: under an owned path, or in
+    /// nothing the diff of the stripped specs still holds (`net` removed
+    /// when all `net` held was the owned `net.rssi`).
+    pub fn ignored(&self, old: &Value, new: &Value, changes: &[FieldChange]) -> Vec<bool> {
+        let kept = diff(&self.strip(old), &self.strip(new));
+        let related = |a: &FieldPath, b: &FieldPath| {
+            let n = a.0.len().min(b.0.len());
+            a.0[..n] == b.0[..n]
+        };
+        changes
+            .iter()
+            .map(|change| {
+                let path = change.path();
+                self.covers(path) || !kept.iter().any(|k| related(k.path(), path))
+            })
+            .collect()
+    }
+
     /// The digest convergence compares: of `spec` without the owned paths.
     pub fn digest(&self, spec: &Value) -> SpecDigest {
         SpecDigest::of(&self.strip(spec))
     }
 }
 
-/// Whether `value` has something at `steps`.
-fn holds(value: &Value, steps: &[PathStep]) -> bool {
+/// Whether stripping `steps` changes `value`: it has something there, or
+/// an empty object on the way.
+fn touches(value: &Value, steps: &[PathStep]) -> bool {
     match steps.split_first() {
         None => true,
         Some((PathStep::Key(key), rest)) => value
             .as_object()
             .and_then(|map| map.get(key))
-            .is_some_and(|inner| holds(inner, rest)),
+            .is_some_and(|inner| {
+                rest.is_empty()
+                    || inner.as_object().is_some_and(serde_json::Map::is_empty)
+                    || touches(inner, rest)
+            }),
         Some((PathStep::Index(_), _)) => false,
     }
 }
 
+/// Removes what `steps` names from `value`, and every object on the way
+/// that is empty afterwards (the spec itself stays).
 fn remove(value: &mut Value, steps: &[PathStep]) {
     let Some(map) = value.as_object_mut() else {
         return;
@@ -142,6 +171,9 @@ fn remove(value: &mut Value, steps: &[PathStep]) {
         [PathStep::Key(key), rest @ ..] => {
             if let Some(inner) = map.get_mut(key) {
                 remove(inner, rest);
+                if inner.as_object().is_some_and(serde_json::Map::is_empty) {
+                    map.remove(key);
+                }
             }
         }
         [PathStep::Index(_), ..] | [] => {}

@@ -55,27 +55,27 @@ pub async fn declared_set(pool: &PgPool) -> Result<OwnedFieldSet, StoreError> {
     Ok(load(pool).await?.map(|d| d.set).unwrap_or_default())
 }
 
-/// Replaces the declaration.
+/// Replaces the declaration; returns when, as stored.
 pub async fn save(
     write: &mut DeviceTx<'_>,
     declaration: &OwnedFieldsDeclaration,
     updated_by: &str,
-) -> Result<(), StoreError> {
+) -> Result<DateTime<Utc>, StoreError> {
     let raw = serde_json::to_value(declaration).map_err(|e| StoreError::Corrupt {
         context: "writing the owned fields",
         detail: e.to_string(),
     })?;
-    sqlx::query(
+    sqlx::query_scalar(
         "INSERT INTO owned_fields (singleton, declaration, updated_by, updated_at) \
          VALUES (true, $1, $2, now()) \
-         ON CONFLICT (singleton) DO UPDATE SET declaration = $1, updated_by = $2, updated_at = now()",
+         ON CONFLICT (singleton) DO UPDATE SET declaration = $1, updated_by = $2, updated_at = now() \
+         RETURNING updated_at",
     )
     .bind(raw)
     .bind(updated_by)
-    .execute(&mut **write.tx())
+    .fetch_one(&mut **write.tx())
     .await
-    .context("writing the owned fields")?;
-    Ok(())
+    .context("writing the owned fields")
 }
 
 /// Which devices to bring up to date.
@@ -90,9 +90,9 @@ pub enum Scope<'a> {
 pub struct Refreshed {
     /// Devices whose owned paths changed.
     pub devices: Vec<DeviceId>,
-    /// Whether some device's retained desired message now holds a path it
-    /// owns and is to be published again.
-    pub retained_stale: bool,
+    /// Those of them whose desired spec, as published, changed with it: a
+    /// retained desired message they have is to be published again.
+    pub republish: Vec<DeviceId>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -156,14 +156,17 @@ pub async fn refresh(
             }
             _ => None,
         };
-        let retained_stale = entry.retained_generation.is_some()
-            && entry.desired.as_ref().is_some_and(|desired| {
-                let mut with_new = entry.clone();
-                with_new.owned.clone_from(&owned);
-                entry.spec_to_publish(desired) != with_new.spec_to_publish(desired)
-            });
+        // Judged on the desired spec alone, not on whether the cache knows
+        // of a retained message: one the engine published and has not
+        // written yet is republished all the same (`OwnedChanged`).
+        let retained_stale = entry.desired.as_ref().is_some_and(|desired| {
+            let mut with_new = entry.clone();
+            with_new.owned.clone_from(&owned);
+            entry.spec_to_publish(desired) != with_new.spec_to_publish(desired)
+        });
         if retained_stale {
             stale.push(row.id.clone());
+            refreshed.republish.push(id.clone());
         }
         refreshed.devices.push(id.clone());
         changes.push(FleetChange::Owned {
@@ -182,7 +185,6 @@ pub async fn refresh(
         .execute(&mut **write.tx())
         .await
         .context("marking retained desired messages to publish again")?;
-        refreshed.retained_stale = true;
     }
     write.mirror(changes);
     Ok(refreshed)

@@ -100,31 +100,36 @@ impl<'a> DeviceWrite<'a> {
     }
 
     /// Brings the cache's owned fields of `scope` up to date with `set` in
-    /// this transaction; the engine republishes the retained desired
-    /// messages that held a path now owned once it commits. Returns the
-    /// devices whose owned fields changed.
+    /// this transaction; once it commits, the engine republishes the
+    /// retained desired messages the change concerns and, with `recheck`,
+    /// re-judges the devices whose owned fields changed (converging or
+    /// reconciling them). Returns those devices.
     pub(super) async fn refresh_owned(
         &mut self,
         set: &OwnedFieldSet,
         scope: store::owned::Scope<'_>,
+        recheck: bool,
     ) -> Result<Vec<DeviceId>, ApiError> {
         let refreshed = store::owned::refresh(&mut self.write, set, scope).await?;
-        if refreshed.retained_stale {
-            self.then.push(EngineCommand::SyncRetained);
+        if !refreshed.devices.is_empty() {
+            self.then.push(EngineCommand::OwnedChanged {
+                changed: if recheck {
+                    refreshed.devices.clone()
+                } else {
+                    Vec::new()
+                },
+                republish: refreshed.republish,
+            });
         }
         Ok(refreshed.devices)
     }
 
     /// Brings the owned fields of devices whose labels may have changed up
-    /// to date with the declared set.
+    /// to date with the declared set, and has the engine re-judge them.
     pub(super) async fn refresh_owned_of(&mut self, ids: &[String]) -> Result<(), ApiError> {
         let set = self.state.fleet.owned_set();
-        let changed = self
-            .refresh_owned(&set, store::owned::Scope::Devices(ids))
+        self.refresh_owned(&set, store::owned::Scope::Devices(ids), true)
             .await?;
-        if !changed.is_empty() {
-            self.then.push(EngineCommand::OwnedChanged(changed));
-        }
         Ok(())
     }
 

@@ -288,15 +288,20 @@ pub(super) async fn get_device(
 /// The core's diff from `old` to `new`, as the API shows it, the paths a
 /// device that owns `owned` owns marked ignored.
 pub(super) fn field_diffs(old: &Value, new: &Value, owned: Option<&OwnedFields>) -> Vec<FieldDiff> {
-    diff::diff(old, new)
+    let changes = diff::diff(old, new);
+    let ignored = match owned {
+        Some(owned) => owned.ignored(old, new, &changes),
+        None => vec![false; changes.len()],
+    };
+    changes
         .into_iter()
-        .map(|change| field_diff(change, owned))
+        .zip(ignored)
+        .map(|(change, ignored)| field_diff(change, ignored))
         .collect()
 }
 
 /// A change of the core's diff as the API shows it.
-fn field_diff(change: FieldChange, owned: Option<&OwnedFields>) -> FieldDiff {
-    let ignored = owned.is_some_and(|owned| owned.covers(change.path()));
+fn field_diff(change: FieldChange, ignored: bool) -> FieldDiff {
     let path = change.path().to_string();
     let (change, old, new) = match change {
         FieldChange::Added { new, .. } => (FieldChangeKind::Added, None, Some(new)),

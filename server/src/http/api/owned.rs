@@ -58,9 +58,13 @@ pub(super) async fn put_owned_fields(
     let set = OwnedFieldSet::from_declaration(&body)
         .map_err(|e| ApiError::bad_request(ErrorCode::InvalidOwnedFields, e.to_string()))?;
     let mut write = DeviceWrite::begin(&state).await?;
-    store::owned::save(write.tx(), &body, &call.actor.name).await?;
-    let changed = write.refresh_owned(&set, store::owned::Scope::All).await?;
+    let updated_at = store::owned::save(write.tx(), &body, &call.actor.name).await?;
+    // The run below re-judges the devices; the engine only republishes.
+    let changed = write
+        .refresh_owned(&set, store::owned::Scope::All, false)
+        .await?;
     write.change([store::cache::FleetChange::OwnedSet(Arc::new(set))]);
+    let count_changed = changed.len() as u64;
     let note = AuditNote {
         targets: Some(changed.len()),
         detail: Some(json!({
@@ -76,20 +80,36 @@ pub(super) async fn put_owned_fields(
             call.audit(StatusCode::OK, note),
         )
         .await?;
-    // Re-evaluated as a new run would: a device whose only difference lay
-    // in paths now owned ends `already_converged`, one that differs in a
-    // path no longer owned is pushed.
-    let targets = state.fleet.ids_with_desired_state();
-    let run_id = if targets.is_empty() {
+    // The devices whose owned paths changed are re-evaluated as a new run
+    // would: one whose only difference lay in paths now owned ends
+    // `already_converged`, one that differs in a path no longer owned is
+    // pushed. The declaration has committed: a run that cannot start now
+    // (the server is stopping) is said in the log, not as a failure of the
+    // call; the next start's reconciliation covers it.
+    let run_id = if changed.is_empty() {
         None
     } else {
-        let run = NewRun::new(targets, Trigger::Manual);
-        Some(start_follow_up_run(&state, &call, run).await?.0)
+        let count = changed.len();
+        match start_follow_up_run(&state, &call, NewRun::new(changed, Trigger::Manual)).await {
+            Ok((run_id, _)) => Some(run_id),
+            Err(e) => {
+                tracing::warn!(error = ?e, devices = count, "owned fields declared; their re-evaluation run did not start");
+                None
+            }
+        }
     };
-    let mut view = view(&state).await?;
-    view.devices_changed = Some(changed.len() as u64);
-    view.run_id = run_id;
-    Ok(recorded(StatusCode::OK, view))
+    Ok(recorded(
+        StatusCode::OK,
+        OwnedFieldsView {
+            fields: body.fields,
+            by_selector: body.by_selector,
+            updated_by: Some(call.actor.name.clone()),
+            updated_at: Some(updated_at),
+            devices: state.fleet.count_owning() as u64,
+            devices_changed: Some(count_changed),
+            run_id,
+        },
+    ))
 }
 
 /// `GET /v1/owned-fields`: the declaration in force.

@@ -47,10 +47,16 @@ pub enum EngineCommand {
     /// Exemptions of these devices ended (committed, in the cache): a
     /// drifted one is reconciled like any drifted device.
     ExemptionsEnded(Vec<DeviceId>),
-    /// The fields these devices own changed (committed, in the cache, with
-    /// the digests that follow): one that differs now is reconciled like
-    /// any drifted device.
-    OwnedChanged(Vec<DeviceId>),
+    /// The fields devices own changed (committed, in the cache, with the
+    /// digests that follow). `changed`: a device that differs now is
+    /// reconciled like any drifted device, a drifted one that matches now
+    /// is converged. `republish`: their retained desired message held a
+    /// path now owned, or lacked one no longer owned; it is published again
+    /// at its generation.
+    OwnedChanged {
+        changed: Vec<DeviceId>,
+        republish: Vec<DeviceId>,
+    },
     /// Refresh every retained desired message that is behind (start-up).
     SyncRetained,
     /// The broker may have dropped messages for the server: ask every

@@ -141,8 +141,12 @@ impl Machine {
                     self.connectivity_changed(&id, online, now.at);
                 }
             }
-            EngineCommand::ExemptionsEnded(ids) | EngineCommand::OwnedChanged(ids) => {
-                self.recheck_drift(ids, now.at);
+            EngineCommand::ExemptionsEnded(ids) => self.recheck_drift(ids, now.at),
+            EngineCommand::OwnedChanged { changed, republish } => {
+                for id in republish {
+                    self.republish_retained(&id, &mut out);
+                }
+                self.owned_changed(changed, now.at);
             }
             EngineCommand::Recheck => {
                 self.recheck_since = Some(now.wall);
@@ -529,6 +533,24 @@ impl Machine {
     /// [`Machine::refresh_retained`] with the device as already looked up.
     fn refresh_retained_from(&mut self, id: &DeviceId, entry: &DeviceEntry, out: &mut Vec<Effect>) {
         let Some(desired) = entry.retained_behind() else {
+            return;
+        };
+        self.record.device(id).retained = Some(desired.generation);
+        out.push(Effect::Publish {
+            device: id.clone(),
+            generation: desired.generation,
+            spec: entry.spec_to_publish(desired),
+            reason: PublishReason::RefreshRetained,
+        });
+    }
+
+    /// Publishes the retained desired message again at its generation (what
+    /// the device owns changed what it holds), if the broker holds one.
+    fn republish_retained(&mut self, id: &DeviceId, out: &mut Vec<Effect>) {
+        let Some(entry) = self.entry(id) else {
+            return;
+        };
+        let (Some(desired), Some(_)) = (&entry.desired, entry.retained_generation) else {
             return;
         };
         self.record.device(id).retained = Some(desired.generation);

@@ -70,6 +70,31 @@ impl Machine {
         }
     }
 
+    /// What these devices own changed: a drifted one whose report matches
+    /// its desired spec now is converged; one that differs now is
+    /// reconciled like any drifted device.
+    pub(super) fn owned_changed(&mut self, ids: Vec<DeviceId>, now: Instant) {
+        let mut differing = Vec::new();
+        for id in ids {
+            let Some(entry) = self.entry(&id) else {
+                continue;
+            };
+            if self.in_flight.contains_key(&id) {
+                continue;
+            }
+            let matches = match (&entry.desired, &entry.reported) {
+                (Some(desired), Some(reported)) => desired.digest == reported.digest,
+                (Some(_), None) | (None, _) => continue,
+            };
+            if matches && entry.status == DeviceStatus::Drifted {
+                self.record.device(&id).status = Some(DeviceStatus::Converged);
+            } else if !matches {
+                differing.push(id);
+            }
+        }
+        self.recheck_drift(differing, now);
+    }
+
     pub(super) fn connectivity_changed(&mut self, id: &DeviceId, online: bool, now: Instant) {
         let Some(entry) = self.entry(id) else {
             return;

@@ -148,3 +148,53 @@ fn a_new_spec_digest_leaves_out_what_each_device_owns_and_is_the_whole_digest_fo
     );
     assert_eq!(digests.for_device(Some(&Arc::new(owned(&[])))), full);
 }
+
+#[test]
+fn an_object_left_empty_by_stripping_is_stripped_too_on_either_side() {
+    let fields = owned(&["net.rssi"]);
+    let desired = json!({"fw": "2.1"});
+    let reported = json!({"fw": "2.1", "net": {"rssi": -61}});
+    assert_eq!(fields.digest(&reported), fields.digest(&desired));
+    // An empty object on the way is gone as well, so both sides agree.
+    assert_eq!(
+        fields.digest(&json!({"fw": "2.1", "net": {}})),
+        fields.digest(&desired)
+    );
+    // Something else under `net` stays.
+    assert_eq!(
+        fields
+            .strip(&json!({"net": {"rssi": 1, "ssid": "a"}}))
+            .into_owned(),
+        json!({"net": {"ssid": "a"}})
+    );
+}
+
+#[test]
+fn a_change_is_ignored_when_it_lies_wholly_in_what_the_device_owns() {
+    use crate::reconcile::diff::diff;
+    let fields = owned(&["net.rssi", "uptime"]);
+    let ignored = |old: Value, new: Value| {
+        let changes = diff(&old, &new);
+        let marks = fields.ignored(&old, &new, &changes);
+        changes
+            .iter()
+            .zip(marks)
+            .map(|(c, ignored)| (c.path().to_string(), ignored))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        ignored(json!({"net": {"rssi": -61}, "uptime": 5}), json!({})),
+        vec![("net".to_owned(), true), ("uptime".to_owned(), true)]
+    );
+    assert_eq!(
+        ignored(json!({"net": {"rssi": -61, "ssid": "a"}}), json!({})),
+        vec![("net".to_owned(), false)]
+    );
+    assert_eq!(
+        ignored(json!({"net": {"rssi": -61}}), json!({"net": {"ssid": "b"}})),
+        vec![
+            ("net.rssi".to_owned(), true),
+            ("net.ssid".to_owned(), false)
+        ]
+    );
+}

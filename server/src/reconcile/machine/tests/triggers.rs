@@ -188,3 +188,55 @@ fn a_drifted_event_names_the_changed_paths_the_ingest_found_against_the_current_
         ]
     );
 }
+
+#[test]
+fn a_device_drifted_only_in_a_field_it_now_owns_is_converged_and_one_differing_elsewhere_is_reconciled(
+) {
+    use crate::reconcile::owned::{parse_path, OwnedFields};
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(2, 0);
+    // Exempt, so the drift stays unremediated until the owned fields change.
+    world.exempt(&fleet[0], true);
+    let mut with_uptime = spec(2);
+    with_uptime["uptime"] = serde_json::json!(5);
+    world.seq += 1;
+    let report = ReportedState {
+        seq: world.seq,
+        digest: SpecDigest::of(&with_uptime),
+        generation: Some(2),
+        rejection: None,
+        drift: None,
+    };
+    world.deliver(&fleet[0], report);
+    world.wait(Duration::from_secs(2));
+    assert_eq!(world.status(&fleet[0]), DeviceStatus::Drifted);
+
+    let uptime = Arc::new(OwnedFields::new(vec![parse_path("uptime").unwrap()]));
+    world.fleet.apply_committed([
+        FleetChange::Owned {
+            id: fleet[0].clone(),
+            owned: Some(uptime.clone()),
+            reported_digest: Some(uptime.digest(&with_uptime)),
+            retained_stale: false,
+        },
+        // The other one's report now compares as another version (say a
+        // path it owned is its own no more): it differs.
+        FleetChange::Owned {
+            id: fleet[1].clone(),
+            owned: None,
+            reported_digest: Some(SpecDigest::of(&spec(7))),
+            retained_stale: false,
+        },
+    ]);
+    world.command(EngineCommand::OwnedChanged {
+        changed: fleet.clone(),
+        republish: Vec::new(),
+    });
+    world.wait(Duration::from_secs(2));
+    assert_eq!(world.status(&fleet[0]), DeviceStatus::Converged);
+    let last = world.runs.last().unwrap();
+    assert_eq!(
+        (last.trigger, last.targets.clone()),
+        (Trigger::Drift, vec![fleet[1].clone()])
+    );
+}
