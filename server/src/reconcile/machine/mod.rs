@@ -32,7 +32,7 @@ use super::pacer::PushPacer;
 use super::policy::{self, gate, DeviceStatus};
 use super::run::{RunProgress, RunSpec, Trigger};
 pub use crate::reconcile::change::{DeviceChange, RememberedOutcome};
-use crate::reconcile::device::{DeviceEntry, FleetRead};
+use crate::reconcile::device::{DesiredState, DeviceEntry, FleetRead};
 pub use effect::{
     AskReason, Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason,
     RecheckTrigger,
@@ -532,16 +532,9 @@ impl Machine {
 
     /// [`Machine::refresh_retained`] with the device as already looked up.
     fn refresh_retained_from(&mut self, id: &DeviceId, entry: &DeviceEntry, out: &mut Vec<Effect>) {
-        let Some(desired) = entry.retained_behind() else {
-            return;
-        };
-        self.record.device(id).retained = Some(desired.generation);
-        out.push(Effect::Publish {
-            device: id.clone(),
-            generation: desired.generation,
-            spec: entry.spec_to_publish(desired),
-            reason: PublishReason::RefreshRetained,
-        });
+        if let Some(desired) = entry.retained_behind() {
+            self.publish_retained(id, entry, desired, out);
+        }
     }
 
     /// Publishes the retained desired message again at its generation (what
@@ -550,9 +543,19 @@ impl Machine {
         let Some(entry) = self.entry(id) else {
             return;
         };
-        let (Some(desired), Some(_)) = (&entry.desired, entry.retained_generation) else {
-            return;
-        };
+        if let (Some(desired), Some(_)) = (&entry.desired, entry.retained_generation) {
+            self.publish_retained(id, &entry, desired, out);
+        }
+    }
+
+    /// `desired` as the device's retained desired message, recorded.
+    fn publish_retained(
+        &mut self,
+        id: &DeviceId,
+        entry: &DeviceEntry,
+        desired: &DesiredState,
+        out: &mut Vec<Effect>,
+    ) {
         self.record.device(id).retained = Some(desired.generation);
         out.push(Effect::Publish {
             device: id.clone(),
