@@ -141,7 +141,14 @@ impl Machine {
                     self.connectivity_changed(&id, online, now.at);
                 }
             }
-            EngineCommand::ExemptionsEnded(ids) => self.recheck_drift(ids, now.at),
+            EngineCommand::ExemptionsEnded(ids) => {
+                for id in &ids {
+                    if !self.in_flight.contains_key(id) {
+                        self.refresh_retained(id, &mut out);
+                    }
+                }
+                self.recheck_drift(ids, now.at);
+            }
             EngineCommand::OwnedChanged { changed, republish } => {
                 for id in republish {
                     self.republish_retained(&id, &mut out);
@@ -548,7 +555,10 @@ impl Machine {
         }
     }
 
-    /// `desired` as the device's retained desired message, recorded.
+    /// `desired` as the device's retained desired message, recorded. Never
+    /// to an exempt device: a device applies its retained message, so that
+    /// would remediate it; its message is brought up to date when the
+    /// exemption ends.
     fn publish_retained(
         &mut self,
         id: &DeviceId,
@@ -556,6 +566,9 @@ impl Machine {
         desired: &DesiredState,
         out: &mut Vec<Effect>,
     ) {
+        if entry.exempt {
+            return;
+        }
         self.record.device(id).retained = Some(desired.generation);
         out.push(Effect::Publish {
             device: id.clone(),

@@ -240,3 +240,55 @@ fn a_device_drifted_only_in_a_field_it_now_owns_is_converged_and_one_differing_e
         (Trigger::Drift, vec![fleet[1].clone()])
     );
 }
+
+#[test]
+fn nothing_is_published_to_an_exempt_device_not_even_its_retained_message_until_the_exemption_ends()
+{
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(2, 0);
+    // Both have a retained message at generation 2 from an earlier push.
+    for device in &fleet {
+        world.fleet.apply_committed([FleetChange::Engine(
+            device.clone(),
+            crate::reconcile::change::DeviceChange {
+                retained: Some(2),
+                ..Default::default()
+            },
+        )]);
+    }
+    world.exempt(&fleet[0], true);
+    // A new desired spec, and the run that applies it.
+    for device in &fleet {
+        world.wants(device, 3, 3);
+    }
+    world.command(EngineCommand::DesiredChanged(fleet.clone()));
+    let run = world.create(fleet.clone(), false);
+    world.settle();
+    let to = |world: &World, device: &DeviceId| {
+        world
+            .published
+            .iter()
+            .filter(|(d, _, _)| d == device)
+            .count()
+    };
+    assert_eq!(to(&world, &fleet[0]), 0, "{:?}", world.published);
+    assert!(to(&world, &fleet[1]) > 0);
+    let skipped = world.outcomes[&run]
+        .iter()
+        .find(|(d, _, _)| *d == fleet[0])
+        .cloned()
+        .unwrap();
+    assert_eq!(skipped.2.as_deref(), Some("exempt"));
+
+    // Once it ends, the device gets generation 3.
+    world.exempt(&fleet[0], false);
+    world.wait(Duration::from_secs(2));
+    assert!(
+        world
+            .published
+            .iter()
+            .any(|(d, g, _)| *d == fleet[0] && *g == 3),
+        "{:?}",
+        world.published
+    );
+}
