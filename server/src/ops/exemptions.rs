@@ -47,8 +47,10 @@ async fn sweep(state: &Sweeper) -> Result<(), StoreError> {
     }
     let mut write = state.writer.begin().await?;
     let deleted = store::exemptions::delete_expired(&mut write).await?;
-    let ended =
-        store::exemptions::refresh(&mut write, &state.fleet, store::exemptions::Scope::All).await?;
+    // Expiry only ends exemptions; `started` is empty here.
+    let ended = store::exemptions::refresh(&mut write, &state.fleet, store::exemptions::Scope::All)
+        .await?
+        .ended;
     write.commit("ending expired exemptions").await?;
     tracing::info!(
         exemptions = deleted,

@@ -143,14 +143,21 @@ pub enum Scope<'a> {
     Devices(&'a [String]),
 }
 
+/// Which devices a [`refresh`] exempted and which it released.
+#[derive(Debug, Default)]
+pub struct Moved {
+    pub started: Vec<DeviceId>,
+    pub ended: Vec<DeviceId>,
+}
+
 /// Sets the cache's `exempt` flag of every device in `scope` to what the
 /// exemptions cover now (mirrored when `write` commits) and returns the
-/// devices whose exemption ends with it.
+/// devices whose exemption starts or ends with it.
 pub async fn refresh(
     write: &mut DeviceTx<'_>,
     fleet: &FleetCache,
     scope: Scope<'_>,
-) -> Result<Vec<DeviceId>, StoreError> {
+) -> Result<Moved, StoreError> {
     let among = match scope {
         Scope::All => None,
         Scope::Devices(ids) => Some(ids),
@@ -168,10 +175,12 @@ pub async fn refresh(
             .collect(),
     };
     let mut changes = Vec::new();
+    let mut started = Vec::new();
     for raw in &now {
         let id = super::device_id(raw, "reading which devices are exempt")?;
         if !flagged.contains(&id) {
-            changes.push(FleetChange::Exempt(id, true));
+            changes.push(FleetChange::Exempt(id.clone(), true));
+            started.push(id);
         }
     }
     let ended: Vec<DeviceId> = flagged
@@ -184,5 +193,5 @@ pub async fn refresh(
             .map(|id| FleetChange::Exempt(id.clone(), false)),
     );
     write.mirror(changes);
-    Ok(ended)
+    Ok(Moved { started, ended })
 }

@@ -86,15 +86,20 @@ impl<'a> DeviceWrite<'a> {
     }
 
     /// Brings the cache's exemption flags of `scope` up to date in this
-    /// transaction; the engine reconciles the devices whose exemption ends
-    /// once it commits.
+    /// transaction; once it commits, the engine stops the attempts on the
+    /// devices an exemption now covers and reconciles those whose exemption
+    /// ends.
     pub(super) async fn refresh_exemptions(
         &mut self,
         scope: store::exemptions::Scope<'_>,
     ) -> Result<(), ApiError> {
-        let ended = store::exemptions::refresh(&mut self.write, &self.state.fleet, scope).await?;
-        if !ended.is_empty() {
-            self.then.push(EngineCommand::ExemptionsEnded(ended));
+        let moved = store::exemptions::refresh(&mut self.write, &self.state.fleet, scope).await?;
+        if !moved.started.is_empty() {
+            self.then
+                .push(EngineCommand::ExemptionsStarted(moved.started));
+        }
+        if !moved.ended.is_empty() {
+            self.then.push(EngineCommand::ExemptionsEnded(moved.ended));
         }
         Ok(())
     }

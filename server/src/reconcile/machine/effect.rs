@@ -47,6 +47,9 @@ pub enum EngineCommand {
     /// Exemptions of these devices ended (committed, in the cache): a
     /// drifted one is reconciled like any drifted device.
     ExemptionsEnded(Vec<DeviceId>),
+    /// Exemptions now cover these devices (committed, in the cache): an
+    /// attempt on one that has not pushed yet ends `skipped` (`exempt`).
+    ExemptionsStarted(Vec<DeviceId>),
     /// The fields devices own changed (committed, in the cache, with the
     /// digests that follow). `changed`: a device that differs now is
     /// reconciled like any drifted device, a drifted one that matches now

@@ -425,7 +425,9 @@ impl World {
     fn exempt(&mut self, device: &DeviceId, exempt: bool) {
         self.fleet
             .apply_committed([FleetChange::Exempt(device.clone(), exempt)]);
-        if !exempt {
+        if exempt {
+            self.command(EngineCommand::ExemptionsStarted(vec![device.clone()]));
+        } else {
             self.command(EngineCommand::ExemptionsEnded(vec![device.clone()]));
         }
     }

@@ -292,3 +292,27 @@ fn nothing_is_published_to_an_exempt_device_not_even_its_retained_message_until_
         world.published
     );
 }
+
+#[test]
+fn an_exemption_that_starts_while_an_attempt_waits_ends_it_skipped_exempt_without_a_push() {
+    let mut world = World::new(settings());
+    // Never reported: the run asks it for a report and waits.
+    let silent = world.device("silent", Some(2), None);
+    let run = world.create(vec![silent.clone()], false);
+    world.settle();
+    assert!(world.asked.contains(&silent));
+    world.exempt(&silent, true);
+    // Its report arrives now: still no push.
+    world.reports(&silent, 1, Some(1));
+    world.settle();
+    assert!(world.pushed().is_empty(), "{:?}", world.published);
+    let outcome = world.outcomes[&run]
+        .iter()
+        .find(|(d, _, _)| *d == silent)
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (outcome.1, outcome.2.as_deref()),
+        (OutcomeKind::Skipped, Some("exempt"))
+    );
+}
