@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::decide::{first_look, Desired, FirstLook};
 use super::device::{DesiredState, DeviceEntry};
-use super::owned::NewSpecDigests;
+use super::owned::{NewSpecDigests, OwnedFields};
 use super::policy::{blocked, Blocked};
 
 /// Why a plan counts a device `skipped`: a run would not push to it.
@@ -66,14 +66,12 @@ pub fn planned_generation(current: Option<&DesiredState>, spec_digest: SpecDiges
 
 /// The state of one device a plan was computed on; applying the plan
 /// requires every one to be unchanged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Basis {
     pub desired_generation: Option<u64>,
     pub reported_seq: Option<u64>,
-    /// The digests convergence compares: they change with the fields the
-    /// device owns, with generation and seq unchanged.
-    pub desired_digest: Option<SpecDigest>,
-    pub reported_digest: Option<SpecDigest>,
+    /// What it owns: its verdict compares the new spec without it.
+    pub owned: Option<Arc<OwnedFields>>,
     pub online: Option<bool>,
     pub status: DeviceStatus,
     pub exempt: bool,
@@ -84,8 +82,7 @@ impl Basis {
         Self {
             desired_generation: entry.desired.as_ref().map(|d| d.generation),
             reported_seq: entry.reported_seq(),
-            desired_digest: entry.desired.as_ref().map(|d| d.digest),
-            reported_digest: entry.reported.as_ref().map(|r| r.digest),
+            owned: entry.owned.clone(),
             online: entry.online,
             status: entry.status,
             exempt: entry.exempt,
@@ -209,14 +206,12 @@ impl Staleness {
                 continue;
             };
             let now = Basis::of(&entry);
-            let then = device.basis;
+            let then = &device.basis;
             if now.desired_generation != then.desired_generation {
                 self.desired += 1;
             } else if now.reported_seq != then.reported_seq {
                 self.reported += 1;
-            } else if now.desired_digest != then.desired_digest
-                || now.reported_digest != then.reported_digest
-            {
+            } else if now.owned != then.owned {
                 self.owned += 1;
             } else if now.online != then.online {
                 self.connection += 1;

@@ -288,18 +288,15 @@ fn the_book_keeps_the_newest_plans_and_forgets_long_expired_ones() {
 }
 
 #[test]
-fn a_plan_is_stale_when_what_a_device_owns_changed_its_digests() {
+fn a_plan_is_stale_when_what_a_device_owns_changed() {
     let mut fleet = fleet();
     let plan = plan_of(&fleet, Utc::now());
-    // Same report, same generation: only the digest convergence compares
-    // moved, as a new declaration of owned fields moves it.
-    fleet
-        .get_mut(&id("c-converged"))
-        .unwrap()
-        .reported
-        .as_mut()
-        .unwrap()
-        .digest = digest(9);
+    // Same report, same generation, same digests: only what the device owns
+    // changed, which changes what the new spec is compared without.
+    fleet.get_mut(&id("c-converged")).unwrap().owned =
+        Some(Arc::new(crate::reconcile::owned::OwnedFields::new(vec![
+            crate::reconcile::owned::parse_path("b").unwrap(),
+        ])));
     let mut staleness = Staleness::default();
     staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
     assert_eq!(
