@@ -80,6 +80,17 @@ pub async fn list(pool: &PgPool) -> Result<Vec<ExemptionRow>, StoreError> {
     .context("listing exemptions")
 }
 
+/// One exemption by id, expired or not (`None`: no such one).
+pub async fn get(db: impl PgExecutor<'_>, id: Uuid) -> Result<Option<ExemptionRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "SELECT {ROW_COLUMNS} FROM exemptions e WHERE e.id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(db)
+    .await
+    .context("reading an exemption")
+}
+
 /// Deletes one exemption and returns it as it was (`None`: no such one).
 pub async fn delete(
     write: &mut DeviceTx<'_>,

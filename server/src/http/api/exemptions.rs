@@ -98,6 +98,12 @@ pub(super) async fn create_exemption(
         }
         None => write.refresh_exemptions(Scope::All).await?,
     }
+    // Read in its own transaction: once committed, one with a lifetime of a
+    // second may expire (and be swept) before it could be read back.
+    let view = store::exemptions::get(&mut **write.tx().tx(), id)
+        .await?
+        .map(exemption_view)
+        .ok_or_else(|| unknown(id))?;
     let note = AuditNote {
         detail: Some(json!({
             "exemption": id,
@@ -114,12 +120,6 @@ pub(super) async fn create_exemption(
             call.audit(StatusCode::CREATED, note),
         )
         .await?;
-    let view = store::exemptions::list(&state.pool)
-        .await?
-        .into_iter()
-        .find(|row| row.id == id)
-        .map(exemption_view)
-        .ok_or_else(|| unknown(id))?;
     Ok(recorded(StatusCode::CREATED, view))
 }
 
