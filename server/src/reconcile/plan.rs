@@ -337,6 +337,17 @@ pub enum Unusable {
     Unknown,
     Expired(DateTime<Utc>),
     Applied(Uuid),
+    /// Another call is applying it now.
+    Applying,
+}
+
+/// A kept plan's own state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Open,
+    /// Claimed by a call that is starting its run.
+    Applying,
+    Applied(Uuid),
 }
 
 /// The plans kept: the newest `capacity`, each until it expires and for
@@ -345,7 +356,7 @@ pub enum Unusable {
 pub struct PlanBook {
     capacity: usize,
     /// Oldest first.
-    plans: Vec<(Arc<Plan>, Option<Uuid>)>,
+    plans: Vec<(Arc<Plan>, Slot)>,
 }
 
 impl PlanBook {
@@ -358,45 +369,57 @@ impl PlanBook {
 
     /// Keeps `plan`, forgetting the oldest beyond the capacity.
     pub fn insert(&mut self, plan: Plan, now: DateTime<Utc>) -> Arc<Plan> {
-        self.plans
-            .retain(|(p, _)| now < p.expires_at + (p.expires_at - p.created_at));
+        self.plans.retain(|(p, slot)| {
+            *slot == Slot::Applying || now < p.expires_at + (p.expires_at - p.created_at)
+        });
         while self.plans.len() >= self.capacity {
             self.plans.remove(0);
         }
         let plan = Arc::new(plan);
-        self.plans.push((plan.clone(), None));
+        self.plans.push((plan.clone(), Slot::Open));
         plan
     }
 
     /// A kept plan and where it stands.
     pub fn get(&self, id: Uuid, now: DateTime<Utc>) -> Option<(Arc<Plan>, PlanState)> {
-        let (plan, applied) = self.plans.iter().find(|(p, _)| p.id == id)?;
-        let state = match applied {
-            Some(run) => PlanState::Applied(*run),
-            None if now >= plan.expires_at => PlanState::Expired,
-            None => PlanState::Open,
+        let (plan, slot) = self.plans.iter().find(|(p, _)| p.id == id)?;
+        let state = match slot {
+            Slot::Applied(run) => PlanState::Applied(*run),
+            Slot::Open | Slot::Applying if now >= plan.expires_at => PlanState::Expired,
+            Slot::Open | Slot::Applying => PlanState::Open,
         };
         Some((plan.clone(), state))
     }
 
-    /// The plan, if it can still be applied.
-    pub fn usable(&self, id: Uuid, now: DateTime<Utc>) -> Result<Arc<Plan>, Unusable> {
-        match self.get(id, now) {
-            None => Err(Unusable::Unknown),
-            Some((plan, PlanState::Open)) => Ok(plan),
-            Some((plan, PlanState::Expired)) => Err(Unusable::Expired(plan.expires_at)),
-            Some((_, PlanState::Applied(run))) => Err(Unusable::Applied(run)),
+    /// The plan, claimed for one call to apply it: a second call is refused
+    /// until [`PlanBook::applied`] or [`PlanBook::release`].
+    pub fn claim(&mut self, id: Uuid, now: DateTime<Utc>) -> Result<Arc<Plan>, Unusable> {
+        let Some((plan, slot)) = self.plans.iter_mut().find(|(p, _)| p.id == id) else {
+            return Err(Unusable::Unknown);
+        };
+        match *slot {
+            Slot::Applied(run) => Err(Unusable::Applied(run)),
+            Slot::Applying => Err(Unusable::Applying),
+            Slot::Open if now >= plan.expires_at => Err(Unusable::Expired(plan.expires_at)),
+            Slot::Open => {
+                *slot = Slot::Applying;
+                Ok(plan.clone())
+            }
         }
     }
 
-    /// Records that `run` applied the plan; false when it already was.
-    pub fn mark_applied(&mut self, id: Uuid, run: Uuid) -> bool {
-        match self.plans.iter_mut().find(|(p, _)| p.id == id) {
-            Some((_, applied @ None)) => {
-                *applied = Some(run);
-                true
-            }
-            Some((_, Some(_))) | None => false,
+    /// The claiming call's run applied the plan.
+    pub fn applied(&mut self, id: Uuid, run: Uuid) {
+        if let Some((_, slot)) = self.plans.iter_mut().find(|(p, _)| p.id == id) {
+            *slot = Slot::Applied(run);
+        }
+    }
+
+    /// The claiming call did not apply it (refused, or the engine stopped):
+    /// it is open again.
+    pub fn release(&mut self, id: Uuid) {
+        if let Some((_, slot @ Slot::Applying)) = self.plans.iter_mut().find(|(p, _)| p.id == id) {
+            *slot = Slot::Open;
         }
     }
 }

@@ -137,9 +137,27 @@ pub(super) async fn apply_plan(
 ) -> Result<Response, ApiError> {
     let id = plan_id(&raw)?;
     let plan = book(&state)
-        .usable(id, Utc::now())
+        .claim(id, Utc::now())
         .map_err(|unusable| refused(&state, id, unusable))?;
-    let now_matching = matching(&state, &plan.targeting).await?;
+    let count = plan.devices.len() as u64;
+    let started = apply_claimed(&state, &call, plan).await;
+    match &started {
+        Ok(run) => book(&state).applied(id, *run),
+        Err(_) => book(&state).release(id),
+    }
+    let run = started?;
+    state.metrics.plan("applied");
+    let answer = RunStarted {
+        run_id: run,
+        targets: count,
+        joined: None,
+    };
+    Ok(recorded(StatusCode::OK, answer))
+}
+
+/// Starts the run of a plan this call claimed.
+async fn apply_claimed(state: &AppState, call: &Call, plan: Arc<Plan>) -> Result<Uuid, ApiError> {
+    let now_matching = matching(state, &plan.targeting).await?;
     let joined = joined_since(&plan, &now_matching);
     let count = plan.devices.len();
     let request = TargetedRequest::from(plan.targeting.clone());
@@ -156,21 +174,12 @@ pub(super) async fn apply_plan(
         ..AuditNote::default()
     };
     let run = NewRun::applying(plan.clone(), joined);
-    let (run, _) = start_run(&state, &call, run, note).await.inspect_err(|e| {
+    let (run, _) = start_run(state, call, run, note).await.inspect_err(|e| {
         if e.code() == ErrorCode::PlanStale {
             state.metrics.plan("refused_stale");
         }
     })?;
-    if !book(&state).mark_applied(id, run) {
-        tracing::warn!(plan = %id, %run, "a plan was applied twice at once; the second run found nothing changed");
-    }
-    state.metrics.plan("applied");
-    let answer = RunStarted {
-        run_id: run,
-        targets: count as u64,
-        joined: None,
-    };
-    Ok(recorded(StatusCode::OK, answer))
+    Ok(run)
 }
 
 fn book(state: &AppState) -> std::sync::MutexGuard<'_, plan::PlanBook> {
@@ -216,6 +225,14 @@ fn refused(state: &AppState, id: Uuid, unusable: Unusable) -> ApiError {
                 StatusCode::GONE,
                 ErrorCode::PlanExpired,
                 format!("plan {id} expired at {at}; re-plan with POST /v1/plans"),
+            )
+        }
+        Unusable::Applying => {
+            state.metrics.plan("refused_stale");
+            ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::PlanStale,
+                format!("plan {id} is being applied by another call; a plan applies once"),
             )
         }
         Unusable::Applied(run) => {

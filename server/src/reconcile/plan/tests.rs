@@ -252,21 +252,20 @@ fn a_plan_expires_and_once_applied_cannot_be_applied_again() {
     let now = Utc::now();
     let mut book = PlanBook::new(4);
     let plan = book.insert(plan_of(&fleet(), now), now);
-    assert_eq!(book.usable(plan.id, now).map(|p| p.id), Ok(plan.id));
     let later = plan.expires_at;
     assert_eq!(
-        book.usable(plan.id, later).map(|p| p.id),
+        book.claim(plan.id, later).map(|p| p.id),
         Err(Unusable::Expired(plan.expires_at))
     );
+    assert_eq!(book.claim(plan.id, now).map(|p| p.id), Ok(plan.id));
     let run = Uuid::now_v7();
-    assert!(book.mark_applied(plan.id, run));
-    assert!(!book.mark_applied(plan.id, Uuid::now_v7()));
+    book.applied(plan.id, run);
     assert_eq!(
-        book.usable(plan.id, now).map(|p| p.id),
+        book.claim(plan.id, now).map(|p| p.id),
         Err(Unusable::Applied(run))
     );
     assert_eq!(
-        book.usable(Uuid::now_v7(), now).map(|p| p.id),
+        book.claim(Uuid::now_v7(), now).map(|p| p.id),
         Err(Unusable::Unknown)
     );
 }
@@ -345,4 +344,24 @@ fn a_device_differing_only_in_a_field_it_owns_is_planned_converged_with_its_gene
         (devices[0].generation, devices[0].new_generation),
         (2, true)
     );
+}
+
+#[test]
+fn a_plan_is_claimed_by_one_call_at_a_time_and_applies_once() {
+    let now = Utc::now();
+    let mut book = PlanBook::new(4);
+    let plan = book.insert(plan_of(&fleet(), now), now);
+    assert!(book.claim(plan.id, now).is_ok());
+    // A second call while the first starts its run.
+    assert_eq!(book.claim(plan.id, now).unwrap_err(), Unusable::Applying);
+    // The first was refused (say, stale): the plan is open again.
+    book.release(plan.id);
+    assert!(book.claim(plan.id, now).is_ok());
+    let run = Uuid::now_v7();
+    book.applied(plan.id, run);
+    assert_eq!(
+        book.claim(plan.id, now).unwrap_err(),
+        Unusable::Applied(run)
+    );
+    assert_eq!(book.get(plan.id, now).unwrap().1, PlanState::Applied(run));
 }
