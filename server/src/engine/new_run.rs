@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use idem_protocol::api::Targeting;
 use idem_protocol::{DeviceId, OutcomeKind, SpecDigest};
 use serde_json::Value;
 use uuid::Uuid;
@@ -13,7 +14,7 @@ use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedD
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::device::DeviceEntry;
 use crate::reconcile::owned::NewSpecDigests;
-use crate::reconcile::plan::{Plan, Staleness};
+use crate::reconcile::plan::{retargeted, Plan, Staleness};
 use crate::reconcile::policy::{converged_targets, Converged};
 use crate::reconcile::run::RunSpec;
 pub use crate::reconcile::run::Trigger;
@@ -43,8 +44,6 @@ pub enum CommitRunError {
 #[derive(Debug)]
 pub struct FromPlan {
     pub plan: Arc<Plan>,
-    /// Devices its targeting matches now and did not when it was made.
-    pub joined: u64,
 }
 
 /// A run to commit.
@@ -86,13 +85,13 @@ impl NewRun {
     }
 
     /// The run that applies `plan` (its devices, spec and force).
-    pub fn applying(plan: Arc<Plan>, joined: u64) -> Self {
+    pub fn applying(plan: Arc<Plan>) -> Self {
         let targets = plan.devices.iter().map(|d| d.id.clone()).collect();
         let spec = Value::clone(&plan.spec);
         let mut run = Self::new(targets, Trigger::Desired)
             .forced(plan.force)
             .changing_desired_to(spec);
-        run.plan = Some(FromPlan { plan, joined });
+        run.plan = Some(FromPlan { plan });
         run
     }
 
@@ -133,8 +132,26 @@ pub async fn commit_run(
     let mut targets = run.targets;
     let mut write = writer.begin().await?;
     if let Some(from) = &run.plan {
+        // What its targeting matches now, read under the writer: nothing
+        // registered or relabelled can slip in before the run commits.
+        let now_matching: Vec<DeviceId> = match &from.plan.targeting {
+            Targeting::Devices(ids) => ids.clone(),
+            Targeting::Selector(labels) => {
+                let labels = serde_json::to_value(labels).unwrap_or_default();
+                let rows = store::devices::ids_matching_labels(&mut **write.tx(), &labels).await?;
+                store::device_ids(&rows, "reading the devices a plan's selector matches")?
+            }
+            Targeting::All => {
+                let rows =
+                    store::devices::ids_matching_labels(&mut **write.tx(), &serde_json::json!({}))
+                        .await?;
+                store::device_ids(&rows, "reading the devices a plan covers")?
+            }
+        };
+        let (joined, left) = retargeted(&from.plan, &now_matching, |id| view(id).is_some());
         let mut staleness = Staleness {
-            joined: from.joined,
+            joined,
+            left,
             ..Staleness::default()
         };
         staleness.compare(&from.plan.devices, view);

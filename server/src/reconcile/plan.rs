@@ -186,6 +186,9 @@ pub struct Staleness {
     /// Devices whose owned fields changed (`PUT /v1/owned-fields`).
     pub owned: u64,
     pub joined: u64,
+    /// Planned devices, still registered, that its targeting no longer
+    /// matches (relabelled out of its selector).
+    pub left: u64,
 }
 
 impl Staleness {
@@ -270,6 +273,10 @@ impl fmt::Display for Staleness {
             (
                 self.joined,
                 format!("{} more matched by its targeting now", devices(self.joined)),
+            ),
+            (
+                self.left,
+                format!("{} no longer matched by its targeting", devices(self.left)),
             ),
         ];
         let said: Vec<String> = parts
@@ -424,13 +431,27 @@ impl PlanBook {
     }
 }
 
-/// Targets `now` has that the plan's devices do not: devices that joined
-/// its targeting since.
-pub fn joined_since(plan: &Plan, now: &[DeviceId]) -> u64 {
+/// How the devices a plan's targeting matches `now` differ from those it
+/// matched: `(joined, left)`, devices matched now and not then, and planned
+/// devices `registered` still that it matches no more (a deleted one is
+/// counted `gone` by [`Staleness::compare`]).
+pub fn retargeted(
+    plan: &Plan,
+    now: &[DeviceId],
+    registered: impl Fn(&DeviceId) -> bool,
+) -> (u64, u64) {
     let planned: HashSet<&str> = plan.devices.iter().map(|d| d.id.as_str()).collect();
-    now.iter()
+    let now_set: HashSet<&str> = now.iter().map(DeviceId::as_str).collect();
+    let joined = now
+        .iter()
         .filter(|id| !planned.contains(id.as_str()))
-        .count() as u64
+        .count() as u64;
+    let left = plan
+        .devices
+        .iter()
+        .filter(|d| !now_set.contains(d.id.as_str()) && registered(&d.id))
+        .count() as u64;
+    (joined, left)
 }
 
 #[cfg(test)]

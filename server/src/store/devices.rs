@@ -208,10 +208,13 @@ pub async fn count_by_status(pool: &PgPool) -> Result<Vec<(DeviceStatus, i64)>, 
 }
 
 /// Ids of the devices whose labels contain every pair of `labels`.
-pub async fn ids_matching_labels(pool: &PgPool, labels: &Value) -> Result<Vec<String>, StoreError> {
+pub async fn ids_matching_labels(
+    db: impl sqlx::PgExecutor<'_>,
+    labels: &Value,
+) -> Result<Vec<String>, StoreError> {
     sqlx::query_scalar("SELECT id FROM devices WHERE labels @> $1 ORDER BY id")
         .bind(labels)
-        .fetch_all(pool)
+        .fetch_all(db)
         .await
         .context("selecting devices by labels")
 }

@@ -33,9 +33,7 @@ use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
 use crate::reconcile::owned::NewSpecDigests;
-use crate::reconcile::plan::{
-    self, joined_since, plan_devices, Plan, PlanSkip, PlanState, Unusable, Verdict,
-};
+use crate::reconcile::plan::{self, plan_devices, Plan, PlanSkip, PlanState, Unusable, Verdict};
 use crate::reconcile::policy::Blocked;
 use crate::store;
 
@@ -157,8 +155,6 @@ pub(super) async fn apply_plan(
 
 /// Starts the run of a plan this call claimed.
 async fn apply_claimed(state: &AppState, call: &Call, plan: Arc<Plan>) -> Result<Uuid, ApiError> {
-    let now_matching = matching(state, &plan.targeting).await?;
-    let joined = joined_since(&plan, &now_matching);
     let count = plan.devices.len();
     let request = TargetedRequest::from(plan.targeting.clone());
     let note = AuditNote {
@@ -173,7 +169,7 @@ async fn apply_claimed(state: &AppState, call: &Call, plan: Arc<Plan>) -> Result
         })),
         ..AuditNote::default()
     };
-    let run = NewRun::applying(plan.clone(), joined);
+    let run = NewRun::applying(plan.clone());
     let (run, _) = start_run(state, call, run, note).await.inspect_err(|e| {
         if e.code() == ErrorCode::PlanStale {
             state.metrics.plan("refused_stale");

@@ -198,7 +198,17 @@ fn staleness_counts_each_changed_device_once_and_says_what_changed() {
     fleet.get_mut(&id("d-offline")).unwrap().online = Some(true);
     let mut staleness = Staleness::default();
     staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
-    staleness.joined = joined_since(&plan, &[id("a-drifted"), id("new-one")]);
+    (staleness.joined, staleness.left) = retargeted(
+        &plan,
+        &[
+            id("a-drifted"),
+            id("b-silent"),
+            id("c-converged"),
+            id("d-offline"),
+            id("new-one"),
+        ],
+        |id| fleet.contains_key(id),
+    );
     assert_eq!(
         staleness,
         Staleness {
@@ -364,4 +374,29 @@ fn a_plan_is_claimed_by_one_call_at_a_time_and_applies_once() {
         Unusable::Applied(run)
     );
     assert_eq!(book.get(plan.id, now).unwrap().1, PlanState::Applied(run));
+}
+
+#[test]
+fn a_planned_device_relabelled_out_of_its_selector_makes_the_plan_stale_a_deleted_one_counts_gone()
+{
+    let mut fleet = fleet();
+    let plan = plan_of(&fleet, Utc::now());
+    fleet.remove(&id("d-offline"));
+    // Matched now: all but c-converged (relabelled) and d-offline (deleted).
+    let now = [id("a-drifted"), id("b-silent")];
+    let (joined, left) = retargeted(&plan, &now, |id| fleet.contains_key(id));
+    let mut staleness = Staleness {
+        joined,
+        left,
+        ..Staleness::default()
+    };
+    staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
+    assert_eq!(
+        (staleness.left, staleness.gone, staleness.joined),
+        (1, 1, 0)
+    );
+    assert_eq!(
+        staleness.to_string(),
+        "1 device deleted since the plan; 1 device no longer matched by its targeting; re-plan"
+    );
 }
