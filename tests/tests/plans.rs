@@ -306,7 +306,8 @@ async fn a_plan_over_two_thousand_devices_is_exact_changes_nothing_and_applies_o
     assert_eq!(refused["error"]["code"], "plan_stale", "{refused}");
     let message = refused["error"]["message"].as_str().unwrap();
     assert!(
-        message.contains("1 device reported since the plan") && message.ends_with("re-plan"),
+        message.contains("1 device reported a change since the plan")
+            && message.ends_with("re-plan"),
         "{message}"
     );
     let (_, desired_now) = scenario

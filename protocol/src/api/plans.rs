@@ -89,7 +89,8 @@ pub struct PlannedDevice {
     /// `null` when it never reported.
     pub diff: Option<Vec<FieldDiff>>,
     /// True when the device reported again after the plan was made: `diff`
-    /// is from that newer report, and applying the plan is refused.
+    /// is from that newer report. Applying the plan is refused when that
+    /// report says something else than the one it was made on.
     pub reported_since_plan: bool,
 }
 

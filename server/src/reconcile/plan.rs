@@ -69,7 +69,11 @@ pub fn planned_generation(current: Option<&DesiredState>, spec_digest: SpecDiges
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Basis {
     pub desired_generation: Option<u64>,
+    /// For display only ("reported since the plan"): a report that says
+    /// the same again does not make the plan stale.
     pub reported_seq: Option<u64>,
+    /// What the last report said, as far as a verdict reads it.
+    pub reported: Option<ReportedBasis>,
     /// What it owns: its verdict compares the new spec without it.
     pub owned: Option<Arc<OwnedFields>>,
     pub online: Option<bool>,
@@ -77,11 +81,24 @@ pub struct Basis {
     pub exempt: bool,
 }
 
+/// The parts of a report a verdict depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportedBasis {
+    pub digest: SpecDigest,
+    pub generation: Option<u64>,
+    pub rejected_generation: Option<u64>,
+}
+
 impl Basis {
     pub fn of(entry: &DeviceEntry) -> Self {
         Self {
             desired_generation: entry.desired.as_ref().map(|d| d.generation),
             reported_seq: entry.reported_seq(),
+            reported: entry.reported.as_ref().map(|r| ReportedBasis {
+                digest: r.digest,
+                generation: r.generation,
+                rejected_generation: r.rejection.as_ref().map(|(g, _)| *g),
+            }),
             owned: entry.owned.clone(),
             online: entry.online,
             status: entry.status,
@@ -212,7 +229,7 @@ impl Staleness {
             let then = &device.basis;
             if now.desired_generation != then.desired_generation {
                 self.desired += 1;
-            } else if now.reported_seq != then.reported_seq {
+            } else if now.reported != then.reported {
                 self.reported += 1;
             } else if now.owned != then.owned {
                 self.owned += 1;
@@ -225,7 +242,7 @@ impl Staleness {
     }
 }
 
-/// "3 devices reported since the plan; desired state changed for 1
+/// "3 devices reported a change since the plan; desired state changed for 1
 /// device since the plan; re-plan".
 impl fmt::Display for Staleness {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -236,7 +253,10 @@ impl fmt::Display for Staleness {
         let parts = [
             (
                 self.reported,
-                format!("{} reported since the plan", devices(self.reported)),
+                format!(
+                    "{} reported a change since the plan",
+                    devices(self.reported)
+                ),
             ),
             (
                 self.desired,

@@ -185,15 +185,18 @@ fn staleness_counts_each_changed_device_once_and_says_what_changed() {
     let mut fleet = fleet();
     let plan = plan_of(&fleet, Utc::now());
     let reported = fleet.get_mut(&id("a-drifted")).unwrap();
-    reported.reported.as_mut().unwrap().seq += 1;
+    let report = reported.reported.as_mut().unwrap();
+    report.seq += 1;
+    report.digest = digest(5);
     reported.status = DeviceStatus::Drifted;
-    fleet
+    let report = fleet
         .get_mut(&id("c-converged"))
         .unwrap()
         .reported
         .as_mut()
-        .unwrap()
-        .seq += 1;
+        .unwrap();
+    report.seq += 1;
+    report.generation = Some(2);
     fleet.get_mut(&id("b-silent")).unwrap().desired = Some(desired(2, 3));
     fleet.get_mut(&id("d-offline")).unwrap().online = Some(true);
     let mut staleness = Staleness::default();
@@ -221,7 +224,7 @@ fn staleness_counts_each_changed_device_once_and_says_what_changed() {
     );
     assert_eq!(
         staleness.to_string(),
-        "2 devices reported since the plan; desired state changed for 1 device since the plan; \
+        "2 devices reported a change since the plan; desired state changed for 1 device since the plan; \
          1 device connected or disconnected since the plan; 1 device more matched by its \
          targeting now; re-plan"
     );
@@ -399,4 +402,19 @@ fn a_planned_device_relabelled_out_of_its_selector_makes_the_plan_stale_a_delete
         staleness.to_string(),
         "1 device deleted since the plan; 1 device no longer matched by its targeting; re-plan"
     );
+}
+
+#[test]
+fn a_report_that_says_the_same_again_leaves_the_plan_fresh() {
+    let mut fleet = fleet();
+    let plan = plan_of(&fleet, Utc::now());
+    // The resync asks quiet devices for a report every few minutes.
+    for entry in fleet.values_mut() {
+        if let Some(report) = entry.reported.as_mut() {
+            report.seq += 1;
+        }
+    }
+    let mut staleness = Staleness::default();
+    staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
+    assert!(staleness.is_fresh(), "{staleness}");
 }
