@@ -48,7 +48,7 @@ async fn sweep(state: &Sweeper) -> Result<(), StoreError> {
     let mut write = state.writer.begin().await?;
     let deleted = store::exemptions::delete_expired(&mut write).await?;
     // Expiry only ends exemptions; `started` is empty here.
-    let ended = store::exemptions::refresh(&mut write, &state.fleet, store::exemptions::Scope::All)
+    let ended = store::exemptions::refresh(&mut write, &state.fleet, store::Scope::All)
         .await?
         .ended;
     write.commit("ending expired exemptions").await?;

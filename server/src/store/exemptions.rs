@@ -12,7 +12,7 @@ use sqlx::{PgExecutor, PgPool};
 use uuid::Uuid;
 
 use super::cache::{FleetCache, FleetChange};
-use super::{Context, DeviceTx, StoreError};
+use super::{Context, DeviceTx, Scope, StoreError};
 
 /// An exemption to insert.
 #[derive(Debug, Clone, Copy)]
@@ -145,13 +145,6 @@ pub async fn exempt_devices(
     .fetch_all(executor)
     .await
     .context("reading which devices are exempt")
-}
-
-/// Which devices' flags [`refresh`] brings up to date.
-#[derive(Debug, Clone, Copy)]
-pub enum Scope<'a> {
-    All,
-    Devices(&'a [String]),
 }
 
 /// Which devices a [`refresh`] exempted and which it released.

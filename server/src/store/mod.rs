@@ -22,6 +22,14 @@ use sqlx::PgPool;
 
 pub use writer::{DeviceTx, DeviceWriter};
 
+/// Which devices a cache refresh (`exemptions::refresh`, `owned::refresh`)
+/// brings up to date: every one, or those listed (ids as stored).
+#[derive(Debug, Clone, Copy)]
+pub enum Scope<'a> {
+    All,
+    Devices(&'a [String]),
+}
+
 /// The schema, embedded from `migrations/` (the only schema source).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 

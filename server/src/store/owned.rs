@@ -10,7 +10,7 @@ use serde_json::Value;
 use sqlx::{PgExecutor, PgPool};
 
 use super::cache::FleetChange;
-use super::{Context, DeviceTx, StoreError};
+use super::{Context, DeviceTx, Scope, StoreError};
 use crate::reconcile::owned::{convergence_digest, OwnedFieldSet, OwnedResolver};
 
 /// The declaration as stored, with who made it and when.
@@ -76,13 +76,6 @@ pub async fn save(
     .fetch_one(&mut **write.tx())
     .await
     .context("writing the owned fields")
-}
-
-/// Which devices to bring up to date.
-#[derive(Debug, Clone, Copy)]
-pub enum Scope<'a> {
-    All,
-    Devices(&'a [String]),
 }
 
 /// What [`refresh`] changed.

@@ -91,7 +91,7 @@ impl<'a> DeviceWrite<'a> {
     /// ends.
     pub(super) async fn refresh_exemptions(
         &mut self,
-        scope: store::exemptions::Scope<'_>,
+        scope: store::Scope<'_>,
     ) -> Result<(), ApiError> {
         let moved = store::exemptions::refresh(&mut self.write, &self.state.fleet, scope).await?;
         if !moved.started.is_empty() {
@@ -112,7 +112,7 @@ impl<'a> DeviceWrite<'a> {
     pub(super) async fn refresh_owned(
         &mut self,
         set: &OwnedFieldSet,
-        scope: store::owned::Scope<'_>,
+        scope: store::Scope<'_>,
         recheck: bool,
     ) -> Result<Vec<DeviceId>, ApiError> {
         let refreshed = store::owned::refresh(&mut self.write, set, scope).await?;
@@ -133,7 +133,7 @@ impl<'a> DeviceWrite<'a> {
     /// to date with the declared set, and has the engine re-judge them.
     pub(super) async fn refresh_owned_of(&mut self, ids: &[String]) -> Result<(), ApiError> {
         let set = self.state.fleet.owned_set();
-        self.refresh_owned(&set, store::owned::Scope::Devices(ids), true)
+        self.refresh_owned(&set, store::Scope::Devices(ids), true)
             .await?;
         Ok(())
     }

@@ -145,7 +145,7 @@ pub(super) async fn register_devices(
     write.change(checked.ids.drain(..).map(FleetChange::Registered));
     // Their labels may have moved them into or out of a selector's exemption.
     write
-        .refresh_exemptions(store::exemptions::Scope::Devices(&registered))
+        .refresh_exemptions(store::Scope::Devices(&registered))
         .await?;
     // And into or out of a selector's owned fields.
     write.refresh_owned_of(&registered).await?;
@@ -249,7 +249,7 @@ pub(super) async fn upsert_device(
     };
     write.change([FleetChange::Registered(id.clone())]);
     write
-        .refresh_exemptions(store::exemptions::Scope::Devices(&[id.to_string()]))
+        .refresh_exemptions(store::Scope::Devices(&[id.to_string()]))
         .await?;
     write.refresh_owned_of(&[id.to_string()]).await?;
     write

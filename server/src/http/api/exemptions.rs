@@ -28,7 +28,8 @@ use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
 use crate::http::input;
 use crate::store;
-use crate::store::exemptions::{ExemptionRow, NewExemption, Scope};
+use crate::store::exemptions::{ExemptionRow, NewExemption};
+use crate::store::Scope;
 
 /// `POST /v1/exemptions`: exempts a device, or a selector's devices, from
 /// remediation until `expires_in` has passed.

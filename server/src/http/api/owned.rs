@@ -60,9 +60,7 @@ pub(super) async fn put_owned_fields(
     let mut write = DeviceWrite::begin(&state).await?;
     let updated_at = store::owned::save(write.tx(), &body, &call.actor.name).await?;
     // The run below re-judges the devices; the engine only republishes.
-    let changed = write
-        .refresh_owned(&set, store::owned::Scope::All, false)
-        .await?;
+    let changed = write.refresh_owned(&set, store::Scope::All, false).await?;
     write.change([store::cache::FleetChange::OwnedSet(Arc::new(set))]);
     let count_changed = changed.len() as u64;
     let note = AuditNote {
