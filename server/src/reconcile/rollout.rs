@@ -353,6 +353,9 @@ pub struct Rollout {
     spec: RolloutSpec,
     ends: Vec<u64>,
     counts: Vec<WaveCounts>,
+    /// Waves whose breached gate an operator resumed past: not evaluated
+    /// again (its failures only grow, so it would pause at every outcome).
+    waived: Vec<bool>,
     state: RolloutState,
 }
 
@@ -372,10 +375,12 @@ impl Rollout {
                 })
             })
             .collect();
+        let waived = vec![false; ends.len()];
         let mut rollout = Self {
             spec,
             ends,
             counts,
+            waived,
             state: RolloutState::Running { wave: 0 },
         };
         let mut out = vec![Transition::WaveStarted { wave: 0 }];
@@ -425,7 +430,10 @@ impl Rollout {
         }
         if let RolloutState::Running { wave: running } = self.state {
             if running == wave {
-                if let Some(breach) = breach(&self.spec.waves[wave].gates, &self.counts[wave]) {
+                let gates = &self.spec.waves[wave].gates;
+                if let Some(breach) =
+                    breach(gates, &self.counts[wave]).filter(|_| !self.waived[wave])
+                {
                     let reason = PauseReason::Gate(breach);
                     self.state = RolloutState::Paused { wave, reason };
                     out.push(Transition::Paused { wave, reason });
@@ -452,13 +460,25 @@ impl Rollout {
         out
     }
 
-    /// An operator resumes a rollout paused by a gate or a manual (or
-    /// timed) pause: the next wave starts.
+    /// An operator resumes a rollout: paused by a gate, the wave it paused
+    /// goes on (its gate waived from then on) and is followed as its spec
+    /// says once it completes; after a manual (or timed) pause, the next
+    /// wave starts.
     pub fn resume(&mut self, now: Instant) -> Result<Vec<Transition>, NotNow> {
         match self.state {
             RolloutState::Paused {
                 wave,
-                reason: PauseReason::Gate(_) | PauseReason::Manual | PauseReason::Timed { .. },
+                reason: PauseReason::Gate(_),
+            } => {
+                self.waived[wave] = true;
+                self.state = RolloutState::Running { wave };
+                let mut out = vec![Transition::Resumed { wave }];
+                self.settle(wave, Some(now), &mut out);
+                Ok(out)
+            }
+            RolloutState::Paused {
+                wave,
+                reason: PauseReason::Manual | PauseReason::Timed { .. },
             } => {
                 let mut out = vec![Transition::Resumed { wave }];
                 self.next_wave(wave, Some(now), &mut out);

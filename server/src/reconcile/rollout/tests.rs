@@ -189,17 +189,22 @@ fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushable_until_resumed() {
     assert_eq!(rollout.record(1, WaveOutcome::Provisioned, now), vec![]);
     assert_eq!(rollout.counts()[1].provisioned, 1);
 
-    let out = rollout.resume(now).unwrap();
+    // Resumed, the paused wave goes on, its gate waived: further failures
+    // do not pause it again.
     assert_eq!(
-        out,
-        vec![
-            Transition::Resumed { wave: 1 },
-            Transition::WaveStarted { wave: 2 }
-        ]
+        rollout.resume(now).unwrap(),
+        vec![Transition::Resumed { wave: 1 }]
     );
-    // The paused wave's rest goes with the next wave.
-    assert_eq!(rollout.pushable(), 0..100);
+    assert_eq!(rollout.pushable(), 0..50);
     assert_eq!(rollout.resume(now), Err(NotNow::NotPaused("running")));
+    assert_eq!(rollout.record(1, WaveOutcome::Failed, now), vec![]);
+    let out = record_many(&mut rollout, 1, WaveOutcome::Provisioned, 35, now);
+    assert_eq!(
+        out.last(),
+        Some(&Transition::WaveStarted { wave: 2 }),
+        "{out:?}"
+    );
+    assert_eq!(rollout.pushable(), 0..100);
 }
 
 #[test]
@@ -284,4 +289,186 @@ fn nothing_to_push_completes_the_rollout_at_its_start() {
     assert_eq!(rollout.state(), RolloutState::Completed);
     assert_eq!(out.first(), Some(&Transition::WaveStarted { wave: 0 }));
     assert_eq!(out.last(), Some(&Transition::Completed));
+}
+
+mod property {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// The next pushable device not yet decided ends this way.
+        Record(WaveOutcome),
+        Tick(u64),
+        Resume,
+        Approve,
+        Abort,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => prop_oneof![
+                Just(WaveOutcome::Provisioned),
+                Just(WaveOutcome::Failed),
+                Just(WaveOutcome::Skipped)
+            ]
+            .prop_map(Op::Record),
+            1 => (0u64..900).prop_map(Op::Tick),
+            1 => Just(Op::Resume),
+            1 => Just(Op::Approve),
+            1 => Just(Op::Abort),
+        ]
+    }
+
+    /// A drawn wave: percent step, pause kind, min success %, max
+    /// failures, approve.
+    type Drawn = (u8, u8, Option<u8>, Option<u8>, bool);
+
+    fn wave_spec() -> impl Strategy<Value = Drawn> {
+        (
+            1u8..60,
+            0u8..3,
+            proptest::option::of(0u8..=100),
+            proptest::option::of(0u8..5),
+            any::<bool>(),
+        )
+    }
+
+    fn rollout_spec(parts: Vec<Drawn>) -> RolloutSpec {
+        let mut at = 0.0;
+        let count = parts.len();
+        let waves = parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, (step, pause, min_success, max_failures, approve))| {
+                at = if i + 1 == count {
+                    100.0
+                } else {
+                    (at + f64::from(step)).min(99.0)
+                };
+                WaveSpec {
+                    size: WaveSize::Percent(at),
+                    pause: match pause {
+                        0 => Pause::None,
+                        1 => Pause::For(Duration::from_secs(300)),
+                        _ => Pause::Manual,
+                    },
+                    gates: Gates {
+                        min_success_ratio: min_success.map(|p| f64::from(p) / 100.0),
+                        max_failures: max_failures.map(|n| FailureLimit::Count(n.into())),
+                    },
+                    approve,
+                }
+            })
+            .collect();
+        RolloutSpec::new(dedup_increasing(waves)).unwrap()
+    }
+
+    /// Keeps the percentages strictly increasing (a capped step repeats).
+    fn dedup_increasing(waves: Vec<WaveSpec>) -> Vec<WaveSpec> {
+        let mut kept: Vec<WaveSpec> = Vec::new();
+        for wave in waves {
+            let previous = kept.last().map(|w| match w.size {
+                WaveSize::Percent(p) => p,
+                WaveSize::Count(_) => 0.0,
+            });
+            match (previous, wave.size) {
+                (Some(p), WaveSize::Percent(q)) if q <= p => {
+                    if q == 100.0 {
+                        if let Some(last) = kept.last_mut() {
+                            last.size = WaveSize::Percent(100.0);
+                        }
+                    }
+                }
+                (Some(_) | None, _) => kept.push(wave),
+            }
+        }
+        kept
+    }
+
+    fn started_wave(transition: &Transition) -> Option<usize> {
+        match transition {
+            Transition::WaveStarted { wave } => Some(*wave),
+            Transition::WaveCompleted { .. }
+            | Transition::Paused { .. }
+            | Transition::Resumed { .. }
+            | Transition::Approved { .. }
+            | Transition::Completed
+            | Transition::Aborted => None,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn whatever_the_order_of_outcomes_pauses_resumes_and_aborts_a_rollout_stays_consistent(
+            parts in proptest::collection::vec(wave_spec(), 1..6),
+            needing in 0u64..120,
+            ops in proptest::collection::vec(op(), 0..200),
+        ) {
+            let spec = rollout_spec(parts);
+            let waves = spec.waves().len();
+            let (mut rollout, started) = Rollout::start(spec, needing);
+            let mut now = Instant::now();
+            let mut decided = 0u64;
+            let mut started_waves: Vec<usize> = started.iter().filter_map(started_wave).collect();
+            let mut reach = rollout.pushable().end;
+            for op in ops {
+                let out = match op {
+                    Op::Record(outcome) => {
+                        if decided >= rollout.pushable().end {
+                            continue;
+                        }
+                        let wave = rollout.wave_of(decided);
+                        decided += 1;
+                        rollout.record(wave, outcome, now)
+                    }
+                    Op::Tick(secs) => {
+                        now += Duration::from_secs(secs);
+                        rollout.tick(now)
+                    }
+                    Op::Resume => rollout.resume(now).unwrap_or_default(),
+                    Op::Approve => rollout.approve(now).unwrap_or_default(),
+                    Op::Abort => rollout.abort().unwrap_or_default(),
+                };
+                started_waves.extend(out.iter().filter_map(started_wave));
+                match rollout.state() {
+                    RolloutState::Running { wave } => {
+                        prop_assert!(wave < waves);
+                        // What may be pushed only ever grows while running.
+                        prop_assert!(rollout.pushable().end >= reach);
+                        reach = rollout.pushable().end;
+                        // A running wave has no certain breach, unless an
+                        // operator resumed past it.
+                        if !rollout.waived[wave] {
+                            prop_assert_eq!(
+                                breach(&rollout.spec.waves[wave].gates, &rollout.counts()[wave]),
+                                None
+                            );
+                        }
+                    }
+                    RolloutState::Paused { wave, .. } => {
+                        prop_assert!(wave < waves);
+                        prop_assert_eq!(rollout.pushable(), 0..0);
+                    }
+                    RolloutState::Completed => {
+                        prop_assert!(rollout.counts()[waves - 1].is_done());
+                        prop_assert_eq!(rollout.pushable(), 0..0);
+                    }
+                    RolloutState::Aborted => prop_assert_eq!(rollout.pushable(), 0..0),
+                }
+            }
+            // Each wave started once, in order.
+            let mut sorted = started_waves.clone();
+            sorted.dedup();
+            prop_assert_eq!(&sorted, &started_waves);
+            prop_assert!(started_waves.windows(2).all(|w| w[0] < w[1]));
+            // Every recorded outcome is counted once, in its wave.
+            let counted: u64 = rollout.counts().iter().map(WaveCounts::decided).sum();
+            prop_assert_eq!(counted, decided);
+            prop_assert!(rollout.counts().iter().all(|c| c.decided() <= c.size));
+            prop_assert_eq!(rollout.counts().iter().map(|c| c.size).sum::<u64>(), needing);
+        }
+    }
 }
