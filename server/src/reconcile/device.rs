@@ -41,6 +41,15 @@ pub struct DesiredState {
 }
 
 impl DesiredState {
+    /// The spec as a device that owns `owned` is sent it (shared, not
+    /// copied, when there is nothing to leave out).
+    pub fn published(&self, owned: Option<&OwnedFields>) -> Arc<Value> {
+        match owned.map(|owned| owned.strip(&self.spec)) {
+            Some(std::borrow::Cow::Owned(stripped)) => Arc::new(stripped),
+            Some(std::borrow::Cow::Borrowed(_)) | None => self.spec.clone(),
+        }
+    }
+
     /// `spec` (whose own digest is `spec_digest`) as generation
     /// `generation` of a device that owns `owned`.
     pub fn new(
@@ -121,14 +130,7 @@ impl DeviceEntry {
     /// The desired spec as the device is sent it: without the paths it owns
     /// (shared, not copied, when there is nothing to leave out).
     pub fn spec_to_publish(&self, desired: &DesiredState) -> Arc<Value> {
-        match self
-            .owned
-            .as_deref()
-            .map(|owned| owned.strip(&desired.spec))
-        {
-            Some(std::borrow::Cow::Owned(stripped)) => Arc::new(stripped),
-            Some(std::borrow::Cow::Borrowed(_)) | None => desired.spec.clone(),
-        }
+        desired.published(self.owned.as_deref())
     }
 
     pub fn reported_seq(&self) -> Option<u64> {

@@ -132,7 +132,7 @@ impl FleetCache {
 
     /// The paths one device owns.
     pub fn owned(&self, id: &DeviceId) -> Option<Arc<OwnedFields>> {
-        self.devices.get(id).and_then(|e| e.value().owned.clone())
+        self.owned_if_known(id).flatten()
     }
 
     /// The paths a known device owns (`Some(None)`: none); `None` for a

@@ -179,10 +179,7 @@ pub async fn refresh(
     fleet: &FleetCache,
     scope: Scope<'_>,
 ) -> Result<Moved, StoreError> {
-    let among = match scope {
-        Scope::All => None,
-        Scope::Devices(ids) => Some(ids),
-    };
+    let among = scope.ids();
     let now: HashSet<String> = exempt_devices(&mut **write.tx(), among)
         .await?
         .into_iter()

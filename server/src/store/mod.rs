@@ -30,6 +30,16 @@ pub enum Scope<'a> {
     Devices(&'a [String]),
 }
 
+impl<'a> Scope<'a> {
+    /// The listed ids (`None`: every device), as the queries bind them.
+    pub fn ids(self) -> Option<&'a [String]> {
+        match self {
+            Scope::All => None,
+            Scope::Devices(ids) => Some(ids),
+        }
+    }
+}
+
 /// The schema, embedded from `migrations/` (the only schema source).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 

@@ -105,10 +105,7 @@ pub async fn refresh(
     set: &OwnedFieldSet,
     scope: Scope<'_>,
 ) -> Result<Refreshed, StoreError> {
-    let among = match scope {
-        Scope::All => None,
-        Scope::Devices(ids) => Some(ids),
-    };
+    let among = scope.ids();
     if set.is_empty() {
         let owning = match among {
             None => write.cache().any_owned(),
@@ -153,9 +150,7 @@ pub async fn refresh(
         // of a retained message: one the engine published and has not
         // written yet is republished all the same (`OwnedChanged`).
         let retained_stale = entry.desired.as_ref().is_some_and(|desired| {
-            let mut with_new = entry.clone();
-            with_new.owned.clone_from(&owned);
-            entry.spec_to_publish(desired) != with_new.spec_to_publish(desired)
+            desired.published(entry.owned.as_deref()) != desired.published(owned.as_deref())
         });
         if retained_stale {
             stale.push(row.id.clone());

@@ -141,21 +141,7 @@ impl Machine {
                     self.connectivity_changed(&id, online, now.at);
                 }
             }
-            EngineCommand::ExemptionsStarted(ids) => {
-                for id in ids {
-                    let pushed = matches!(
-                        self.in_flight.get(&id).map(|f| &f.phase),
-                        Some(Phase::Pushed { .. }) | None
-                    );
-                    // A push that left already is answered as any push is.
-                    if !pushed {
-                        self.push_queue.retain(|queued| *queued != id);
-                        let entry = self.entry(&id).unwrap_or_default();
-                        let outcome = Outcome::Skipped(SkipReason::Exempt);
-                        self.conclude(&id, outcome, &entry, now, &mut out);
-                    }
-                }
-            }
+            EngineCommand::ExemptionsStarted(ids) => self.exemptions_started(ids, now, &mut out),
             EngineCommand::ExemptionsEnded(ids) => {
                 for id in &ids {
                     if !self.in_flight.contains_key(id) {

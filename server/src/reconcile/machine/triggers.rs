@@ -6,9 +6,11 @@ use std::time::Instant;
 
 use idem_protocol::DeviceId;
 
+use super::flight::Phase;
 use super::AskReason;
 use super::{Debounced, Effect, Machine, Now};
 use crate::reconcile::event_draft::EventDraft;
+use crate::reconcile::outcome::{Outcome, SkipReason};
 use crate::reconcile::policy::DeviceStatus;
 use crate::reconcile::run::Trigger;
 use idem_protocol::event::DeviceDriftedData;
@@ -46,6 +48,30 @@ impl Machine {
         ));
         if !entry.exempt {
             self.debounce(Trigger::Drift, id.clone(), now);
+        }
+    }
+
+    /// Exemptions now cover these devices: an attempt that has not pushed
+    /// yet ends `skipped` (`exempt`); a push that left already is answered
+    /// as any push is.
+    pub(super) fn exemptions_started(
+        &mut self,
+        ids: Vec<DeviceId>,
+        now: Now,
+        out: &mut Vec<Effect>,
+    ) {
+        for id in ids {
+            let waiting = matches!(
+                self.in_flight.get(&id).map(|f| &f.phase),
+                Some(
+                    Phase::Fresh | Phase::Queued | Phase::RetryAt(_) | Phase::AwaitingReport { .. }
+                )
+            );
+            if waiting {
+                self.push_queue.retain(|queued| *queued != id);
+                let entry = self.entry(&id).unwrap_or_default();
+                self.conclude(&id, Outcome::Skipped(SkipReason::Exempt), &entry, now, out);
+            }
         }
     }
 
