@@ -15,6 +15,7 @@ mod error_code;
 mod exemptions;
 mod owned;
 mod plans;
+mod rollouts;
 mod runs;
 mod targeting;
 
@@ -39,6 +40,10 @@ pub use owned::{OwnedBySelector, OwnedFieldsDeclaration, OwnedFieldsView};
 pub use plans::{
     PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
     PlanState, PlanView, PlannedDevice,
+};
+pub use rollouts::{
+    ApprovalView, GatesRequest, PausedView, RolloutActed, RolloutRequest, RolloutStateName,
+    RolloutView, WaveDetail, WaveRequest, WaveSizeRequest, WaveState, WaveView,
 };
 pub use runs::{
     FleetSummary, OutcomePage, OutcomeQuery, OutcomeRow, PushCounts, RunListQuery, RunPage,

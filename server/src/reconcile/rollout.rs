@@ -1,10 +1,19 @@
 //! Staged rollouts: waves sized over the devices that need a push (never
 //! over those already converged), the gates that pause a rollout when a
 //! wave goes wrong, and a rollout's state through its waves, pauses,
-//! approvals, resumes and aborts. Pure: time is passed in.
+//! approvals, resumes and aborts, and its stored form (restored after a
+//! restart) and API view. Pure: time is passed in.
 
 use std::fmt;
 use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use idem_protocol::api::{
+    ApprovalView, PausedView, RolloutStateName, RolloutView, WaveState, WaveView,
+};
+use serde::{Deserialize, Serialize};
+
+use super::outcome::OutcomeKind;
 
 /// Waves in one rollout, at most.
 pub const MAX_WAVES: usize = 20;
@@ -12,7 +21,8 @@ pub const MAX_WAVES: usize = 20;
 /// Where a wave ends, counted over the devices that need a push:
 /// cumulative, so `[1%, 10%, 100%]` is a 1 % canary, then up to 10 %,
 /// then the rest.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum WaveSize {
     /// This many devices in this and the earlier waves.
     Count(u64),
@@ -45,7 +55,8 @@ impl fmt::Display for WaveSize {
 }
 
 /// What follows a wave once its last device has its outcome.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Pause {
     /// The next wave starts at once.
     None,
@@ -56,14 +67,15 @@ pub enum Pause {
 }
 
 /// A failure bound: a count, or a share of the wave's devices.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum FailureLimit {
     Count(u64),
     Ratio(f64),
 }
 
 /// The gates of one wave; a breach pauses the rollout.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct Gates {
     /// Provisioned devices over the wave's devices, at least.
     pub min_success_ratio: Option<f64>,
@@ -72,7 +84,7 @@ pub struct Gates {
 }
 
 /// One wave as asked for.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct WaveSpec {
     pub size: WaveSize,
     pub pause: Pause,
@@ -84,7 +96,7 @@ pub struct WaveSpec {
 
 /// The waves of a rollout, checked: cumulative sizes that increase and end
 /// at 100 %, ratios within [0, 1].
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RolloutSpec {
     waves: Vec<WaveSpec>,
 }
@@ -211,18 +223,40 @@ fn check_ratio(field: String, ratio: Option<f64>) -> Result<(), RolloutError> {
 }
 
 /// How one wave's devices ended so far.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WaveCounts {
     /// Devices in the wave.
     pub size: u64,
     pub provisioned: u64,
     pub failed: u64,
     pub skipped: u64,
+    /// Matched before their push was due (a report, or another run).
+    #[serde(default)]
+    pub already_converged: u64,
+    /// A newer desired change took them over.
+    #[serde(default)]
+    pub superseded: u64,
 }
 
 impl WaveCounts {
     pub fn decided(&self) -> u64 {
-        self.provisioned + self.failed + self.skipped
+        self.provisioned + self.failed + self.skipped + self.already_converged + self.superseded
+    }
+
+    /// Devices that ended matching their target.
+    pub fn succeeded(&self) -> u64 {
+        self.provisioned + self.already_converged
+    }
+
+    fn add(&mut self, outcome: OutcomeKind) {
+        let count = match outcome {
+            OutcomeKind::Provisioned => &mut self.provisioned,
+            OutcomeKind::Failed => &mut self.failed,
+            OutcomeKind::Skipped => &mut self.skipped,
+            OutcomeKind::AlreadyConverged => &mut self.already_converged,
+            OutcomeKind::Superseded => &mut self.superseded,
+        };
+        *count += 1;
     }
 
     pub fn is_done(&self) -> bool {
@@ -231,10 +265,12 @@ impl WaveCounts {
 }
 
 /// Which gate a wave breached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GateKind {
     MinSuccessRatio,
     MaxFailures,
+    MaxFailureRatio,
 }
 
 impl GateKind {
@@ -242,13 +278,14 @@ impl GateKind {
         match self {
             GateKind::MinSuccessRatio => "min_success_ratio",
             GateKind::MaxFailures => "max_failures",
+            GateKind::MaxFailureRatio => "max_failure_ratio",
         }
     }
 }
 
 /// A breached gate with its figures: `limit` and `observed` in the gate's
 /// own unit (a count, or a ratio of the wave's devices).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Breach {
     pub gate: GateKind,
     pub limit: f64,
@@ -257,21 +294,28 @@ pub struct Breach {
 
 /// The first gate `counts` breach for certain: a failure bound as soon as
 /// failures pass it (they only grow), a success ratio as soon as it can no
-/// longer be met even if every undecided device succeeds. `None` while
-/// every gate can still hold.
+/// longer be met even if every undecided device succeeds. Ratios are over
+/// the wave's devices a newer change did not take over (`superseded`
+/// devices are no verdict on this change). `None` while every gate can
+/// still hold.
 pub fn breach(gates: &Gates, counts: &WaveCounts) -> Option<Breach> {
-    if counts.size == 0 {
+    let judged = counts.size.saturating_sub(counts.superseded);
+    if judged == 0 {
         return None;
     }
-    let size = counts.size as f64;
+    let judged_f = judged as f64;
     if let Some(limit) = gates.max_failures {
-        let (limit, observed) = match limit {
-            FailureLimit::Count(n) => (n as f64, counts.failed as f64),
-            FailureLimit::Ratio(r) => (r, counts.failed as f64 / size),
+        let (gate, limit, observed) = match limit {
+            FailureLimit::Count(n) => (GateKind::MaxFailures, n as f64, counts.failed as f64),
+            FailureLimit::Ratio(r) => (
+                GateKind::MaxFailureRatio,
+                r,
+                counts.failed as f64 / judged_f,
+            ),
         };
         if observed > limit {
             return Some(Breach {
-                gate: GateKind::MaxFailures,
+                gate,
                 limit,
                 observed,
             });
@@ -279,13 +323,13 @@ pub fn breach(gates: &Gates, counts: &WaveCounts) -> Option<Breach> {
     }
     if let Some(limit) = gates.min_success_ratio {
         let undecided = counts.size.saturating_sub(counts.decided());
-        let best = (counts.provisioned + undecided) as f64 / size;
+        let best = (counts.succeeded() + undecided) as f64 / judged_f;
         if best < limit {
             return Some(Breach {
                 gate: GateKind::MinSuccessRatio,
                 limit,
                 // The ratio as it stands when the breach is certain.
-                observed: counts.provisioned as f64 / size,
+                observed: counts.succeeded() as f64 / judged_f,
             });
         }
     }
@@ -305,6 +349,17 @@ pub enum PauseReason {
     Timed { until: Instant },
 }
 
+impl PauseReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PauseReason::Gate(_) => "gate",
+            PauseReason::Manual => "manual",
+            PauseReason::Approval => "approval",
+            PauseReason::Timed { .. } => "timed",
+        }
+    }
+}
+
 /// Where a rollout stands.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RolloutState {
@@ -319,6 +374,27 @@ pub enum RolloutState {
     },
     Completed,
     Aborted,
+}
+
+impl RolloutState {
+    pub fn name(&self) -> RolloutStateName {
+        match self {
+            RolloutState::Running { .. } => RolloutStateName::Running,
+            RolloutState::Paused { .. } => RolloutStateName::Paused,
+            RolloutState::Completed => RolloutStateName::Completed,
+            RolloutState::Aborted => RolloutStateName::Aborted,
+        }
+    }
+
+    /// The state in words, as a refused action names it.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            RolloutState::Running { .. } => "running",
+            RolloutState::Paused { .. } => "paused",
+            RolloutState::Completed => "completed",
+            RolloutState::Aborted => "aborted",
+        }
+    }
 }
 
 /// What a step of a rollout did, for events and the engine.
@@ -344,6 +420,16 @@ pub enum NotNow {
     NoApprovalPending(&'static str),
     #[error("the rollout has {0} already")]
     Ended(&'static str),
+    #[error("the rollout's author cannot approve it; another operator's token must")]
+    SelfApproval,
+}
+
+/// An approval of a wave: who, when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Approval {
+    pub wave: usize,
+    pub by: String,
+    pub at: DateTime<Utc>,
 }
 
 /// One rollout: its waves over the devices that needed a push when it
@@ -351,20 +437,29 @@ pub enum NotNow {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rollout {
     spec: RolloutSpec,
-    ends: Vec<u64>,
     counts: Vec<WaveCounts>,
     /// Waves whose breached gate an operator resumed past: not evaluated
     /// again (its failures only grow, so it would pause at every outcome).
     waived: Vec<bool>,
     state: RolloutState,
+    /// The wave running, or the last one started.
+    current: usize,
+    /// The token that started it: the one that cannot approve it.
+    author: Option<String>,
+    approvals: Vec<Approval>,
 }
 
 impl Rollout {
-    /// A rollout of `spec` over `needing` devices, its first non-empty
-    /// wave started (or completed at once when nothing needs a push).
-    pub fn start(spec: RolloutSpec, needing: u64) -> (Self, Vec<Transition>) {
-        let ends = spec.ends(needing);
-        let counts = ends
+    /// A rollout of `spec` over `needing` devices, by `author`, its first
+    /// non-empty wave started (or completed at once when nothing needs a
+    /// push).
+    pub fn start(
+        spec: RolloutSpec,
+        needing: u64,
+        author: Option<String>,
+    ) -> (Self, Vec<Transition>) {
+        let counts = spec
+            .ends(needing)
             .iter()
             .scan(0, |start, end| {
                 let size = end - *start;
@@ -375,13 +470,15 @@ impl Rollout {
                 })
             })
             .collect();
-        let waived = vec![false; ends.len()];
+        let waived = vec![false; spec.waves.len()];
         let mut rollout = Self {
             spec,
-            ends,
             counts,
             waived,
             state: RolloutState::Running { wave: 0 },
+            current: 0,
+            author,
+            approvals: Vec::new(),
         };
         let mut out = vec![Transition::WaveStarted { wave: 0 }];
         rollout.settle(0, None, &mut out);
@@ -399,35 +496,58 @@ impl Rollout {
     /// The wave of the device at `index` among those needing a push (in
     /// the order the waves take them).
     pub fn wave_of(&self, index: u64) -> usize {
-        self.ends
-            .iter()
-            .position(|end| index < *end)
-            .unwrap_or(self.ends.len().saturating_sub(1))
+        let mut end = 0;
+        for (wave, counts) in self.counts.iter().enumerate() {
+            end += counts.size;
+            if index < end {
+                return wave;
+            }
+        }
+        self.counts.len().saturating_sub(1)
     }
 
     /// The devices (by index among those needing a push) that may have
-    /// been pushed by now: every one up to the running wave's end, so a
-    /// resume after a gate paused a wave midway lets its rest go with the
-    /// next wave; none more while paused or ended.
+    /// been pushed by now: every one up to the running wave's end; none
+    /// more while paused or ended.
     pub fn pushable(&self) -> std::ops::Range<u64> {
         match self.state {
-            RolloutState::Running { wave } => 0..self.ends[wave],
+            RolloutState::Running { wave } => {
+                0..self.counts[..=wave].iter().map(|c| c.size).sum::<u64>()
+            }
             RolloutState::Paused { .. } | RolloutState::Completed | RolloutState::Aborted => 0..0,
+        }
+    }
+
+    /// Whether a device of wave `wave` may be pushed now.
+    pub fn may_push(&self, wave: usize) -> bool {
+        match self.state {
+            RolloutState::Running { wave: running } => wave <= running,
+            RolloutState::Paused { .. } | RolloutState::Completed | RolloutState::Aborted => false,
+        }
+    }
+
+    /// When a timed pause ends by itself, if the rollout is in one.
+    pub fn next_wake(&self) -> Option<Instant> {
+        match self.state {
+            RolloutState::Paused {
+                reason: PauseReason::Timed { until },
+                ..
+            } => Some(until),
+            RolloutState::Paused { .. }
+            | RolloutState::Running { .. }
+            | RolloutState::Completed
+            | RolloutState::Aborted => None,
         }
     }
 
     /// A device of wave `wave` ended (a retry inside the wave is the same
     /// device, recorded once, when it ends). Returns what followed.
-    pub fn record(&mut self, wave: usize, outcome: WaveOutcome, now: Instant) -> Vec<Transition> {
+    pub fn record(&mut self, wave: usize, outcome: OutcomeKind, now: Instant) -> Vec<Transition> {
         let mut out = Vec::new();
         let Some(counts) = self.counts.get_mut(wave) else {
             return out;
         };
-        match outcome {
-            WaveOutcome::Provisioned => counts.provisioned += 1,
-            WaveOutcome::Failed => counts.failed += 1,
-            WaveOutcome::Skipped => counts.skipped += 1,
-        }
+        counts.add(outcome);
         if let RolloutState::Running { wave: running } = self.state {
             if running == wave {
                 let gates = &self.spec.waves[wave].gates;
@@ -494,13 +614,27 @@ impl Rollout {
         }
     }
 
-    /// Someone other than the author approved the wave it waits on.
-    pub fn approve(&mut self, now: Instant) -> Result<Vec<Transition>, NotNow> {
+    /// `by`, who is not the rollout's author, approves the wave it waits
+    /// on, at `now` (`wall` on the clock).
+    pub fn approve(
+        &mut self,
+        by: &str,
+        now: Instant,
+        wall: DateTime<Utc>,
+    ) -> Result<Vec<Transition>, NotNow> {
         match self.state {
             RolloutState::Paused {
                 wave,
                 reason: PauseReason::Approval,
             } => {
+                if self.author.as_deref() == Some(by) {
+                    return Err(NotNow::SelfApproval);
+                }
+                self.approvals.push(Approval {
+                    wave,
+                    by: by.to_owned(),
+                    at: wall,
+                });
                 let mut out = vec![Transition::Approved { wave }];
                 self.after_approval(wave, Some(now), &mut out);
                 Ok(out)
@@ -578,18 +712,224 @@ impl Rollout {
             return;
         }
         self.state = RolloutState::Running { wave: next };
+        self.current = next;
         out.push(Transition::WaveStarted { wave: next });
         self.settle(next, now, out);
     }
+
+    /// The rollout as stored with its run, at `now` (`wall` on the clock):
+    /// what [`Rollout::restore`] takes back after a restart.
+    pub fn stored(&self, now: Instant, wall: DateTime<Utc>) -> StoredRollout {
+        let state = match self.state {
+            RolloutState::Running { .. } => StoredState::Running,
+            RolloutState::Paused { reason, .. } => StoredState::Paused {
+                reason: match reason {
+                    PauseReason::Gate(breach) => StoredPause::Gate { breach },
+                    PauseReason::Manual => StoredPause::Manual,
+                    PauseReason::Approval => StoredPause::Approval,
+                    PauseReason::Timed { until } => StoredPause::Timed {
+                        until: wall_at(until, now, wall),
+                    },
+                },
+            },
+            RolloutState::Completed => StoredState::Completed,
+            RolloutState::Aborted => StoredState::Aborted,
+        };
+        StoredRollout {
+            waves: self.spec.waves.clone(),
+            counts: self.counts.clone(),
+            waived: self.waived.clone(),
+            current: self.current,
+            state,
+            author: self.author.clone(),
+            approvals: self.approvals.clone(),
+        }
+    }
+
+    /// A rollout as [`Rollout::stored`] left it; a timed pause ends when
+    /// it would have (at once if that passed while the server was down).
+    pub fn restore(
+        stored: StoredRollout,
+        now: Instant,
+        wall: DateTime<Utc>,
+    ) -> Result<Self, RestoreError> {
+        let waves = stored.waves.len();
+        if waves == 0
+            || stored.counts.len() != waves
+            || stored.waived.len() != waves
+            || stored.current >= waves
+        {
+            return Err(RestoreError {
+                waves,
+                counts: stored.counts.len(),
+                current: stored.current,
+            });
+        }
+        let wave = stored.current;
+        let state = match stored.state {
+            StoredState::Running => RolloutState::Running { wave },
+            StoredState::Paused { reason } => RolloutState::Paused {
+                wave,
+                reason: match reason {
+                    StoredPause::Gate { breach } => PauseReason::Gate(breach),
+                    StoredPause::Manual => PauseReason::Manual,
+                    StoredPause::Approval => PauseReason::Approval,
+                    StoredPause::Timed { until } => PauseReason::Timed {
+                        until: now + (until - wall).to_std().unwrap_or_default(),
+                    },
+                },
+            },
+            StoredState::Completed => RolloutState::Completed,
+            StoredState::Aborted => RolloutState::Aborted,
+        };
+        Ok(Self {
+            spec: RolloutSpec {
+                waves: stored.waves,
+            },
+            counts: stored.counts,
+            waived: stored.waived,
+            state,
+            current: stored.current,
+            author: stored.author,
+            approvals: stored.approvals,
+        })
+    }
 }
 
-/// How a device of a wave ended, as the gates count it: `provisioned` only
-/// when its confirming report matched.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WaveOutcome {
-    Provisioned,
-    Failed,
-    Skipped,
+/// The wall-clock time of `at`, given that `now` is `wall`.
+fn wall_at(at: Instant, now: Instant, wall: DateTime<Utc>) -> DateTime<Utc> {
+    let ahead = chrono::Duration::from_std(at.saturating_duration_since(now)).unwrap_or_default();
+    wall.checked_add_signed(ahead).unwrap_or(wall)
+}
+
+/// A stored rollout that does not hold together (a row written by hand,
+/// or by a newer server).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("a stored rollout with {waves} waves has {counts} wave counts and current wave {current}")]
+pub struct RestoreError {
+    waves: usize,
+    counts: usize,
+    current: usize,
+}
+
+/// A rollout as its run row keeps it (JSON): its waves, counts, waivers,
+/// state, author and approvals.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredRollout {
+    pub waves: Vec<WaveSpec>,
+    pub counts: Vec<WaveCounts>,
+    pub waived: Vec<bool>,
+    /// The wave running, or the last one started.
+    pub current: usize,
+    pub state: StoredState,
+    pub author: Option<String>,
+    pub approvals: Vec<Approval>,
+}
+
+/// [`RolloutState`] as stored; its wave is [`StoredRollout::current`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "is", rename_all = "snake_case")]
+pub enum StoredState {
+    Running,
+    Paused { reason: StoredPause },
+    Completed,
+    Aborted,
+}
+
+/// [`PauseReason`] as stored: a timed pause's end on the wall clock.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum StoredPause {
+    Gate { breach: Breach },
+    Manual,
+    Approval,
+    Timed { until: DateTime<Utc> },
+}
+
+impl StoredRollout {
+    /// The rollout as `GET /v1/runs/{id}` shows it.
+    pub fn view(&self) -> RolloutView {
+        let (name, paused) = match &self.state {
+            StoredState::Running => (RolloutStateName::Running, None),
+            StoredState::Paused { reason } => (RolloutStateName::Paused, Some(reason)),
+            StoredState::Completed => (RolloutStateName::Completed, None),
+            StoredState::Aborted => (RolloutStateName::Aborted, None),
+        };
+        let waves = self
+            .counts
+            .iter()
+            .enumerate()
+            .map(|(index, counts)| {
+                let state = if counts.is_done() && index <= self.current {
+                    WaveState::Completed
+                } else if index > self.current {
+                    match self.state {
+                        StoredState::Aborted => WaveState::Aborted,
+                        StoredState::Running
+                        | StoredState::Paused { .. }
+                        | StoredState::Completed => WaveState::Pending,
+                    }
+                } else {
+                    match self.state {
+                        StoredState::Running | StoredState::Completed => WaveState::Running,
+                        StoredState::Paused { .. } | StoredState::Aborted => WaveState::Paused,
+                    }
+                };
+                WaveView {
+                    index: index as u32,
+                    size: counts.size,
+                    provisioned: counts.provisioned,
+                    failed: counts.failed,
+                    skipped: counts.skipped,
+                    already_converged: counts.already_converged,
+                    superseded: counts.superseded,
+                    state,
+                }
+            })
+            .collect();
+        let wave = self.current as u32;
+        let paused = paused.map(|reason| {
+            let mut view = PausedView {
+                wave,
+                reason: String::new(),
+                gate: None,
+                limit: None,
+                observed: None,
+                until: None,
+            };
+            view.reason = match reason {
+                StoredPause::Gate { breach } => {
+                    view.gate = Some(breach.gate.as_str().to_owned());
+                    view.limit = Some(breach.limit);
+                    view.observed = Some(breach.observed);
+                    "gate"
+                }
+                StoredPause::Manual => "manual",
+                StoredPause::Approval => "approval",
+                StoredPause::Timed { until } => {
+                    view.until = Some(*until);
+                    "timed"
+                }
+            }
+            .to_owned();
+            view
+        });
+        RolloutView {
+            state: name,
+            wave,
+            waves,
+            paused,
+            approvals: self
+                .approvals
+                .iter()
+                .map(|a| ApprovalView {
+                    wave: Some(a.wave as u32),
+                    by: a.by.clone(),
+                    at: a.at,
+                })
+                .collect(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ fn canary_with_gate(max_failures: u64) -> RolloutSpec {
 fn record_many(
     rollout: &mut Rollout,
     wave: usize,
-    outcome: WaveOutcome,
+    outcome: OutcomeKind,
     n: u64,
     now: Instant,
 ) -> Vec<Transition> {
@@ -140,14 +140,18 @@ fn a_success_ratio_is_breached_once_it_can_no_longer_be_met() {
 #[test]
 fn a_rollout_starts_its_first_wave_and_moves_on_as_each_wave_completes() {
     let start = Instant::now();
-    let (mut rollout, started) = Rollout::start(spec(vec![wave(pct(10.0)), wave(pct(100.0))]), 100);
+    let (mut rollout, started) = Rollout::start(
+        spec(vec![wave(pct(10.0)), wave(pct(100.0))]),
+        100,
+        Some("alice".into()),
+    );
     assert_eq!(started, vec![Transition::WaveStarted { wave: 0 }]);
     assert_eq!(rollout.pushable(), 0..10);
     assert_eq!(
         (rollout.wave_of(0), rollout.wave_of(9), rollout.wave_of(10)),
         (0, 0, 1)
     );
-    let out = record_many(&mut rollout, 0, WaveOutcome::Provisioned, 10, start);
+    let out = record_many(&mut rollout, 0, OutcomeKind::Provisioned, 10, start);
     assert_eq!(
         out,
         vec![
@@ -163,7 +167,7 @@ fn a_rollout_starts_its_first_wave_and_moves_on_as_each_wave_completes() {
         ]
     );
     assert_eq!(rollout.pushable(), 0..100);
-    let out = record_many(&mut rollout, 1, WaveOutcome::Provisioned, 90, start);
+    let out = record_many(&mut rollout, 1, OutcomeKind::Provisioned, 90, start);
     assert_eq!(out.last(), Some(&Transition::Completed));
     assert_eq!(rollout.state(), RolloutState::Completed);
 }
@@ -172,12 +176,12 @@ fn a_rollout_starts_its_first_wave_and_moves_on_as_each_wave_completes() {
 fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushable_until_resumed() {
     let now = Instant::now();
     // 100 devices need a push: waves end at 10, 50, 100.
-    let (mut rollout, _) = Rollout::start(canary_with_gate(2), 100);
-    record_many(&mut rollout, 0, WaveOutcome::Provisioned, 10, now);
+    let (mut rollout, _) = Rollout::start(canary_with_gate(2), 100, Some("alice".into()));
+    record_many(&mut rollout, 0, OutcomeKind::Provisioned, 10, now);
     assert_eq!(rollout.state(), RolloutState::Running { wave: 1 });
-    record_many(&mut rollout, 1, WaveOutcome::Failed, 2, now);
+    record_many(&mut rollout, 1, OutcomeKind::Failed, 2, now);
     assert_eq!(rollout.state(), RolloutState::Running { wave: 1 });
-    let out = rollout.record(1, WaveOutcome::Failed, now);
+    let out = rollout.record(1, OutcomeKind::Failed, now);
     let reason = PauseReason::Gate(Breach {
         gate: GateKind::MaxFailures,
         limit: 2.0,
@@ -186,7 +190,7 @@ fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushable_until_resumed() {
     assert_eq!(out, vec![Transition::Paused { wave: 1, reason }]);
     assert_eq!(rollout.pushable(), 0..0);
     // Outcomes of devices already pushed still count, and pause nothing again.
-    assert_eq!(rollout.record(1, WaveOutcome::Provisioned, now), vec![]);
+    assert_eq!(rollout.record(1, OutcomeKind::Provisioned, now), vec![]);
     assert_eq!(rollout.counts()[1].provisioned, 1);
 
     // Resumed, the paused wave goes on, its gate waived: further failures
@@ -197,8 +201,8 @@ fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushable_until_resumed() {
     );
     assert_eq!(rollout.pushable(), 0..50);
     assert_eq!(rollout.resume(now), Err(NotNow::NotPaused("running")));
-    assert_eq!(rollout.record(1, WaveOutcome::Failed, now), vec![]);
-    let out = record_many(&mut rollout, 1, WaveOutcome::Provisioned, 35, now);
+    assert_eq!(rollout.record(1, OutcomeKind::Failed, now), vec![]);
+    let out = record_many(&mut rollout, 1, OutcomeKind::Provisioned, 35, now);
     assert_eq!(
         out.last(),
         Some(&Transition::WaveStarted { wave: 2 }),
@@ -210,8 +214,8 @@ fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushable_until_resumed() {
 #[test]
 fn an_abort_ends_the_rollout_and_nothing_more_is_pushable() {
     let now = Instant::now();
-    let (mut rollout, _) = Rollout::start(canary_with_gate(0), 100);
-    rollout.record(0, WaveOutcome::Failed, now);
+    let (mut rollout, _) = Rollout::start(canary_with_gate(0), 100, Some("alice".into()));
+    rollout.record(0, OutcomeKind::Failed, now);
     assert!(matches!(
         rollout.state(),
         RolloutState::Paused { wave: 0, .. }
@@ -227,8 +231,12 @@ fn a_timed_pause_starts_the_next_wave_when_its_time_has_passed() {
     let start = Instant::now();
     let mut canary = wave(pct(10.0));
     canary.pause = Pause::For(Duration::from_secs(600));
-    let (mut rollout, _) = Rollout::start(spec(vec![canary, wave(pct(100.0))]), 10);
-    let out = rollout.record(0, WaveOutcome::Provisioned, start);
+    let (mut rollout, _) = Rollout::start(
+        spec(vec![canary, wave(pct(100.0))]),
+        10,
+        Some("alice".into()),
+    );
+    let out = rollout.record(0, OutcomeKind::Provisioned, start);
     let until = start + Duration::from_secs(600);
     assert_eq!(
         out.last(),
@@ -251,8 +259,12 @@ fn a_manual_pause_waits_for_a_resume_and_an_approval_wave_for_an_approval() {
     manual.pause = Pause::Manual;
     let mut approved = wave(WaveSize::Count(2));
     approved.approve = true;
-    let (mut rollout, _) = Rollout::start(spec(vec![manual, approved, wave(pct(100.0))]), 10);
-    rollout.record(0, WaveOutcome::Provisioned, now);
+    let (mut rollout, _) = Rollout::start(
+        spec(vec![manual, approved, wave(pct(100.0))]),
+        10,
+        Some("alice".into()),
+    );
+    rollout.record(0, OutcomeKind::Provisioned, now);
     assert_eq!(
         rollout.state(),
         RolloutState::Paused {
@@ -261,11 +273,11 @@ fn a_manual_pause_waits_for_a_resume_and_an_approval_wave_for_an_approval() {
         }
     );
     assert_eq!(
-        rollout.approve(now),
+        rollout.approve("bob", now, Utc::now()),
         Err(NotNow::NoApprovalPending("paused"))
     );
     rollout.resume(now).unwrap();
-    rollout.record(1, WaveOutcome::Provisioned, now);
+    rollout.record(1, OutcomeKind::Provisioned, now);
     assert_eq!(
         rollout.state(),
         RolloutState::Paused {
@@ -275,7 +287,12 @@ fn a_manual_pause_waits_for_a_resume_and_an_approval_wave_for_an_approval() {
     );
     assert_eq!(rollout.resume(now), Err(NotNow::AwaitingApproval));
     assert_eq!(
-        rollout.approve(now).unwrap(),
+        rollout.approve("alice", now, Utc::now()),
+        Err(NotNow::SelfApproval),
+        "the author's own approval is refused"
+    );
+    assert_eq!(
+        rollout.approve("bob", now, Utc::now()).unwrap(),
         vec![
             Transition::Approved { wave: 1 },
             Transition::WaveStarted { wave: 2 }
@@ -284,8 +301,80 @@ fn a_manual_pause_waits_for_a_resume_and_an_approval_wave_for_an_approval() {
 }
 
 #[test]
+fn a_stored_rollout_comes_back_as_it_was_with_a_timed_pause_ending_when_it_would_have() {
+    let mut timed = wave(WaveSize::Count(2));
+    timed.pause = Pause::For(Duration::from_secs(60));
+    timed.gates.max_failures = Some(FailureLimit::Count(0));
+    let (mut rollout, _) = Rollout::start(spec(vec![timed, wave(pct(100.0))]), 10, None);
+    let now = Instant::now();
+    let wall = Utc::now();
+    rollout.record(0, OutcomeKind::Provisioned, now);
+    rollout.record(0, OutcomeKind::AlreadyConverged, now);
+    let stored = rollout.stored(now, wall);
+    let json = serde_json::to_value(&stored).unwrap();
+    let back: StoredRollout = serde_json::from_value(json).unwrap();
+    assert_eq!(back, stored);
+    // Restored 20 s later by the wall clock, in a process whose clock
+    // started anew: 40 s of the pause are left.
+    let later = Instant::now();
+    let restored = Rollout::restore(back, later, wall + chrono::Duration::seconds(20)).unwrap();
+    assert_eq!(restored.counts(), rollout.counts());
+    let until = restored.next_wake().unwrap();
+    let left = until.saturating_duration_since(later);
+    assert!(
+        left <= Duration::from_secs(40) && left > Duration::from_secs(39),
+        "{left:?}"
+    );
+    let view = stored.view();
+    assert_eq!(view.state, RolloutStateName::Paused);
+    assert_eq!(
+        view.paused.as_ref().map(|p| p.reason.as_str()),
+        Some("timed")
+    );
+    assert_eq!(view.waves[0].state, WaveState::Completed);
+    assert_eq!(view.waves[0].already_converged, 1);
+    assert_eq!(view.waves[1].state, WaveState::Pending);
+
+    let broken = StoredRollout {
+        current: 5,
+        ..stored
+    };
+    assert!(Rollout::restore(broken, later, wall).is_err());
+}
+
+#[test]
+fn a_gate_pause_shows_the_gate_and_its_figures_and_superseded_devices_are_no_verdict() {
+    let (mut rollout, _) = Rollout::start(canary_with_gate(0), 100, None);
+    let now = Instant::now();
+    rollout.record(0, OutcomeKind::Superseded, now);
+    assert_eq!(rollout.state(), RolloutState::Running { wave: 0 });
+    rollout.record(0, OutcomeKind::Failed, now);
+    let view = rollout.stored(now, Utc::now()).view();
+    let paused = view.paused.unwrap();
+    assert_eq!(
+        (paused.wave, paused.reason.as_str(), paused.gate.as_deref()),
+        (0, "gate", Some("max_failures"))
+    );
+    assert_eq!((paused.limit, paused.observed), (Some(0.0), Some(1.0)));
+    assert_eq!(view.waves[0].state, WaveState::Paused);
+
+    let gates = Gates {
+        min_success_ratio: Some(1.0),
+        ..Gates::default()
+    };
+    let counts = WaveCounts {
+        size: 4,
+        provisioned: 2,
+        already_converged: 1,
+        superseded: 1,
+        ..WaveCounts::default()
+    };
+    assert_eq!(breach(&gates, &counts), None, "3 of the 3 judged succeeded");
+}
+
+#[test]
 fn nothing_to_push_completes_the_rollout_at_its_start() {
-    let (rollout, out) = Rollout::start(canary_with_gate(2), 0);
+    let (rollout, out) = Rollout::start(canary_with_gate(2), 0, Some("alice".into()));
     assert_eq!(rollout.state(), RolloutState::Completed);
     assert_eq!(out.first(), Some(&Transition::WaveStarted { wave: 0 }));
     assert_eq!(out.last(), Some(&Transition::Completed));
@@ -298,7 +387,7 @@ mod property {
     #[derive(Debug, Clone)]
     enum Op {
         /// The next pushable device not yet decided ends this way.
-        Record(WaveOutcome),
+        Record(OutcomeKind),
         Tick(u64),
         Resume,
         Approve,
@@ -308,9 +397,9 @@ mod property {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             6 => prop_oneof![
-                Just(WaveOutcome::Provisioned),
-                Just(WaveOutcome::Failed),
-                Just(WaveOutcome::Skipped)
+                Just(OutcomeKind::Provisioned),
+                Just(OutcomeKind::Failed),
+                Just(OutcomeKind::Skipped)
             ]
             .prop_map(Op::Record),
             1 => (0u64..900).prop_map(Op::Tick),
@@ -409,7 +498,7 @@ mod property {
         ) {
             let spec = rollout_spec(parts);
             let waves = spec.waves().len();
-            let (mut rollout, started) = Rollout::start(spec, needing);
+            let (mut rollout, started) = Rollout::start(spec, needing, Some("alice".into()));
             let mut now = Instant::now();
             let mut decided = 0u64;
             let mut started_waves: Vec<usize> = started.iter().filter_map(started_wave).collect();
@@ -429,7 +518,7 @@ mod property {
                         rollout.tick(now)
                     }
                     Op::Resume => rollout.resume(now).unwrap_or_default(),
-                    Op::Approve => rollout.approve(now).unwrap_or_default(),
+                    Op::Approve => rollout.approve("bob", now, Utc::now()).unwrap_or_default(),
                     Op::Abort => rollout.abort().unwrap_or_default(),
                 };
                 started_waves.extend(out.iter().filter_map(started_wave));
