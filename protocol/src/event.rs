@@ -29,6 +29,18 @@ pub enum EventType {
     RunStarted,
     /// `io.idem.run.completed`, data [`RunCompletedData`].
     RunCompleted,
+    /// `io.idem.rollout.wave_started`, data [`RolloutWaveData`].
+    RolloutWaveStarted,
+    /// `io.idem.rollout.wave_completed`, data [`crate::api::WaveView`].
+    RolloutWaveCompleted,
+    /// `io.idem.rollout.paused`, data [`crate::api::PausedView`].
+    RolloutPaused,
+    /// `io.idem.rollout.resumed`, data [`RolloutWaveData`].
+    RolloutResumed,
+    /// `io.idem.rollout.approved`, data [`RolloutApprovedData`].
+    RolloutApproved,
+    /// `io.idem.rollout.aborted`, data [`RolloutWaveData`].
+    RolloutAborted,
 }
 
 impl EventType {
@@ -45,6 +57,12 @@ impl EventType {
             EventType::DeviceQuarantined => "io.idem.device.quarantined",
             EventType::RunStarted => "io.idem.run.started",
             EventType::RunCompleted => "io.idem.run.completed",
+            EventType::RolloutWaveStarted => "io.idem.rollout.wave_started",
+            EventType::RolloutWaveCompleted => "io.idem.rollout.wave_completed",
+            EventType::RolloutPaused => "io.idem.rollout.paused",
+            EventType::RolloutResumed => "io.idem.rollout.resumed",
+            EventType::RolloutApproved => "io.idem.rollout.approved",
+            EventType::RolloutAborted => "io.idem.rollout.aborted",
         }
     }
 
@@ -55,6 +73,12 @@ impl EventType {
             EventType::DeviceQuarantined,
             EventType::RunStarted,
             EventType::RunCompleted,
+            EventType::RolloutWaveStarted,
+            EventType::RolloutWaveCompleted,
+            EventType::RolloutPaused,
+            EventType::RolloutResumed,
+            EventType::RolloutApproved,
+            EventType::RolloutAborted,
         ])
     }
 
@@ -132,6 +156,24 @@ pub struct DeviceQuarantinedData {
     pub last_error: String,
 }
 
+/// `data` of `io.idem.rollout.wave_started`, `…resumed` and `…aborted`:
+/// the wave that started, goes on, or was running or paused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutWaveData {
+    pub wave: u32,
+    /// Devices in the wave.
+    pub size: u64,
+}
+
+/// `data` of `io.idem.rollout.approved`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutApprovedData {
+    /// The wave the rollout waited after.
+    pub wave: u32,
+    /// The approving token's name.
+    pub by: String,
+}
+
 /// `data` of `io.idem.run.started`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunStartedData {
@@ -181,7 +223,7 @@ mod tests {
     fn event_types_round_trip_through_their_names() {
         let all: Vec<EventType> = EventType::all().collect();
         let names: std::collections::BTreeSet<&str> = all.iter().map(|t| t.as_str()).collect();
-        assert_eq!(names.len(), OutcomeKind::ALL.len() + 4, "one name per type");
+        assert_eq!(names.len(), OutcomeKind::ALL.len() + 10, "one name per type");
         for t in all {
             assert_eq!(EventType::parse(t.as_str()), Some(t));
             assert_eq!(t.to_string(), t.as_str());

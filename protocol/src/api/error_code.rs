@@ -131,6 +131,10 @@ error_codes! {
     InvalidExpiry = "invalid_expiry",
     /// A broker password that breaks the password rules.
     InvalidBrokerPassword = "invalid_broker_password",
+    /// A `rollout` whose waves do not increase, do not end at `"100%"`,
+    /// or whose pause or gates are out of range (the message names the
+    /// field).
+    InvalidRollout = "invalid_rollout",
     // State.
     /// No device with this id is registered.
     UnknownDevice = "unknown_device",
@@ -158,6 +162,14 @@ error_codes! {
     /// What the plan was computed on changed (the message says what), or
     /// it was applied already: re-plan.
     PlanStale = "plan_stale",
+    /// The run was not started with a `rollout`.
+    NotARollout = "not_a_rollout",
+    /// The rollout's state does not allow the action (the message says
+    /// which state it is in).
+    RolloutState = "rollout_state",
+    /// An operator tried to approve their own change; another operator's
+    /// token must.
+    SelfApproval = "self_approval",
     /// The device id is the user name of another broker account.
     ReservedBrokerAccount = "reserved_broker_account",
     /// The server does not manage broker accounts (`--broker-accounts none`).

@@ -15,7 +15,7 @@ mod error_code;
 mod exemptions;
 mod owned;
 mod plans;
-mod rollouts;
+pub mod rollouts;
 mod runs;
 mod targeting;
 

@@ -170,3 +170,106 @@ pub struct RolloutActed {
     pub run_id: Uuid,
     pub rollout: RolloutView,
 }
+
+/// Waves in one rollout, at most (the server refuses more).
+pub const MAX_WAVES: usize = 20;
+
+/// A wave percentage as text: `"1%"`, `"12.5%"`, `"100%"`.
+pub const WAVE_PERCENT_PATTERN: &str = r"^(100|[0-9]{1,2}(\.[0-9]{1,3})?)%$";
+
+/// A pause after a wave: `"manual"`, or a duration such as `"10m"`.
+pub const PAUSE_PATTERN: &str = r"^(manual|[0-9]{1,9}(ms|s|m|h|d)?)$";
+
+#[cfg(feature = "openapi")]
+pub mod schema {
+    use utoipa::openapi::schema::{
+        AdditionalProperties, ArrayBuilder, ObjectBuilder, OneOfBuilder, Schema, Type,
+    };
+    use utoipa::openapi::RefOr;
+
+    use super::{MAX_WAVES, PAUSE_PATTERN, WAVE_PERCENT_PATTERN};
+
+    fn ratio() -> Schema {
+        ObjectBuilder::new()
+            .schema_type(Type::Number)
+            .minimum(Some(0.0))
+            .maximum(Some(1.0))
+            .into()
+    }
+
+    fn size() -> Schema {
+        OneOfBuilder::new()
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::Integer)
+                    .minimum(Some(1.0)),
+            )
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .pattern(Some(WAVE_PERCENT_PATTERN)),
+            )
+            .into()
+    }
+
+    fn pause() -> Schema {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .pattern(Some(PAUSE_PATTERN))
+            .description(Some(
+                "after the wave: a duration (`10m`) before the next starts, or `manual` (wait for POST /v1/rollouts/{run_id}/resume)",
+            ))
+            .into()
+    }
+
+    fn gates() -> Schema {
+        ObjectBuilder::new()
+            .schema_type(Type::Object)
+            .property("min_success_ratio", ratio())
+            .property(
+                "max_failures",
+                ObjectBuilder::new()
+                    .schema_type(Type::Integer)
+                    .minimum(Some(0.0)),
+            )
+            .property("max_failure_ratio", ratio())
+            .description(Some(
+                "at most one of `max_failures` (a count) and `max_failure_ratio`",
+            ))
+            .additional_properties(Some(AdditionalProperties::FreeForm(false)))
+            .into()
+    }
+
+    fn wave() -> Schema {
+        let detailed = ObjectBuilder::new()
+            .schema_type(Type::Object)
+            .property("size", size())
+            .required("size")
+            .property("pause", pause())
+            .property("gates", gates())
+            .property("approve", ObjectBuilder::new().schema_type(Type::Boolean))
+            .additional_properties(Some(AdditionalProperties::FreeForm(false)));
+        OneOfBuilder::new().item(size()).item(detailed).into()
+    }
+
+    /// `rollout` of `POST /v1/desired`.
+    pub fn rollout() -> Schema {
+        ObjectBuilder::new()
+            .schema_type(Type::Object)
+            .property(
+                "waves",
+                ArrayBuilder::new()
+                    .items(RefOr::T(wave()))
+                    .min_items(Some(1))
+                    .max_items(Some(MAX_WAVES)),
+            )
+            .required("waves")
+            .property("pause", pause())
+            .property("gates", gates())
+            .description(Some(
+                "staged waves over the devices that need a push: cumulative sizes that increase, counts before percentages, the last \"100%\"",
+            ))
+            .additional_properties(Some(AdditionalProperties::FreeForm(false)))
+            .into()
+    }
+}

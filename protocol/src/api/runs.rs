@@ -23,7 +23,7 @@ pub struct RunStarted {
 }
 
 /// A run as `GET /v1/runs/{id}` and `GET /v1/runs` show it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunView {
     pub id: Uuid,
@@ -44,6 +44,10 @@ pub struct RunView {
     /// for every other run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_id: Option<Uuid>,
+    /// Its waves and where they stand, for a staged rollout; absent for
+    /// every other run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<super::RolloutView>,
 }
 
 impl RunView {
@@ -53,7 +57,7 @@ impl RunView {
 }
 
 /// `GET /v1/runs`: newest first.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunPage {
     pub runs: Vec<RunView>,

@@ -43,6 +43,10 @@ pub struct TargetedRequest {
     /// Push even to devices whose digest already matches.
     #[serde(default, skip_serializing_if = "is_false")]
     pub force: bool,
+    /// Staged waves (`POST /v1/desired` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub rollout: Option<super::RolloutRequest>,
 }
 
 /// The devices a bulk call targets.
@@ -267,8 +271,9 @@ pub mod schema {
             object
                 .property("spec", bounds::spec_not_null())
                 .required("spec")
+                .property("rollout", crate::api::rollouts::schema::rollout())
         } else {
-            object.property("spec", null())
+            object.property("spec", null()).property("rollout", null())
         };
         object.into()
     }

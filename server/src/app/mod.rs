@@ -15,7 +15,9 @@ use tokio_util::sync::CancellationToken;
 use crate::app::state::{AppState, Stalls};
 use crate::config::{EventsSettings, ValidConfig};
 use crate::engine::new_run::Trigger;
-use crate::engine::{Engine, EngineCommand, EngineContext, EngineInbox, EngineStats, RunRequest};
+use crate::engine::{
+    Engine, EngineCommand, EngineContext, EngineInbox, EngineStats, RolloutRequest, RunRequest,
+};
 use crate::events::relay::EventRelay;
 use crate::http::sse::SseClients;
 use crate::ingest::intake::{intake, IntakeGauge, IntakeReceiver, IntakeSender};
@@ -23,7 +25,8 @@ use crate::ingest::Ingest;
 use crate::mqtt::{self, MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
 use crate::reconcile::plan::PlanBook;
-use crate::reconcile::run::RunSpec;
+use crate::reconcile::rollout::{Rollout, StoredRollout};
+use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::cache::FleetCache;
 use crate::store::events::StoredEvent;
 use crate::store::{self, DeviceWriter, StoreError};
@@ -76,13 +79,14 @@ pub async fn run(
     let (client, eventloop) = mqtt::connect(&config);
     let (engine_tx, engine_rx) = mpsc::channel(ENGINE_CAPACITY);
     let (runs_tx, runs_rx) = mpsc::channel(RUN_REQUESTS_CAPACITY);
+    let (rollouts_tx, rollouts_rx) = mpsc::channel(RUN_REQUESTS_CAPACITY);
     let (intake_tx, intake_rx, intake_gauge) = intake(config.mqtt.intake_buffer_bytes);
     let state = Arc::new(shared_state(
         config,
         pool,
         fleet,
         &client,
-        (engine_tx, runs_tx),
+        (engine_tx, runs_tx, rollouts_tx),
         intake_gauge,
         &token,
     ));
@@ -93,6 +97,7 @@ pub async fn run(
         EngineInbox {
             commands: engine_rx,
             runs: runs_rx,
+            rollouts: rollouts_rx,
         },
         &token,
     );
@@ -134,7 +139,11 @@ fn shared_state(
     pool: PgPool,
     fleet: Arc<FleetCache>,
     client: &rumqttc::AsyncClient,
-    (engine, run_requests): (mpsc::Sender<EngineCommand>, mpsc::Sender<RunRequest>),
+    (engine, run_requests, rollout_requests): (
+        mpsc::Sender<EngineCommand>,
+        mpsc::Sender<RunRequest>,
+        mpsc::Sender<RolloutRequest>,
+    ),
     intake: IntakeGauge,
     token: &CancellationToken,
 ) -> AppState {
@@ -174,6 +183,7 @@ fn shared_state(
         intake,
         config,
         run_requests,
+        rollout_requests,
         auth,
         dynsec,
         plans: std::sync::Mutex::new(PlanBook::new(crate::config::MAX_PLANS_KEPT)),
@@ -381,10 +391,31 @@ async fn resume_unfinished_runs(
     engine: &mpsc::Sender<EngineCommand>,
 ) -> Result<(), ServerError> {
     for run in store::runs::unfinished(pool).await? {
-        let undecided = store::runs::undecided_targets(pool, run.id).await?;
-        let targets = store::device_ids(&undecided, "resuming an unfinished run")?;
+        let undecided = store::runs::undecided_waves(pool, run.id).await?;
+        let ids: Vec<String> = undecided.iter().map(|(id, _)| id.clone()).collect();
+        let targets = store::device_ids(&ids, "resuming an unfinished run")?;
         tracing::info!(run_id = %run.id, undecided = targets.len(), "resuming unfinished run");
-        let spec = RunSpec::resumed(run.id, run.trigger, run.force, run.counts(), targets);
+        let mut spec = RunSpec::resumed(run.id, run.trigger, run.force, run.counts(), targets);
+        if let Some(stored) = &run.rollout {
+            let Some(rollout) = restored_rollout(run.id, &stored.0) else {
+                // Nothing of it is pushed, nothing is lost: the run stays
+                // `running` in the database, as it was.
+                continue;
+            };
+            let waves = spec
+                .targets
+                .iter()
+                .zip(&undecided)
+                .filter_map(|(id, (_, wave))| {
+                    wave.and_then(|w| usize::try_from(w).ok())
+                        .map(|w| (id.clone(), w))
+                })
+                .collect();
+            spec = spec.with_rollout(RunRollout {
+                start: RolloutStart::Restored(rollout),
+                waves,
+            });
+        }
         if u64::try_from(run.target_count).ok() != Some(spec.target_count()) {
             tracing::warn!(
                 run_id = %run.id,
@@ -400,6 +431,29 @@ async fn resume_unfinished_runs(
         }
     }
     Ok(())
+}
+
+/// A rollout as its run row stored it, restored; `None` (logged) when the
+/// row does not hold a rollout this server can carry on.
+fn restored_rollout(run_id: uuid::Uuid, stored: &serde_json::Value) -> Option<Rollout> {
+    let restored = serde_json::from_value::<StoredRollout>(stored.clone())
+        .map_err(|e| e.to_string())
+        .and_then(|stored| {
+            Rollout::restore(stored, std::time::Instant::now(), chrono::Utc::now())
+                .map_err(|e| e.to_string())
+        });
+    match restored {
+        Ok(rollout) => Some(rollout),
+        Err(e) => {
+            tracing::error!(
+                run_id = %run_id,
+                error = %e,
+                "not resuming a rollout whose stored state this server cannot read; \
+                 its run stays running and nothing of it is pushed"
+            );
+            None
+        }
+    }
 }
 
 /// Periodic metric work: histogram upkeep, the devices-by-status gauges

@@ -9,7 +9,7 @@ use sqlx::PgPool;
 use tokio::sync::{broadcast, mpsc, Notify};
 
 use crate::config::ValidConfig;
-use crate::engine::{EngineCommand, EngineStats, RunRequest};
+use crate::engine::{EngineCommand, EngineStats, RolloutRequest, RunRequest};
 use crate::http::sse::SseClients;
 use crate::mqtt::{MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
@@ -50,6 +50,8 @@ pub struct AppState {
     pub dynsec: Option<Arc<crate::broker::dynsec::Dynsec>>,
     /// Runs asked for by API calls: the engine creates and starts them.
     pub run_requests: mpsc::Sender<RunRequest>,
+    /// Operators' resumes, aborts and approvals of rollouts, to the engine.
+    pub rollout_requests: mpsc::Sender<RolloutRequest>,
     /// The plans made and not yet forgotten (`POST /v1/plans`).
     pub plans: Mutex<PlanBook>,
 }

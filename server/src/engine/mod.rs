@@ -21,8 +21,11 @@ use uuid::Uuid;
 use crate::events::{self, EventDraft};
 use crate::mqtt::Publisher;
 use crate::ops::metrics::Metrics;
-use crate::reconcile::machine::{Effect, Machine, Now, PublishReason, Record};
+use crate::reconcile::machine::{
+    Effect, Machine, Now, PublishReason, Record, RolloutAction, RolloutActionError,
+};
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
+use crate::reconcile::rollout::StoredRollout;
 use crate::reconcile::run::{CompletedRun, Trigger};
 use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::DeviceChangeRow;
@@ -80,11 +83,22 @@ pub struct RunAnswer {
     pub joined: bool,
 }
 
-/// What the engine receives: commands for its state machine, and runs to create.
+/// An operator's action on a rollout the engine carries; answered with
+/// the rollout as it stands once what the action did is written.
+#[derive(Debug)]
+pub struct RolloutRequest {
+    pub run_id: Uuid,
+    pub action: RolloutAction,
+    pub reply: oneshot::Sender<Result<StoredRollout, RolloutActionError>>,
+}
+
+/// What the engine receives: commands for its state machine, runs to
+/// create, and operators' actions on rollouts.
 #[derive(Debug)]
 pub struct EngineInbox {
     pub commands: mpsc::Receiver<EngineCommand>,
     pub runs: mpsc::Receiver<RunRequest>,
+    pub rollouts: mpsc::Receiver<RolloutRequest>,
 }
 
 pub struct Engine {
@@ -121,6 +135,7 @@ impl Engine {
         let EngineInbox {
             mut commands,
             mut runs,
+            mut rollouts,
         } = inbox;
         self.shutdown = token.clone();
         loop {
@@ -139,13 +154,14 @@ impl Engine {
                     }
                 }
                 Some(request) = runs.recv() => self.create_run(request).await,
+                Some(request) = rollouts.recv() => self.act_on_rollout(request).await,
                 () = tokio::time::sleep_until(wake.into()) => {}
             }
             let effects = self.machine.on_tick(now());
             self.carry(effects).await;
             self.publish_stats();
         }
-        if let Some(record) = self.machine.take_record() {
+        if let Some(record) = self.machine.take_record(now()) {
             self.write(record).await;
         }
     }
@@ -250,6 +266,25 @@ impl Engine {
                 // is committed and goes on regardless.
                 let _ = reply.send(Ok(answer));
                 self.carry(effects).await;
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
+    /// Carries out an operator's action on a rollout; the answer follows
+    /// the write of what it did.
+    async fn act_on_rollout(&mut self, request: RolloutRequest) {
+        let RolloutRequest {
+            run_id,
+            action,
+            reply,
+        } = request;
+        match self.machine.act_on_rollout(run_id, action, now()) {
+            Ok((effects, stored)) => {
+                self.carry(effects).await;
+                let _ = reply.send(Ok(stored));
             }
             Err(e) => {
                 let _ = reply.send(Err(e));
@@ -362,6 +397,12 @@ impl Engine {
         let per_run: Vec<(Uuid, OutcomeCounts)> =
             record.per_run.iter().map(|(k, v)| (*k, *v)).collect();
         store::runs::record_outcomes(tx, &record.outcomes, &per_run).await?;
+        let rollouts: Vec<(Uuid, serde_json::Value)> = record
+            .rollouts
+            .iter()
+            .map(|(id, stored)| (*id, stored.to_json()))
+            .collect();
+        store::runs::store_rollouts(tx, &rollouts).await?;
         let ids: Vec<Uuid> = record.completed.iter().map(|run| run.id).collect();
         // Only the runs this write completed are announced: one another
         // writer completed already was announced by it.

@@ -16,8 +16,9 @@ use crate::reconcile::device::DeviceEntry;
 use crate::reconcile::owned::NewSpecDigests;
 use crate::reconcile::plan::{retargeted, Plan, Staleness};
 use crate::reconcile::policy::{converged_targets, Converged};
-use crate::reconcile::run::RunSpec;
+use crate::reconcile::rollout::{assign_waves, Rollout, RolloutSpec};
 pub use crate::reconcile::run::Trigger;
+use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::access::AuditRecord;
 use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::DeviceChangeRow;
@@ -66,6 +67,8 @@ pub struct NewRun {
     /// The plan it applies: its targets, spec and force are the plan's, and
     /// it is refused when anything the plan was computed on changed.
     pub plan: Option<FromPlan>,
+    /// Its waves, for a staged rollout over the targets that need a push.
+    pub rollout: Option<RolloutSpec>,
 }
 
 impl NewRun {
@@ -81,7 +84,14 @@ impl NewRun {
             audit: None,
             release_quarantined: false,
             plan: None,
+            rollout: None,
         }
+    }
+
+    /// Staged in the waves of `rollout`, if given.
+    pub fn in_waves(mut self, rollout: Option<RolloutSpec>) -> Self {
+        self.rollout = rollout;
+        self
     }
 
     /// The run that applies `plan` (its devices, spec and force).
@@ -194,6 +204,15 @@ pub async fn commit_run(
         &new_generations,
     );
     let (undecided, undecided_ids) = split_undecided(&targets, &converged);
+    let waves = run
+        .rollout
+        .as_ref()
+        .map(|spec| assign_waves(spec, &undecided));
+    let undecided_rows: Vec<(String, Option<usize>)> = undecided
+        .iter()
+        .zip(undecided_ids)
+        .map(|(id, text)| (text, waves.as_ref().and_then(|w| w.get(id).copied())))
+        .collect();
     let started = RunStartedData {
         trigger: run.trigger,
         target_count: target_ids.len() as u64,
@@ -210,12 +229,30 @@ pub async fn commit_run(
     write_run(
         &mut write,
         row,
-        &undecided_ids,
+        &undecided_rows,
         &converged,
         started,
         event_source,
     )
     .await?;
+    let rollout = match (run.rollout, waves) {
+        (Some(spec), Some(waves)) => {
+            // Its state until the engine's first write: the start the
+            // engine makes of it (the same steps, without their events).
+            let (started, _) =
+                Rollout::start(spec.clone(), undecided.len() as u64, run.started_by.clone());
+            let stored = started.stored(std::time::Instant::now(), chrono::Utc::now());
+            store::runs::set_rollout(write.tx(), run_id, &stored.to_json()).await?;
+            Some(RunRollout {
+                start: RolloutStart::New {
+                    spec,
+                    author: run.started_by.clone(),
+                },
+                waves,
+            })
+        }
+        (Some(_), None) | (None, _) => None,
+    };
     if let Some(mut audit) = run.audit {
         audit.run_id = Some(run_id);
         if let ([only], None) = (desired_changes.as_slice(), audit.generation) {
@@ -247,13 +284,11 @@ pub async fn commit_run(
         converged_ids.push(c.id);
     }
     write.commit("committing a run").await?;
-    Ok(RunSpec::created(
-        run_id,
-        run.trigger,
-        run.force,
-        undecided,
-        converged_ids,
-    ))
+    let spec = RunSpec::created(run_id, run.trigger, run.force, undecided, converged_ids);
+    Ok(match rollout {
+        Some(rollout) => spec.with_rollout(rollout),
+        None => spec,
+    })
 }
 
 /// The run row, its targets (converged ones decided), their device changes
@@ -261,7 +296,7 @@ pub async fn commit_run(
 async fn write_run(
     write: &mut DeviceTx<'_>,
     row: store::runs::NewRunRow<'_>,
-    undecided_ids: &[String],
+    undecided_ids: &[(String, Option<usize>)],
     converged: &[Converged],
     started: RunStartedData,
     event_source: &str,
@@ -298,7 +333,8 @@ async fn write_run(
     Ok(())
 }
 
-/// The targets left for the engine, as ids and as stored text.
+/// The targets left for the engine, as ids and as stored text (in the
+/// same order).
 fn split_undecided(targets: &[DeviceId], converged: &[Converged]) -> (Vec<DeviceId>, Vec<String>) {
     let decided: HashSet<&DeviceId> = converged.iter().map(|c| &c.id).collect();
     let undecided: Vec<DeviceId> = targets

@@ -79,6 +79,12 @@ impl EventDraft {
         Self::run(EventType::RunCompleted, run_id, to_data(&data))
     }
 
+    /// `io.idem.rollout.*`: a step of run `run_id`'s rollout, with that
+    /// event type's data ([`EventType`] names it).
+    pub fn rollout_step(event_type: EventType, run_id: Uuid, data: &impl Serialize) -> Self {
+        Self::run(event_type, run_id, to_data(data))
+    }
+
     fn run(event_type: EventType, run_id: Uuid, data: Value) -> Self {
         Self {
             event_type,
@@ -92,9 +98,10 @@ impl EventDraft {
 
 /// An event's `data` as JSON.
 fn to_data(data: &impl Serialize) -> Value {
-    // Invariant: only the event data types above reach this, plain structs
-    // with derived `Serialize`, string map keys and no floats, which
-    // `serde_json::to_value` never refuses.
+    // Invariant: only the event data types of `idem_protocol::event` (and
+    // the rollout views they name) reach this, plain structs with derived
+    // `Serialize` and string map keys, which `serde_json::to_value` never
+    // refuses (a float that is not finite becomes `null`).
     serde_json::to_value(data)
         .unwrap_or_else(|e| unreachable!("event data always converts to JSON: {e}"))
 }

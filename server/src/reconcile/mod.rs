@@ -1,6 +1,6 @@
 //! The pure core of reconciliation: the decision (`decide`, `outcome`,
 //! `policy`), what the core knows of a device (`device`, `change`), runs
-//! (`run`), push pacing (`pacer`), event drafts and the sans-IO state
+//! (`run`) and staged rollouts (`rollout`), push pacing (`pacer`), event drafts and the sans-IO state
 //! machine (`machine`). No IO: `scripts/core-check` fails when anything here
 //! imports beyond std, idem-protocol and a few pure crates. The loop that
 //! feeds the machine and carries its effects out is `crate::engine`.
@@ -16,8 +16,5 @@ pub mod owned;
 pub mod pacer;
 pub mod plan;
 pub mod policy;
-// The engine, the API and the store take rollouts up in the slices that
-// follow; until then only its tests use it.
-#[allow(dead_code)]
 pub mod rollout;
 pub mod run;

@@ -46,6 +46,8 @@ pub enum SkipReason {
     NoDesiredSpec,
     /// The device was deleted while the run waited for it.
     Deleted,
+    /// An operator aborted the rollout before the device was pushed.
+    Aborted,
 }
 
 impl Outcome {
@@ -100,6 +102,7 @@ impl fmt::Display for SkipReason {
             SkipReason::Exempt => "exempt",
             SkipReason::NoDesiredSpec => "no desired spec",
             SkipReason::Deleted => "device deleted",
+            SkipReason::Aborted => "aborted",
         })
     }
 }
@@ -151,6 +154,7 @@ mod tests {
                 Outcome::Skipped(SkipReason::Deleted),
                 Some("device deleted"),
             ),
+            (Outcome::Skipped(SkipReason::Aborted), Some("aborted")),
             (Outcome::Provisioned, None),
             (Outcome::AlreadyConverged, None),
             (Outcome::Superseded, None),

@@ -188,7 +188,12 @@ pub fn status_after(outcome: &Outcome) -> Option<DeviceStatus> {
         Outcome::Failed(_) => Some(DeviceStatus::Failed),
         Outcome::Skipped(SkipReason::Offline) => Some(DeviceStatus::Offline),
         Outcome::Skipped(SkipReason::Quarantined) => Some(DeviceStatus::Quarantined),
-        Outcome::Skipped(SkipReason::NoDesiredSpec | SkipReason::Deleted | SkipReason::Exempt)
+        Outcome::Skipped(
+            SkipReason::NoDesiredSpec
+            | SkipReason::Deleted
+            | SkipReason::Exempt
+            | SkipReason::Aborted,
+        )
         | Outcome::Superseded => None,
     }
 }

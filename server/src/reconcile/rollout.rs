@@ -205,6 +205,29 @@ impl RolloutSpec {
     }
 }
 
+/// The wave of each device that needs a push: in id order, the first
+/// ones in the first wave (the order a run's target rows store).
+pub fn assign_waves<Id: Ord + Clone + std::hash::Hash>(
+    spec: &RolloutSpec,
+    needing: &[Id],
+) -> std::collections::HashMap<Id, usize> {
+    let mut sorted: Vec<&Id> = needing.iter().collect();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let ends = spec.ends(sorted.len() as u64);
+    let mut wave = 0;
+    sorted
+        .into_iter()
+        .enumerate()
+        .map(|(index, id)| {
+            while wave + 1 < ends.len() && index as u64 >= ends[wave] {
+                wave += 1;
+            }
+            (id.clone(), wave)
+        })
+        .collect()
+}
+
 fn not_increasing(field: String, previous: Option<WaveSize>, this: WaveSize) -> RolloutError {
     RolloutError::NotIncreasing {
         field,
@@ -489,6 +512,15 @@ impl Rollout {
         self.state
     }
 
+    /// The wave running, or the last one started.
+    pub fn current_wave(&self) -> usize {
+        self.current
+    }
+
+    pub fn approvals(&self) -> &[Approval] {
+        &self.approvals
+    }
+
     pub fn counts(&self) -> &[WaveCounts] {
         &self.counts
     }
@@ -723,14 +755,7 @@ impl Rollout {
         let state = match self.state {
             RolloutState::Running { .. } => StoredState::Running,
             RolloutState::Paused { reason, .. } => StoredState::Paused {
-                reason: match reason {
-                    PauseReason::Gate(breach) => StoredPause::Gate { breach },
-                    PauseReason::Manual => StoredPause::Manual,
-                    PauseReason::Approval => StoredPause::Approval,
-                    PauseReason::Timed { until } => StoredPause::Timed {
-                        until: wall_at(until, now, wall),
-                    },
-                },
+                reason: StoredPause::of(reason, now, wall),
             },
             RolloutState::Completed => StoredState::Completed,
             RolloutState::Aborted => StoredState::Aborted,
@@ -846,7 +871,71 @@ pub enum StoredPause {
     Timed { until: DateTime<Utc> },
 }
 
+impl StoredPause {
+    /// `reason` as stored, at `now` (`wall` on the clock).
+    pub fn of(reason: PauseReason, now: Instant, wall: DateTime<Utc>) -> Self {
+        match reason {
+            PauseReason::Gate(breach) => StoredPause::Gate { breach },
+            PauseReason::Manual => StoredPause::Manual,
+            PauseReason::Approval => StoredPause::Approval,
+            PauseReason::Timed { until } => StoredPause::Timed {
+                until: wall_at(until, now, wall),
+            },
+        }
+    }
+}
+
+/// Wave `wave`'s counts as the API and the events show them.
+pub fn wave_view(wave: usize, counts: &WaveCounts, state: WaveState) -> WaveView {
+    WaveView {
+        index: wave as u32,
+        size: counts.size,
+        provisioned: counts.provisioned,
+        failed: counts.failed,
+        skipped: counts.skipped,
+        already_converged: counts.already_converged,
+        superseded: counts.superseded,
+        state,
+    }
+}
+
+/// A pause in or after wave `wave`, as the API and `rollout.paused` show
+/// it: the gate and its figures for a gate pause.
+pub fn paused_view(wave: usize, reason: &StoredPause) -> PausedView {
+    let mut view = PausedView {
+        wave: wave as u32,
+        reason: String::new(),
+        gate: None,
+        limit: None,
+        observed: None,
+        until: None,
+    };
+    let reason = match reason {
+        StoredPause::Gate { breach } => {
+            view.gate = Some(breach.gate.as_str().to_owned());
+            view.limit = Some(breach.limit);
+            view.observed = Some(breach.observed);
+            "gate"
+        }
+        StoredPause::Manual => "manual",
+        StoredPause::Approval => "approval",
+        StoredPause::Timed { until } => {
+            view.until = Some(*until);
+            "timed"
+        }
+    };
+    view.reason = reason.to_owned();
+    view
+}
+
 impl StoredRollout {
+    /// As its run row's `rollout` column holds it.
+    pub fn to_json(&self) -> serde_json::Value {
+        // Invariant: plain derived-`Serialize` structs with string keys,
+        // which `serde_json::to_value` never refuses.
+        serde_json::to_value(self).unwrap_or_else(|e| unreachable!("a stored rollout is JSON: {e}"))
+    }
+
     /// The rollout as `GET /v1/runs/{id}` shows it.
     pub fn view(&self) -> RolloutView {
         let (name, paused) = match &self.state {
@@ -875,45 +964,11 @@ impl StoredRollout {
                         StoredState::Paused { .. } | StoredState::Aborted => WaveState::Paused,
                     }
                 };
-                WaveView {
-                    index: index as u32,
-                    size: counts.size,
-                    provisioned: counts.provisioned,
-                    failed: counts.failed,
-                    skipped: counts.skipped,
-                    already_converged: counts.already_converged,
-                    superseded: counts.superseded,
-                    state,
-                }
+                wave_view(index, counts, state)
             })
             .collect();
         let wave = self.current as u32;
-        let paused = paused.map(|reason| {
-            let mut view = PausedView {
-                wave,
-                reason: String::new(),
-                gate: None,
-                limit: None,
-                observed: None,
-                until: None,
-            };
-            view.reason = match reason {
-                StoredPause::Gate { breach } => {
-                    view.gate = Some(breach.gate.as_str().to_owned());
-                    view.limit = Some(breach.limit);
-                    view.observed = Some(breach.observed);
-                    "gate"
-                }
-                StoredPause::Manual => "manual",
-                StoredPause::Approval => "approval",
-                StoredPause::Timed { until } => {
-                    view.until = Some(*until);
-                    "timed"
-                }
-            }
-            .to_owned();
-            view
-        });
+        let paused = paused.map(|reason| paused_view(self.current, reason));
         RolloutView {
             state: name,
             wave,

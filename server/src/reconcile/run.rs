@@ -3,7 +3,7 @@
 //! what the machine knows of it once it ended (`CompletedRun`, with the data
 //! of its `run.completed` event).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use idem_protocol::DeviceId;
@@ -11,6 +11,7 @@ pub use idem_protocol::Trigger;
 use uuid::Uuid;
 
 use super::outcome::{OutcomeCounts, OutcomeKind};
+use super::rollout::{Rollout, RolloutSpec};
 use crate::reconcile::event_draft::EventDraft;
 use idem_protocol::event::RunCompletedData;
 
@@ -18,8 +19,28 @@ use idem_protocol::event::RunCompletedData;
 /// stays queryable through the API.
 pub const COMPLETED_EVENT_OUTCOME_CAP: usize = 1_000;
 
+/// A run's rollout as the machine starts it: new, or as it stood before a
+/// restart.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RolloutStart {
+    New {
+        spec: RolloutSpec,
+        /// The token that started the run (the one that cannot approve it).
+        author: Option<String>,
+    },
+    Restored(Rollout),
+}
+
+/// The rollout of a run: how it starts, and the wave of each target still
+/// to decide (fixed when the run was created, stored with its targets).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRollout {
+    pub start: RolloutStart,
+    pub waves: HashMap<DeviceId, usize>,
+}
+
 /// A committed run, as the engine starts it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RunSpec {
     pub id: Uuid,
     pub trigger: Trigger,
@@ -33,6 +54,8 @@ pub struct RunSpec {
     /// The targets decided `already_converged` when the run was created
     /// (counted in `decided`).
     pub converged: Vec<DeviceId>,
+    /// Its waves, for a staged rollout (boxed: most runs have none).
+    pub rollout: Option<Box<RunRollout>>,
 }
 
 impl RunSpec {
@@ -55,7 +78,14 @@ impl RunSpec {
                 ..OutcomeCounts::default()
             },
             converged,
+            rollout: None,
         }
+    }
+
+    /// The run as a staged rollout.
+    pub fn with_rollout(mut self, rollout: RunRollout) -> Self {
+        self.rollout = Some(Box::new(rollout));
+        self
     }
 
     /// A run resumed after a restart, from its stored row's counts and its
@@ -74,6 +104,7 @@ impl RunSpec {
             force,
             decided,
             converged: Vec::new(),
+            rollout: None,
         }
     }
 

@@ -26,6 +26,8 @@ pub struct RunRow {
     pub started_by: Option<String>,
     /// The plan this run applied.
     pub plan_id: Option<Uuid>,
+    /// Its rollout as stored ([`crate::reconcile::rollout::StoredRollout`]).
+    pub rollout: Option<sqlx::types::Json<serde_json::Value>>,
 }
 
 impl RunRow {
@@ -43,7 +45,7 @@ impl RunRow {
 
 const RUN_COLUMNS: &str =
     "id, trigger, state, force, target_count, already_converged, provisioned, \
-    failed, skipped, superseded, started_at, finished_at, started_by, plan_id";
+    failed, skipped, superseded, started_at, finished_at, started_by, plan_id, rollout";
 
 /// The run row to insert.
 #[derive(Debug, Clone, Copy)]
@@ -64,12 +66,13 @@ pub struct ConvergedTarget<'a> {
     pub health: Option<Health>,
 }
 
-/// Inserts the run and its targets: `undecided` without an outcome,
-/// `converged` already decided (and counted in the run's row).
+/// Inserts the run and its targets: `undecided` without an outcome (each
+/// with its rollout wave, if any), `converged` already decided (and
+/// counted in the run's row).
 pub async fn create(
     tx: &mut Transaction<'_, Postgres>,
     run: NewRunRow<'_>,
-    undecided: &[String],
+    undecided: &[(String, Option<usize>)],
     converged: &[ConvergedTarget<'_>],
 ) -> Result<(), StoreError> {
     let id = run.id;
@@ -96,17 +99,18 @@ pub async fn create(
     let decided_at = decided_at.to_rfc3339_opts(SecondsFormat::Micros, true);
     // Collected: a lazy iterator of closures would be held across the
     // COPY's awaits, which the futures of axum handlers cannot carry.
-    let rows: Vec<(&str, Option<&ConvergedTarget<'_>>)> = undecided
+    type TargetToCopy<'a> = (&'a str, Option<usize>, Option<&'a ConvergedTarget<'a>>);
+    let rows: Vec<TargetToCopy<'_>> = undecided
         .iter()
-        .map(|device| (device.as_str(), None))
-        .chain(converged.iter().map(|t| (t.device_id, Some(t))))
+        .map(|(device, wave)| (device.as_str(), *wave, None))
+        .chain(converged.iter().map(|t| (t.device_id, None, Some(t))))
         .collect();
     copy_in(
         tx,
-        "COPY run_targets (run_id, device_id, outcome, generation, health, decided_at) FROM STDIN",
+        "COPY run_targets (run_id, device_id, outcome, generation, health, decided_at, wave) FROM STDIN",
         "recording run targets",
         rows,
-        |row, (device, converged)| {
+        |row, (device, wave, converged)| {
             row.plain(id).text(device);
             match converged {
                 None => row.null().null().null().null(),
@@ -115,6 +119,10 @@ pub async fn create(
                     .plain(to_i64(target.generation))
                     .optional_text(target.health.map(Health::as_str))
                     .plain(&decided_at),
+            };
+            match wave {
+                Some(wave) => row.plain(wave),
+                None => row.null(),
             };
         },
     )
@@ -175,6 +183,41 @@ pub async fn record_outcomes(
     .await
     .context("adding to run counts")?;
     Ok(())
+}
+
+/// Stores the rollouts of a write as their run rows keep them, in the
+/// caller's transaction.
+pub async fn store_rollouts(
+    tx: &mut Transaction<'_, Postgres>,
+    rollouts: &[(Uuid, serde_json::Value)],
+) -> Result<(), StoreError> {
+    if rollouts.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = rollouts.iter().map(|(id, _)| *id).collect();
+    let states: Vec<sqlx::types::Json<&serde_json::Value>> = rollouts
+        .iter()
+        .map(|(_, state)| sqlx::types::Json(state))
+        .collect();
+    sqlx::query(
+        "UPDATE runs SET rollout = r.rollout          FROM UNNEST($1::uuid[], $2::jsonb[]) AS r(id, rollout) WHERE runs.id = r.id",
+    )
+    .bind(&ids)
+    .bind(&states)
+    .execute(&mut **tx)
+    .await
+    .context("storing rollout states")?;
+    Ok(())
+}
+
+/// The first stored rollout of a run being created, in the creating
+/// transaction.
+pub async fn set_rollout(
+    tx: &mut Transaction<'_, Postgres>,
+    run_id: Uuid,
+    rollout: &serde_json::Value,
+) -> Result<(), StoreError> {
+    store_rollouts(tx, &[(run_id, rollout.clone())]).await
 }
 
 /// Marks runs completed; returns the ids of those this call completed (a
@@ -254,6 +297,20 @@ pub async fn undecided_targets(pool: &PgPool, run_id: Uuid) -> Result<Vec<String
         .fetch_all(pool)
         .await
         .context("listing undecided run targets")
+}
+
+/// Targets of a rollout run that have no outcome yet, with their waves.
+pub async fn undecided_waves(
+    pool: &PgPool,
+    run_id: Uuid,
+) -> Result<Vec<(String, Option<i16>)>, StoreError> {
+    sqlx::query_as(
+        "SELECT device_id, wave FROM run_targets WHERE run_id = $1 AND outcome IS NULL ORDER BY device_id",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await
+    .context("listing the undecided targets of a rollout")
 }
 
 #[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]

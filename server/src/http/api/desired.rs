@@ -81,6 +81,11 @@ pub(super) async fn set_desired_bulk(
         ));
     };
     input::check_spec(state.config.fleet.budget, &spec)?;
+    let rollout = body
+        .rollout
+        .as_ref()
+        .map(super::rollouts::checked_rollout)
+        .transpose()?;
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
     let digest = SpecDigest::of(&spec).to_string();
@@ -91,12 +96,14 @@ pub(super) async fn set_desired_bulk(
             "devices": audited_ids(targets.iter().map(DeviceId::as_str)),
             "digest": digest,
             "force": body.force,
+            "rollout": body.rollout.as_ref().map(|r| json!(r)),
         })),
         ..AuditNote::default()
     };
     let run = NewRun::new(targets, Trigger::Desired)
         .forced(body.force)
-        .changing_desired_to(spec);
+        .changing_desired_to(spec)
+        .in_waves(rollout);
     let (run, _) = start_run(&state, &call, run, note).await?;
     let answer = RunStarted {
         run_id: run,

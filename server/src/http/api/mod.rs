@@ -25,6 +25,7 @@ mod ops;
 mod owned;
 mod params;
 mod plans;
+mod rollouts;
 mod routes;
 mod runs;
 mod tokens;

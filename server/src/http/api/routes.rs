@@ -13,8 +13,8 @@ use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
 use utoipa_axum::routes;
 
 use super::{
-    audit, credentials, desired, devices, exemptions, fleet, openapi, ops, owned, plans, runs,
-    tokens,
+    audit, credentials, desired, devices, exemptions, fleet, openapi, ops, owned, plans, rollouts,
+    runs, tokens,
 };
 use crate::app::state::AppState;
 use crate::http::auth::{access_for, Access, AuthSettings, Role, Route};
@@ -45,6 +45,9 @@ fn table() -> Vec<(Access, UtoipaMethodRouter<Arc<AppState>>)> {
         (viewer, routes!(plans::get_plan)),
         (viewer, routes!(plans::plan_devices_page)),
         (operator, routes!(plans::apply_plan)),
+        (operator, routes!(rollouts::resume_rollout)),
+        (operator, routes!(rollouts::abort_rollout)),
+        (operator, routes!(rollouts::approve_rollout)),
         (operator, routes!(exemptions::create_exemption)),
         (viewer, routes!(exemptions::list_exemptions)),
         (operator, routes!(exemptions::delete_exemption)),

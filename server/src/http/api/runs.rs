@@ -25,6 +25,7 @@ use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
+use crate::reconcile::rollout::StoredRollout;
 use crate::store::runs::{RunRow, TargetRow};
 use crate::store::{self, generation};
 
@@ -188,6 +189,11 @@ fn run_view(row: RunRow) -> RunView {
         finished_at: row.finished_at,
         started_by: row.started_by,
         plan_id: row.plan_id,
+        rollout: row.rollout.and_then(|stored| {
+            serde_json::from_value::<StoredRollout>(stored.0)
+                .ok()
+                .map(|stored| stored.view())
+        }),
     }
 }
 

@@ -157,6 +157,7 @@ impl Machine {
                 },
             ));
             self.record.per_run.entry(run_id).or_default().add(kind);
+            self.count_in_wave(run_id, id, kind, now);
             if let Some(run) = self.runs.get_mut(&run_id) {
                 run.record(id, kind);
                 if run.is_complete() {
@@ -173,6 +174,7 @@ impl Machine {
     /// ([`super::Record::completed`]). What follows the end of a run starts
     /// here.
     pub(super) fn run_ended(&mut self, run: RunProgress, now: Now) {
+        self.rollout_ended(run.id, now);
         self.record.completed.push(run.complete(now.at));
     }
 

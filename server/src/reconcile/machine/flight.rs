@@ -25,6 +25,9 @@ pub(super) enum Phase {
     },
     /// A failed attempt waits until then before it is tried again.
     RetryAt(Instant),
+    /// The device needs a push its rollout does not allow yet (a later
+    /// wave, or the rollout is paused).
+    Held,
 }
 
 /// One device's attempt, shared by every run that waits on it.
@@ -43,7 +46,7 @@ impl InFlight {
     /// The attempt as `decide` sees it at `now`.
     pub fn attempt(&self, now: Instant) -> Attempt {
         match &self.phase {
-            Phase::Fresh | Phase::Queued | Phase::RetryAt(_) => {
+            Phase::Fresh | Phase::Queued | Phase::RetryAt(_) | Phase::Held => {
                 Attempt::Fresh { force: self.force }
             }
             Phase::AwaitingReport { deadline } => Attempt::AwaitingReport {
@@ -64,7 +67,7 @@ impl InFlight {
     /// True when a timer of this attempt has run out at `now`.
     pub fn is_due(&self, now: Instant) -> bool {
         match &self.phase {
-            Phase::Fresh | Phase::Queued => false,
+            Phase::Fresh | Phase::Queued | Phase::Held => false,
             Phase::AwaitingReport { deadline } | Phase::Pushed { deadline, .. } => now >= *deadline,
             Phase::RetryAt(at) => now >= *at,
         }

@@ -15,6 +15,7 @@ pub mod record;
 #[cfg(test)]
 mod tests;
 mod triggers;
+mod waves;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -40,6 +41,8 @@ pub use effect::{
 use flight::{InFlight, Phase};
 use gaps::Gaps;
 pub use record::{AttemptRecord, OutcomeRecord, Record};
+use waves::{FollowUp, RolloutHold, RolloutRun};
+pub use waves::{RolloutAction, RolloutActionError};
 
 /// Results are written at least this often while there are any.
 pub const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
@@ -85,6 +88,15 @@ pub struct Machine {
     manual: HashMap<Uuid, (bool, Vec<DeviceId>)>,
     last_write: Instant,
     rng: StdRng,
+    /// Rollout runs in progress, by run id.
+    rollouts: HashMap<Uuid, RolloutRun>,
+    /// Rollouts that moved since the last record was handed out.
+    rollouts_changed: BTreeSet<Uuid>,
+    /// What rollout steps left to do once the current input is handled.
+    rollout_work: Vec<(Uuid, FollowUp)>,
+    /// Pushes of rollout waves, sent once the record that marks them
+    /// pushed is handed out to be written first.
+    write_ahead: Vec<Effect>,
 }
 
 impl Machine {
@@ -117,6 +129,10 @@ impl Machine {
             manual: HashMap::new(),
             last_write: now,
             rng: StdRng::seed_from_u64(seed),
+            rollouts: HashMap::new(),
+            rollouts_changed: BTreeSet::new(),
+            rollout_work: Vec::new(),
+            write_ahead: Vec::new(),
         }
     }
 
@@ -163,6 +179,12 @@ impl Machine {
             EngineCommand::ReconcileAll(trigger) => self.reconcile_all(trigger, &mut out),
             EngineCommand::DesiredChanged(ids) => {
                 for id in ids {
+                    if let Some(Phase::Held) = self.in_flight.get(&id).map(|f| &f.phase) {
+                        // A rollout's device waiting for its wave: the
+                        // newer change takes its remaining waves over.
+                        let entry = self.entry(&id).unwrap_or_default();
+                        self.supersede_older_attempt(&id, &entry, now, &mut out);
+                    }
                     if self.in_flight.contains_key(&id) {
                         // An attempt for the old generation ends superseded.
                         self.advance(&id, false, now, &mut out);
@@ -210,6 +232,7 @@ impl Machine {
             }
         }
         self.close_debounced(now.at, &mut out);
+        self.tick_rollouts(now);
         self.after_input(now, &mut out);
         out
     }
@@ -222,13 +245,16 @@ impl Machine {
     }
 
     /// Everything not yet written, whatever its size or age (shutdown).
-    pub fn take_record(&mut self) -> Option<Record> {
-        (!self.record.is_empty()).then(|| self.hand_out_record())
+    pub fn take_record(&mut self, now: Now) -> Option<Record> {
+        self.store_changed_rollouts(now);
+        (!self.record.is_empty()).then(|| self.hand_out_record(now))
     }
 
-    /// The record, handed out to be written; its device changes stay in
-    /// the machine's view until [`Machine::record_written`].
-    fn hand_out_record(&mut self) -> Record {
+    /// The record, handed out to be written, with the rollouts that moved;
+    /// its device changes stay in the machine's view until
+    /// [`Machine::record_written`].
+    fn hand_out_record(&mut self, now: Now) -> Record {
+        self.store_changed_rollouts(now);
         let record = std::mem::take(&mut self.record);
         for (id, change) in &record.devices {
             self.writing
@@ -265,6 +291,11 @@ impl Machine {
         if !self.starting.is_empty() {
             wake = wake.min(self.last_write);
         }
+        for run in self.rollouts.values() {
+            if let Some(at) = run.rollout.next_wake() {
+                wake = wake.min(at);
+            }
+        }
         wake
     }
 
@@ -279,14 +310,18 @@ impl Machine {
     /// Work every input ends with: continue starting runs, drain the push
     /// queue, and hand over the record when it is due.
     fn after_input(&mut self, now: Now, out: &mut Vec<Effect>) {
+        self.settle_rollouts(now, out);
         self.continue_starting(now, out);
+        self.settle_rollouts(now, out);
         self.drain_push_queue(now, out);
+        let moved = !self.rollouts_changed.is_empty();
         let due = self.record.outcomes.len() >= FLUSH_SIZE
-            || (!self.record.is_empty() && now.at >= self.last_write + FLUSH_INTERVAL);
-        if due {
-            let record = self.hand_out_record();
+            || ((!self.record.is_empty() || moved) && now.at >= self.last_write + FLUSH_INTERVAL);
+        if due || !self.write_ahead.is_empty() {
+            let record = self.hand_out_record(now);
             out.push(Effect::Record(record));
         }
+        out.append(&mut self.write_ahead);
     }
 
     /// The device as the machine must see it: the cache plus the changes
@@ -333,6 +368,9 @@ impl Machine {
         for id in &spec.converged {
             self.converged_at_creation(id, now, out);
         }
+        if let Some(rollout) = spec.rollout {
+            self.start_rollout(spec.id, *rollout, spec.targets.len() as u64, now);
+        }
         if progress.is_complete() {
             self.run_ended(progress, now);
             return;
@@ -363,7 +401,11 @@ impl Machine {
                     phase: Phase::Fresh,
                 },
             );
-            if let Some(skip) = gate(&entry) {
+            if let Some(phase) = self.pushed_before_restart(run_id, &id, &entry, now.at) {
+                self.set_phase(&id, phase);
+                self.pushed.insert(id.clone());
+                self.advance(&id, false, now, out);
+            } else if let Some(skip) = gate(&entry) {
                 self.finish(&id, Outcome::Skipped(skip), &entry, None, now, out);
             } else {
                 self.advance(&id, false, now, out);
@@ -469,11 +511,27 @@ impl Machine {
         match flight.phase {
             Phase::Queued if !permit => return,
             Phase::RetryAt(_) => return,
-            Phase::Fresh | Phase::Queued | Phase::AwaitingReport { .. } | Phase::Pushed { .. } => {}
+            Phase::Fresh
+            | Phase::Queued
+            | Phase::AwaitingReport { .. }
+            | Phase::Pushed { .. }
+            | Phase::Held => {}
         }
         match decide(&desired, &entry.actual(), &flight.attempt(now.at)) {
             Decision::Finish(outcome) => self.conclude(id, outcome, &entry, now, out),
             Decision::Push => {
+                match self.rollout_hold(id) {
+                    RolloutHold::Free => {}
+                    RolloutHold::UntilWave => {
+                        self.set_phase(id, Phase::Held);
+                        return;
+                    }
+                    RolloutHold::Aborted => {
+                        let outcome = Outcome::Skipped(SkipReason::Aborted);
+                        self.finish(id, outcome, &entry, None, now, out);
+                        return;
+                    }
+                }
                 let may_push = permit
                     || (self.push_queue.is_empty()
                         && self.pushed.len() < self.settings.max_in_flight
@@ -520,12 +578,18 @@ impl Machine {
         let change = self.record.device(id);
         change.status = Some(DeviceStatus::Provisioning);
         change.retained = Some(desired.generation);
-        out.push(Effect::Publish {
+        let publish = Effect::Publish {
             device: id.clone(),
             generation: desired.generation,
             spec: entry.spec_to_publish(desired),
             reason: PublishReason::Attempt,
-        });
+        };
+        if self.in_rollout(id) {
+            // Written before it is sent: a restart knows it went out.
+            self.write_ahead.push(publish);
+        } else {
+            out.push(publish);
+        }
     }
 
     /// Republishes the current desired state as the retained message when
@@ -539,7 +603,12 @@ impl Machine {
     }
 
     /// [`Machine::refresh_retained`] with the device as already looked up.
+    /// Never to a device waiting on a rollout: its wave brings it the
+    /// change.
     fn refresh_retained_from(&mut self, id: &DeviceId, entry: &DeviceEntry, out: &mut Vec<Effect>) {
+        if self.in_rollout(id) {
+            return;
+        }
         if let Some(desired) = entry.retained_behind() {
             self.publish_retained(id, entry, desired, out);
         }

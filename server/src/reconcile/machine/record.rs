@@ -1,6 +1,6 @@
 //! What one write of the engine's results holds: outcomes, attempt
 //! history, events, one merged change per device row, the runs that
-//! completed, and the counts metrics take once it has committed.
+//! completed, the rollouts that moved, and the counts metrics take once it has committed.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -11,6 +11,7 @@ use uuid::Uuid;
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::event_draft::EventDraft;
 use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
+use crate::reconcile::rollout::StoredRollout;
 use crate::reconcile::run::CompletedRun;
 
 /// One device's outcome in one run, for the store.
@@ -63,6 +64,10 @@ pub struct Record {
     /// The runs that ended with this write's outcomes, with the machine's
     /// counts: the one place where the end of a run is handed out.
     pub completed: Vec<CompletedRun>,
+    /// Rollouts that moved (an outcome counted, a wave, a pause, an
+    /// action), as their run rows keep them, consistent with the outcomes
+    /// of this write and those before it.
+    pub rollouts: BTreeMap<Uuid, StoredRollout>,
     pub tally: Tally,
 }
 
@@ -73,6 +78,7 @@ impl Record {
             && self.drafts.is_empty()
             && self.devices.is_empty()
             && self.completed.is_empty()
+            && self.rollouts.is_empty()
     }
 
     /// The change to `id`'s row, created empty on first use.

@@ -64,7 +64,11 @@ impl Machine {
             let waiting = matches!(
                 self.in_flight.get(&id).map(|f| &f.phase),
                 Some(
-                    Phase::Fresh | Phase::Queued | Phase::RetryAt(_) | Phase::AwaitingReport { .. }
+                    Phase::Fresh
+                        | Phase::Queued
+                        | Phase::RetryAt(_)
+                        | Phase::AwaitingReport { .. }
+                        | Phase::Held
                 )
             );
             if waiting {

@@ -7,12 +7,14 @@
 //! `failures.rs` (retries, quarantine, timeouts, deleted devices),
 //! `triggers.rs` (runs and report requests the machine starts itself),
 //! `property.rs` (any sequence of inputs) and `plans.rs` (a plan predicts
-//! what applying it does).
+//! what applying it does) and `rollouts.rs` (waves, gates, pauses,
+//! approvals and aborts of a staged rollout).
 
 mod failures;
 mod plans;
 mod property;
 mod pushes;
+mod rollouts;
 mod runs;
 mod triggers;
 
@@ -88,6 +90,12 @@ struct World {
     held: Option<Vec<Record>>,
     /// Every target of each run, those decided at its creation included.
     all_targets: BTreeMap<Uuid, Vec<DeviceId>>,
+    /// Each rollout as its run row keeps it, from the committed records.
+    rollouts: BTreeMap<Uuid, crate::reconcile::rollout::StoredRollout>,
+    /// Each rollout run's wave per target, as its target rows keep it.
+    waves: BTreeMap<Uuid, std::collections::HashMap<DeviceId, usize>>,
+    /// Every committed `io.idem.rollout.*` event: type and data.
+    rollout_events: Vec<(EventType, Value)>,
 }
 
 /// What the machine's counts must be: a tally of outcome rows.
@@ -121,6 +129,9 @@ impl World {
             seq: 0,
             held: None,
             all_targets: BTreeMap::new(),
+            rollouts: BTreeMap::new(),
+            waves: BTreeMap::new(),
+            rollout_events: Vec::new(),
         }
     }
 
@@ -235,6 +246,14 @@ impl World {
                 .filter(|draft| draft.event_type == EventType::DeviceDrifted)
                 .map(|draft| (draft.subject.clone(), draft.data.clone())),
         );
+        self.rollout_events.extend(
+            record
+                .drafts
+                .iter()
+                .filter(|draft| draft.event_type.as_str().starts_with("io.idem.rollout."))
+                .map(|draft| (draft.event_type, draft.data.clone())),
+        );
+        self.rollouts.extend(record.rollouts);
         self.completed.extend(record.completed);
         self.machine.record_written(self.clock);
     }
@@ -264,7 +283,25 @@ impl World {
                 .cloned()
                 .collect();
             let counts = self.stored.get(&run.id).copied().unwrap_or_default();
-            let spec = RunSpec::resumed(run.id, run.trigger, run.force, counts, undecided);
+            let mut spec = RunSpec::resumed(run.id, run.trigger, run.force, counts, undecided);
+            if let Some(stored) = self.rollouts.get(&run.id) {
+                // As `app::resume_unfinished_runs` restores it.
+                let rollout = crate::reconcile::rollout::Rollout::restore(
+                    stored.clone(),
+                    self.clock,
+                    self.wall,
+                )
+                .unwrap();
+                let waves = self.waves[&run.id]
+                    .iter()
+                    .filter(|(id, _)| spec.targets.contains(id))
+                    .map(|(id, wave)| (id.clone(), *wave))
+                    .collect();
+                spec = spec.with_rollout(crate::reconcile::run::RunRollout {
+                    start: crate::reconcile::run::RolloutStart::Restored(rollout),
+                    waves,
+                });
+            }
             self.command(EngineCommand::StartRun(spec));
         }
     }
@@ -286,6 +323,26 @@ impl World {
     /// machine's view (`policy::converged_targets`), those already
     /// converged decided in the creating "transaction", the rest started.
     fn create(&mut self, targets: Vec<DeviceId>, force: bool) -> Uuid {
+        self.create_with(targets, force, None)
+    }
+
+    /// [`World::create`] as a staged rollout by `author`: the devices that
+    /// need a push take the waves in id order, as the engine assigns them.
+    fn create_rollout(
+        &mut self,
+        targets: Vec<DeviceId>,
+        rollout: crate::reconcile::rollout::RolloutSpec,
+        author: &str,
+    ) -> Uuid {
+        self.create_with(targets, false, Some((rollout, author.to_owned())))
+    }
+
+    fn create_with(
+        &mut self,
+        targets: Vec<DeviceId>,
+        force: bool,
+        rollout: Option<(crate::reconcile::rollout::RolloutSpec, String)>,
+    ) -> Uuid {
         let machine = &self.machine;
         let converged = crate::reconcile::policy::converged_targets(
             |id| machine.view(id),
@@ -309,12 +366,23 @@ impl World {
                     .apply_committed([FleetChange::Engine(c.id.clone(), change)]);
             }
         }
-        let undecided = targets
+        let undecided: Vec<DeviceId> = targets
             .iter()
             .filter(|id| !decided.contains(id))
             .cloned()
             .collect();
-        let spec = RunSpec::created(run_id, Trigger::Manual, force, undecided, decided);
+        let mut spec = RunSpec::created(run_id, Trigger::Manual, force, undecided, decided);
+        if let Some((rollout, author)) = rollout {
+            let waves = crate::reconcile::rollout::assign_waves(&rollout, &spec.targets);
+            self.waves.insert(run_id, waves.clone());
+            spec = spec.with_rollout(crate::reconcile::run::RunRollout {
+                start: crate::reconcile::run::RolloutStart::New {
+                    spec: rollout,
+                    author: Some(author),
+                },
+                waves,
+            });
+        }
         self.all_targets.insert(run_id, targets);
         self.runs.push(spec.clone());
         self.command(EngineCommand::StartRun(spec));

@@ -1,0 +1,351 @@
+//! Staged rollouts in the machine, time moved by hand: only the running
+//! wave's devices are pushed, a breached gate pauses at once, resumes,
+//! timed and manual pauses, approvals, aborts, superseding, and a restart
+//! in the middle of a wave.
+
+use super::*;
+use crate::reconcile::rollout::{
+    FailureLimit, Gates, Pause, RolloutSpec, StoredState, WaveSize, WaveSpec,
+};
+
+fn wave(size: WaveSize) -> WaveSpec {
+    WaveSpec {
+        size,
+        pause: Pause::None,
+        gates: Gates::default(),
+        approve: false,
+    }
+}
+
+fn pct(p: f64) -> WaveSize {
+    WaveSize::Percent(p)
+}
+
+/// Waves `10%, 50%, 100%`, each gated at `max_failures`.
+fn gated(max_failures: u64) -> RolloutSpec {
+    let gate = |size| WaveSpec {
+        gates: Gates {
+            max_failures: Some(FailureLimit::Count(max_failures)),
+            ..Gates::default()
+        },
+        ..wave(size)
+    };
+    RolloutSpec::new(vec![gate(pct(10.0)), gate(pct(50.0)), gate(pct(100.0))]).unwrap()
+}
+
+/// One attempt per push (a refusal fails the device at once).
+fn no_retries() -> EngineSettings {
+    let mut settings = settings();
+    settings.retry.max_attempts = 1;
+    settings
+}
+
+/// 100 devices want version 2; the first 20 (`d-00000`…`d-00019`) run
+/// version 1 and need a push, the other 80 are already converged.
+fn fleet(world: &mut World) -> Vec<DeviceId> {
+    world.fleet_of(100, 20)
+}
+
+/// Every device pushed and not yet answered confirms the push.
+fn confirm_all(world: &mut World, answered: &mut usize) {
+    let pushed = world.pushed();
+    for device in &pushed[*answered..] {
+        world.reports(device, 2, Some(2));
+    }
+    *answered = pushed.len();
+    world.settle();
+}
+
+fn event_types(world: &World) -> Vec<&'static str> {
+    world
+        .rollout_events
+        .iter()
+        .map(|(t, _)| t.as_str().trim_start_matches("io.idem.rollout."))
+        .collect()
+}
+
+fn names(ids: &[DeviceId]) -> Vec<String> {
+    ids.iter().map(ToString::to_string).collect()
+}
+
+#[test]
+fn only_the_running_wave_is_pushed_and_converged_devices_are_in_no_wave() {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, gated(2), "alice");
+    world.settle();
+    // 20 need a push: waves end at 2, 10 and 20 of them.
+    assert_eq!(world.counts(run).already_converged, 80);
+    assert_eq!(names(&world.pushed()), ["d-00000", "d-00001"]);
+    let mut answered = 0;
+    confirm_all(&mut world, &mut answered);
+    assert_eq!(world.pushed().len(), 10, "the second wave takes up to 10");
+    confirm_all(&mut world, &mut answered);
+    assert_eq!(world.pushed().len(), 20);
+    confirm_all(&mut world, &mut answered);
+    assert!(world.is_completed(run));
+    assert_eq!(world.counts(run), counts(80, 20, 0));
+    assert_eq!(
+        event_types(&world),
+        [
+            "wave_started",
+            "wave_completed",
+            "wave_started",
+            "wave_completed",
+            "wave_started",
+            "wave_completed"
+        ]
+    );
+    let stored = &world.rollouts[&run];
+    assert_eq!(stored.state, StoredState::Completed);
+    let sizes: Vec<u64> = stored.counts.iter().map(|c| c.size).collect();
+    assert_eq!(sizes, [2, 8, 10]);
+    assert_eq!(world.rollout_events[1].1["provisioned"], 2);
+}
+
+#[test]
+fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushed_until_a_resume() {
+    let mut world = World::new(no_retries());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, gated(2), "alice");
+    world.settle();
+    let mut answered = 0;
+    confirm_all(&mut world, &mut answered);
+    // Wave 1: d-00002 … d-00009. Three refuse, the rest do not answer yet.
+    let wave_one = world.pushed()[2..].to_vec();
+    assert_eq!(wave_one.len(), 8);
+    for device in &wave_one[..3] {
+        world.rejects(device, 2, 1);
+    }
+    world.settle();
+    let (kind, data) = world.rollout_events.last().unwrap();
+    assert_eq!(*kind, EventType::RolloutPaused);
+    assert_eq!(data["gate"], "max_failures");
+    assert_eq!(data["wave"], 1);
+    assert_eq!(data["limit"], 2.0);
+    assert_eq!(data["observed"], 3.0);
+    // The wave's other pushes are answered; nothing more goes out.
+    for device in &wave_one[3..] {
+        world.reports(device, 2, Some(2));
+    }
+    world.settle();
+    world.wait(Duration::from_secs(30));
+    assert_eq!(world.pushed().len(), 10, "paused: no further push");
+    assert!(!world.is_completed(run));
+
+    let (effects, stored) = world
+        .machine
+        .act_on_rollout(run, RolloutAction::Resume, world.now())
+        .unwrap();
+    world.carry(effects);
+    world.settle();
+    assert_eq!(
+        stored.current, 2,
+        "the paused wave was done: the next one runs"
+    );
+    assert_eq!(world.pushed().len(), 20);
+    answered = 10;
+    confirm_all(&mut world, &mut answered);
+    assert!(world.is_completed(run));
+    assert_eq!(world.counts(run), counts(80, 17, 3));
+    assert!(event_types(&world).contains(&"resumed"));
+}
+
+#[test]
+fn an_abort_skips_the_devices_not_yet_pushed_and_keeps_the_outcomes_of_those_pushed() {
+    let mut world = World::new(no_retries());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, gated(0), "alice");
+    world.settle();
+    // Wave 0 (d-00000, d-00001): one refuses, the gate pauses at once;
+    // the other is still in flight.
+    world.rejects(&id("d-00000"), 2, 1);
+    world.settle();
+    let refused = world
+        .machine
+        .act_on_rollout(run, RolloutAction::Resume, world.now());
+    assert!(refused.is_ok(), "a gate pause can be resumed");
+    // Paused again? No: the gate is waived; abort it while d-00001 is out.
+    let (effects, stored) = world
+        .machine
+        .act_on_rollout(run, RolloutAction::Abort, world.now())
+        .unwrap();
+    world.carry(effects);
+    world.settle();
+    assert_eq!(stored.state, StoredState::Aborted);
+    assert!(!world.is_completed(run), "d-00001's push is still answered");
+    world.reports(&id("d-00001"), 2, Some(2));
+    world.settle();
+    assert!(world.is_completed(run));
+    let outcomes = &world.outcomes[&run];
+    let aborted = outcomes
+        .iter()
+        .filter(|(_, kind, reason)| {
+            *kind == OutcomeKind::Skipped && reason.as_deref() == Some("aborted")
+        })
+        .count();
+    assert_eq!(aborted, 18);
+    assert_eq!(world.counts(run).provisioned, 1);
+    assert_eq!(world.counts(run).failed, 1);
+    assert_eq!(world.pushed().len(), 2, "nothing pushed after the abort");
+    assert!(
+        world
+            .published
+            .iter()
+            .all(|(_, _, reason)| *reason == PublishReason::Attempt),
+        "no retained refresh brought the aborted devices the change"
+    );
+    assert_eq!(
+        world
+            .machine
+            .act_on_rollout(run, RolloutAction::Resume, world.now())
+            .unwrap_err(),
+        RolloutActionError::NotInProgress
+    );
+}
+
+#[test]
+fn a_timed_pause_starts_the_next_wave_when_it_is_over_and_a_manual_one_waits_for_a_resume() {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    let timed = WaveSpec {
+        pause: Pause::For(Duration::from_secs(60)),
+        ..wave(WaveSize::Count(2))
+    };
+    let manual = WaveSpec {
+        pause: Pause::Manual,
+        ..wave(WaveSize::Count(5))
+    };
+    let spec = RolloutSpec::new(vec![timed, manual, wave(pct(100.0))]).unwrap();
+    let run = world.create_rollout(targets, spec, "alice");
+    world.settle();
+    let mut answered = 0;
+    confirm_all(&mut world, &mut answered);
+    world.wait(Duration::from_secs(59));
+    assert_eq!(world.pushed().len(), 2, "the pause is not over");
+    world.wait(Duration::from_secs(2));
+    assert_eq!(world.pushed().len(), 5);
+    confirm_all(&mut world, &mut answered);
+    world.wait(Duration::from_secs(600));
+    assert_eq!(world.pushed().len(), 5, "a manual pause waits");
+    let (effects, _) = world
+        .machine
+        .act_on_rollout(run, RolloutAction::Resume, world.now())
+        .unwrap();
+    world.carry(effects);
+    world.settle();
+    assert_eq!(world.pushed().len(), 20);
+}
+
+#[test]
+fn a_wave_marked_approve_waits_for_someone_other_than_the_author() {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    let approve = WaveSpec {
+        approve: true,
+        ..wave(WaveSize::Count(2))
+    };
+    let spec = RolloutSpec::new(vec![approve, wave(pct(100.0))]).unwrap();
+    let run = world.create_rollout(targets, spec, "alice");
+    world.settle();
+    let mut answered = 0;
+    confirm_all(&mut world, &mut answered);
+    assert_eq!(world.pushed().len(), 2);
+    let by = |name: &str| RolloutAction::Approve { by: name.into() };
+    assert_eq!(
+        world
+            .machine
+            .act_on_rollout(run, by("alice"), world.now())
+            .unwrap_err(),
+        RolloutActionError::NotNow(crate::reconcile::rollout::NotNow::SelfApproval)
+    );
+    assert_eq!(
+        world
+            .machine
+            .act_on_rollout(run, RolloutAction::Resume, world.now())
+            .unwrap_err(),
+        RolloutActionError::NotNow(crate::reconcile::rollout::NotNow::AwaitingApproval)
+    );
+    let (effects, stored) = world
+        .machine
+        .act_on_rollout(run, by("bob"), world.now())
+        .unwrap();
+    world.carry(effects);
+    world.settle();
+    assert_eq!(stored.approvals.len(), 1);
+    assert_eq!(stored.approvals[0].by, "bob");
+    assert_eq!(world.pushed().len(), 20);
+    let (kind, data) = world
+        .rollout_events
+        .iter()
+        .find(|(kind, _)| *kind == EventType::RolloutApproved)
+        .unwrap();
+    assert_eq!(kind.as_str(), "io.idem.rollout.approved");
+    assert_eq!(data["by"], "bob");
+}
+
+#[test]
+fn a_newer_change_supersedes_the_devices_still_waiting_for_their_wave() {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, gated(2), "alice");
+    world.settle();
+    // d-00015 waits for the last wave; a newer change reaches it.
+    world.wants(&id("d-00015"), 3, 3);
+    world.command(EngineCommand::DesiredChanged(vec![id("d-00015")]));
+    world.settle();
+    let superseded: Vec<_> = world
+        .kinds(run)
+        .into_iter()
+        .filter(|(_, kind)| *kind == OutcomeKind::Superseded)
+        .collect();
+    assert_eq!(superseded, [(id("d-00015"), OutcomeKind::Superseded)]);
+    let mut answered = 0;
+    for _ in 0..3 {
+        confirm_all(&mut world, &mut answered);
+    }
+    assert!(world.is_completed(run));
+    assert_eq!(
+        world.counts(run),
+        OutcomeCounts {
+            already_converged: 80,
+            provisioned: 19,
+            superseded: 1,
+            ..OutcomeCounts::default()
+        }
+    );
+    assert_eq!(world.rollouts[&run].counts[2].superseded, 1);
+}
+
+#[test]
+fn a_restart_in_the_middle_of_a_wave_goes_on_where_it_was_and_pushes_no_device_twice() {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, gated(2), "alice");
+    world.settle();
+    let mut answered = 0;
+    confirm_all(&mut world, &mut answered);
+    // Wave 1 is out; half of it answered before the process dies.
+    let wave_one = world.pushed()[2..].to_vec();
+    for device in &wave_one[..4] {
+        world.reports(device, 2, Some(2));
+    }
+    world.settle();
+    world.restart();
+    world.settle();
+    // The other half answers the pushes of the earlier process.
+    for device in &wave_one[4..] {
+        world.reports(device, 2, Some(2));
+    }
+    world.settle();
+    answered = 10;
+    confirm_all(&mut world, &mut answered);
+    assert!(world.is_completed(run));
+    assert_eq!(world.counts(run), counts(80, 20, 0));
+    let mut pushed = world.pushed();
+    let total = pushed.len();
+    pushed.sort_unstable();
+    pushed.dedup();
+    assert_eq!(total, pushed.len(), "no device pushed twice");
+    assert_eq!(total, 20);
+}

@@ -1,0 +1,200 @@
+//! Staged rollouts end to end against real PostgreSQL and a private
+//! Mosquitto: waves counted over the devices that need a push, a gate that
+//! pauses the rollout with a `rollout.paused` event naming it, a resume,
+//! an abort that skips the rest, and exact summary counts.
+
+// Test code: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use idem_device_sim::{DeviceBehaviour, FleetPlan};
+use idem_tests::{wait_until, Scenario, ServerSettings};
+use serde_json::{json, Value};
+
+async fn run(scenario: &Scenario, run_id: &str) -> Value {
+    let (status, run) = scenario
+        .server
+        .get(&format!("/v1/runs/{run_id}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{run}");
+    run
+}
+
+async fn rollout_events(scenario: &Scenario, run_id: &str) -> Vec<(String, Value)> {
+    sqlx::query_as(
+        "SELECT type, cloudevent->'data' FROM events \
+         WHERE type LIKE 'io.idem.rollout.%' AND subject = $1 ORDER BY sequence",
+    )
+    .bind(run_id)
+    .fetch_all(scenario.db.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_of_the_devices_that_need_the_change_pauses_on_its_gate_resumes_and_aborts() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let mut plan = FleetPlan::new("ro-", 1_000).seed(5).build().unwrap();
+    let old = plan.desired_spec.clone();
+    let mut new = old.clone();
+    new["firmware"] = json!("3.0.0");
+    // 900 devices run the new spec already; 100 need it. In id order the
+    // waves take 10, then 40, then 50 of those; three of the second wave
+    // refuse every push.
+    for device in &mut plan.devices[..900] {
+        device.spec = new.clone();
+    }
+    for index in [920, 930, 940] {
+        let device = plan.devices[index].clone();
+        plan.devices[index] = device.with_behaviour(DeviceBehaviour::Reject {
+            message: "no room for 3.0.0".into(),
+        });
+    }
+    let _fleet = scenario.register_and_start(&plan, 1_000).await.unwrap();
+
+    let body = json!({
+        "all": true,
+        "spec": new,
+        "rollout": {"waves": ["10%", "50%", "100%"], "gates": {"max_failures": 2}},
+    });
+    let (status, started) = scenario.server.post("/v1/desired", &body).await.unwrap();
+    assert_eq!(status, 200, "{started}");
+    let run_id = started["run_id"].as_str().unwrap().to_owned();
+
+    wait_until(Duration::from_secs(30), "the rollout pauses", || async {
+        run(&scenario, &run_id).await["rollout"]["state"] == "paused"
+    })
+    .await
+    .unwrap();
+    let paused = run(&scenario, &run_id).await;
+    assert_eq!(paused["counts"]["already_converged"], 900, "{paused}");
+    let waves = &paused["rollout"]["waves"];
+    assert_eq!(waves[0]["size"], 10);
+    assert_eq!(
+        waves[0]["provisioned"], 10,
+        "the first wave pushed exactly 10"
+    );
+    assert_eq!(waves[1]["size"], 40);
+    assert_eq!(waves[1]["failed"], 3);
+    assert_eq!(waves[2]["state"], "pending");
+    assert_eq!(paused["rollout"]["paused"]["gate"], "max_failures");
+    let events = rollout_events(&scenario, &run_id).await;
+    let (_, data) = events
+        .iter()
+        .find(|(kind, _)| kind == "io.idem.rollout.paused")
+        .expect("a rollout.paused event");
+    assert_eq!(data["gate"], "max_failures");
+    assert_eq!(data["observed"], 3.0);
+    assert_eq!(data["limit"], 2.0);
+
+    // Nothing of the last wave is pushed while paused.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let last_wave = plan.devices[950].id.to_string();
+    let device = scenario.device(&last_wave).await.unwrap();
+    assert_eq!(device["reported"]["spec"]["firmware"], old["firmware"], "{device}");
+    assert_eq!(device["in_sync"], false, "{device}");
+
+    let (status, answer) = scenario
+        .server
+        .post(&format!("/v1/rollouts/{run_id}/resume"), &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    // A resumed wave is done: the last wave starts; abort it at once.
+    let (status, answer) = scenario
+        .server
+        .post(&format!("/v1/rollouts/{run_id}/abort"), &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let done = scenario
+        .server
+        .wait_run_completed(&run_id, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let counts = &done["counts"];
+    let total = [
+        "already_converged",
+        "provisioned",
+        "failed",
+        "skipped",
+        "superseded",
+    ]
+    .iter()
+    .map(|k| counts[k].as_u64().unwrap())
+    .sum::<u64>();
+    assert_eq!(total, 1_000, "{done}");
+    assert_eq!(counts["already_converged"], 900);
+    assert_eq!(counts["failed"], 3);
+    let skipped = counts["skipped"].as_u64().unwrap();
+    let provisioned = counts["provisioned"].as_u64().unwrap();
+    assert_eq!(provisioned + skipped, 97, "{done}");
+    assert!(
+        provisioned >= 47,
+        "the first two waves' 47 accepting devices: {done}"
+    );
+    let outcomes = scenario.server.run_outcomes(&run_id).await.unwrap();
+    let aborted = outcomes
+        .values()
+        .filter(|row| row["reason"] == "aborted")
+        .count() as u64;
+    assert_eq!(aborted, skipped, "every skip is an abort");
+    assert_eq!(done["rollout"]["state"], "aborted");
+
+    // Acting on an ended rollout, or on a run that is no rollout.
+    let (status, refused) = scenario
+        .server
+        .post(&format!("/v1/rollouts/{run_id}/resume"), &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, refused["error"]["code"].clone()),
+        (409, json!("rollout_state"))
+    );
+    let plain = scenario
+        .server
+        .start_run(&json!({"all": true}))
+        .await
+        .unwrap();
+    let (status, refused) = scenario
+        .server
+        .post(&format!("/v1/rollouts/{plain}/abort"), &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, refused["error"]["code"].clone()),
+        (409, json!("not_a_rollout"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waves_that_do_not_end_at_all_devices_are_refused_naming_the_field() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("rb-", 2).build().unwrap();
+    scenario
+        .register(&plan.devices, &plan.desired_spec)
+        .await
+        .unwrap();
+    let cases = [
+        (json!({"waves": ["10%", "50%"]}), "rollout.waves[1].size"),
+        (
+            json!({"waves": ["50%", "10%", "100%"]}),
+            "rollout.waves[1].size",
+        ),
+        (json!({"waves": ["150%"]}), "rollout.waves[0].size"),
+        (
+            json!({"waves": ["100%"], "gates": {"min_success_ratio": 1.5}}),
+            "rollout.gates.min_success_ratio",
+        ),
+    ];
+    for (rollout, field) in cases {
+        let body = json!({"all": true, "spec": {"fw": 2}, "rollout": rollout});
+        let (status, answer) = scenario.server.post("/v1/desired", &body).await.unwrap();
+        assert_eq!(status, 400, "{rollout}: {answer}");
+        assert_eq!(answer["error"]["code"], "invalid_rollout");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(field), "{message} names {field}");
+    }
+}
