@@ -223,7 +223,11 @@ mod tests {
     fn event_types_round_trip_through_their_names() {
         let all: Vec<EventType> = EventType::all().collect();
         let names: std::collections::BTreeSet<&str> = all.iter().map(|t| t.as_str()).collect();
-        assert_eq!(names.len(), OutcomeKind::ALL.len() + 10, "one name per type");
+        assert_eq!(
+            names.len(),
+            OutcomeKind::ALL.len() + 10,
+            "one name per type"
+        );
         for t in all {
             assert_eq!(EventType::parse(t.as_str()), Some(t));
             assert_eq!(t.to_string(), t.as_str());

@@ -93,7 +93,10 @@ async fn a_canary_of_the_devices_that_need_the_change_pauses_on_its_gate_resumes
     tokio::time::sleep(Duration::from_secs(1)).await;
     let last_wave = plan.devices[950].id.to_string();
     let device = scenario.device(&last_wave).await.unwrap();
-    assert_eq!(device["reported"]["spec"]["firmware"], old["firmware"], "{device}");
+    assert_eq!(
+        device["reported"]["spec"]["firmware"], old["firmware"],
+        "{device}"
+    );
     assert_eq!(device["in_sync"], false, "{device}");
 
     let (status, answer) = scenario

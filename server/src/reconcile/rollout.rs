@@ -94,6 +94,18 @@ pub struct WaveSpec {
     pub approve: bool,
 }
 
+impl WaveSpec {
+    /// A wave of `size` with no pause, no gate and no approval.
+    pub fn sized(size: WaveSize) -> Self {
+        Self {
+            size,
+            pause: Pause::None,
+            gates: Gates::default(),
+            approve: false,
+        }
+    }
+}
+
 /// The waves of a rollout, checked: cumulative sizes that increase and end
 /// at 100 %, ratios within [0, 1].
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -1,12 +1,7 @@
 use super::*;
 
 fn wave(size: WaveSize) -> WaveSpec {
-    WaveSpec {
-        size,
-        pause: Pause::None,
-        gates: Gates::default(),
-        approve: false,
-    }
+    WaveSpec::sized(size)
 }
 
 fn pct(p: f64) -> WaveSize {

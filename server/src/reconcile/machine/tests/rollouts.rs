@@ -9,12 +9,7 @@ use crate::reconcile::rollout::{
 };
 
 fn wave(size: WaveSize) -> WaveSpec {
-    WaveSpec {
-        size,
-        pause: Pause::None,
-        gates: Gates::default(),
-        approve: false,
-    }
+    WaveSpec::sized(size)
 }
 
 fn pct(p: f64) -> WaveSize {
@@ -54,6 +49,18 @@ fn confirm_all(world: &mut World, answered: &mut usize) {
     }
     *answered = pushed.len();
     world.settle();
+}
+
+/// An operator's action on `run`'s rollout, carried out and written.
+fn act(
+    world: &mut World,
+    run: Uuid,
+    action: RolloutAction,
+) -> Result<crate::reconcile::rollout::StoredRollout, RolloutActionError> {
+    let (effects, stored) = world.machine.act_on_rollout(run, action, world.now())?;
+    world.carry(effects);
+    world.settle();
+    Ok(stored)
 }
 
 fn event_types(world: &World) -> Vec<&'static str> {
@@ -133,12 +140,7 @@ fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushed_until_a_resume() {
     assert_eq!(world.pushed().len(), 10, "paused: no further push");
     assert!(!world.is_completed(run));
 
-    let (effects, stored) = world
-        .machine
-        .act_on_rollout(run, RolloutAction::Resume, world.now())
-        .unwrap();
-    world.carry(effects);
-    world.settle();
+    let stored = act(&mut world, run, RolloutAction::Resume).unwrap();
     assert_eq!(
         stored.current, 2,
         "the paused wave was done: the next one runs"
@@ -155,23 +157,27 @@ fn a_breached_gate_pauses_at_once_and_nothing_more_is_pushed_until_a_resume() {
 fn an_abort_skips_the_devices_not_yet_pushed_and_keeps_the_outcomes_of_those_pushed() {
     let mut world = World::new(no_retries());
     let targets = fleet(&mut world);
+    // The broker still holds generation 1 retained for the devices that
+    // need the change, as after any desired change.
+    for device in &targets[..20] {
+        let change = DeviceChange {
+            retained: Some(1),
+            ..DeviceChange::default()
+        };
+        world
+            .fleet
+            .apply_committed([FleetChange::Engine(device.clone(), change)]);
+    }
     let run = world.create_rollout(targets, gated(0), "alice");
     world.settle();
     // Wave 0 (d-00000, d-00001): one refuses, the gate pauses at once;
     // the other is still in flight.
     world.rejects(&id("d-00000"), 2, 1);
     world.settle();
-    let refused = world
-        .machine
-        .act_on_rollout(run, RolloutAction::Resume, world.now());
-    assert!(refused.is_ok(), "a gate pause can be resumed");
-    // Paused again? No: the gate is waived; abort it while d-00001 is out.
-    let (effects, stored) = world
-        .machine
-        .act_on_rollout(run, RolloutAction::Abort, world.now())
-        .unwrap();
-    world.carry(effects);
-    world.settle();
+    let resumed = act(&mut world, run, RolloutAction::Resume).unwrap();
+    assert_eq!(resumed.state, StoredState::Running, "a gate pause resumes");
+    // Its gate waived, the wave goes on; abort while d-00001's push is out.
+    let stored = act(&mut world, run, RolloutAction::Abort).unwrap();
     assert_eq!(stored.state, StoredState::Aborted);
     assert!(!world.is_completed(run), "d-00001's push is still answered");
     world.reports(&id("d-00001"), 2, Some(2));
@@ -196,10 +202,7 @@ fn an_abort_skips_the_devices_not_yet_pushed_and_keeps_the_outcomes_of_those_pus
         "no retained refresh brought the aborted devices the change"
     );
     assert_eq!(
-        world
-            .machine
-            .act_on_rollout(run, RolloutAction::Resume, world.now())
-            .unwrap_err(),
+        act(&mut world, run, RolloutAction::Resume).unwrap_err(),
         RolloutActionError::NotInProgress
     );
 }
@@ -228,12 +231,7 @@ fn a_timed_pause_starts_the_next_wave_when_it_is_over_and_a_manual_one_waits_for
     confirm_all(&mut world, &mut answered);
     world.wait(Duration::from_secs(600));
     assert_eq!(world.pushed().len(), 5, "a manual pause waits");
-    let (effects, _) = world
-        .machine
-        .act_on_rollout(run, RolloutAction::Resume, world.now())
-        .unwrap();
-    world.carry(effects);
-    world.settle();
+    let _ = act(&mut world, run, RolloutAction::Resume).unwrap();
     assert_eq!(world.pushed().len(), 20);
 }
 
@@ -253,25 +251,14 @@ fn a_wave_marked_approve_waits_for_someone_other_than_the_author() {
     assert_eq!(world.pushed().len(), 2);
     let by = |name: &str| RolloutAction::Approve { by: name.into() };
     assert_eq!(
-        world
-            .machine
-            .act_on_rollout(run, by("alice"), world.now())
-            .unwrap_err(),
+        act(&mut world, run, by("alice")).unwrap_err(),
         RolloutActionError::NotNow(crate::reconcile::rollout::NotNow::SelfApproval)
     );
     assert_eq!(
-        world
-            .machine
-            .act_on_rollout(run, RolloutAction::Resume, world.now())
-            .unwrap_err(),
+        act(&mut world, run, RolloutAction::Resume).unwrap_err(),
         RolloutActionError::NotNow(crate::reconcile::rollout::NotNow::AwaitingApproval)
     );
-    let (effects, stored) = world
-        .machine
-        .act_on_rollout(run, by("bob"), world.now())
-        .unwrap();
-    world.carry(effects);
-    world.settle();
+    let stored = act(&mut world, run, by("bob")).unwrap();
     assert_eq!(stored.approvals.len(), 1);
     assert_eq!(stored.approvals[0].by, "bob");
     assert_eq!(world.pushed().len(), 20);
