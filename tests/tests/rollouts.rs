@@ -192,6 +192,12 @@ async fn waves_that_do_not_end_at_all_devices_are_refused_naming_the_field() {
             "rollout.gates.min_success_ratio",
         ),
     ];
+    let body = json!({"all": true, "rollout": {"waves": ["100%"]}});
+    let (status, answer) = scenario.server.post("/v1/runs", &body).await.unwrap();
+    assert_eq!(
+        (status, answer["error"]["code"].clone()),
+        (400, json!("invalid_rollout"))
+    );
     for (rollout, field) in cases {
         let body = json!({"all": true, "spec": {"fw": 2}, "rollout": rollout});
         let (status, answer) = scenario.server.post("/v1/desired", &body).await.unwrap();

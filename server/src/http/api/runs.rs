@@ -46,6 +46,12 @@ pub(super) async fn start_manual_run(
             "POST /v1/runs re-checks without a change; set a spec with POST /v1/desired",
         ));
     }
+    if body.rollout.is_some() {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidRollout,
+            "POST /v1/runs re-checks without a change and is never staged; stage a change with `rollout` in POST /v1/desired",
+        ));
+    }
     let targets = resolve_targets(&state, &body).await?;
     let count = targets.len();
     let note = |joined: bool| AuditNote {
