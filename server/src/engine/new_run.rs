@@ -242,7 +242,7 @@ pub async fn commit_run(
             let (started, _) =
                 Rollout::start(spec.clone(), undecided.len() as u64, run.started_by.clone());
             let stored = started.stored(std::time::Instant::now(), chrono::Utc::now());
-            store::runs::set_rollout(write.tx(), run_id, &stored.to_json()).await?;
+            store::runs::store_rollouts(write.tx(), &[(run_id, stored.to_json())]).await?;
             Some(RunRollout {
                 start: RolloutStart::New {
                     spec,

@@ -210,16 +210,6 @@ pub async fn store_rollouts(
     Ok(())
 }
 
-/// The first stored rollout of a run being created, in the creating
-/// transaction.
-pub async fn set_rollout(
-    tx: &mut Transaction<'_, Postgres>,
-    run_id: Uuid,
-    rollout: &serde_json::Value,
-) -> Result<(), StoreError> {
-    store_rollouts(tx, &[(run_id, rollout.clone())]).await
-}
-
 /// Marks runs completed; returns the ids of those this call completed (a
 /// run some other writer completed already is not among them). Their counts
 /// are the machine's to announce; the row's own were added by
@@ -288,15 +278,6 @@ pub async fn unfinished(pool: &PgPool) -> Result<Vec<RunRow>, StoreError> {
     .fetch_all(pool)
     .await
     .context("listing unfinished runs")
-}
-
-/// Targets of a run that have no outcome yet.
-pub async fn undecided_targets(pool: &PgPool, run_id: Uuid) -> Result<Vec<String>, StoreError> {
-    sqlx::query_scalar("SELECT device_id FROM run_targets WHERE run_id = $1 AND outcome IS NULL ORDER BY device_id")
-        .bind(run_id)
-        .fetch_all(pool)
-        .await
-        .context("listing undecided run targets")
 }
 
 /// Targets of a rollout run that have no outcome yet, with their waves.
