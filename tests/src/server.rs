@@ -109,6 +109,8 @@ pub struct ServerSettings {
     pub ready_timeout: Duration,
     /// `--plan-ttl`.
     pub plan_ttl: Duration,
+    /// `--require-approval`.
+    pub require_approval: bool,
 }
 
 impl Default for ServerSettings {
@@ -152,6 +154,7 @@ impl Default for ServerSettings {
             https: None,
             ready_timeout: Duration::from_secs(15),
             plan_ttl: server.changes.plan_ttl,
+            require_approval: false,
         }
     }
 }
@@ -185,6 +188,7 @@ impl TestServer {
         config.engine.stale_after = settings.stale_after;
         config.readiness.stuck_after = settings.stuck_after;
         config.changes.plan_ttl = settings.plan_ttl;
+        config.changes.require_approval = settings.require_approval;
         config.http.http_max_connections = settings.http_max_connections;
         config.http.http_header_timeout = settings.http_header_timeout;
         config.http.http_body_timeout = settings.http_body_timeout;

@@ -89,6 +89,33 @@ async fn a_canary_of_the_devices_that_need_the_change_pauses_on_its_gate_resumes
     assert_eq!(data["observed"], 3.0);
     assert_eq!(data["limit"], 2.0);
 
+    // The dashboard's series say so, without a device id.
+    let metric = |series: &'static str| {
+        let server = &scenario.server;
+        async move { server.metric(series).await.unwrap() }
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "the gauges show the pause",
+        || async { metric("idem_rollouts{state=\"paused_gate\"}").await == 1.0 },
+    )
+    .await
+    .unwrap();
+    assert_eq!(metric("idem_rollouts{state=\"running\"}").await, 0.0);
+    assert_eq!(
+        metric("idem_rollout_wave_devices{progress=\"size\"}").await,
+        40.0
+    );
+    assert_eq!(metric("idem_rollout_devices_waiting").await, 50.0);
+    assert_eq!(
+        metric("idem_rollout_steps_total{step=\"paused\"}").await,
+        1.0
+    );
+    assert_eq!(
+        metric("idem_rollout_steps_total{step=\"wave_completed\"}").await,
+        1.0
+    );
+
     // Nothing of the last wave is pushed while paused.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let last_wave = plan.devices[950].id.to_string();
@@ -131,6 +158,26 @@ async fn a_canary_of_the_devices_that_need_the_change_pauses_on_its_gate_resumes
     assert_eq!(total, 1_000, "{done}");
     assert_eq!(counts["already_converged"], 900);
     assert_eq!(counts["failed"], 3);
+    wait_until(
+        Duration::from_secs(10),
+        "the gauges show no rollout",
+        || async {
+            metric("idem_rollouts{state=\"running\"}").await
+                + metric("idem_rollouts{state=\"paused_gate\"}").await
+                == 0.0
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(metric("idem_rollout_devices_waiting").await, 0.0);
+    assert_eq!(
+        metric("idem_rollout_steps_total{step=\"aborted\"}").await,
+        1.0
+    );
+    assert_eq!(
+        metric("idem_rollout_steps_total{step=\"resumed\"}").await,
+        1.0
+    );
     let skipped = counts["skipped"].as_u64().unwrap();
     let provisioned = counts["provisioned"].as_u64().unwrap();
     assert_eq!(provisioned + skipped, 97, "{done}");

@@ -35,13 +35,16 @@ pub const TOKEN_NAME_PATTERN: &str = "^[A-Za-z0-9_.-]+$";
 /// year 5000.
 pub const TOKEN_LIFETIME_PATTERN: &str = "^[0-9]{1,6}(ms|s|m|h|d)?$";
 
-/// Whether `name` is a valid token name.
-/// Longest reason of an exemption, in characters.
+/// Longest reason of an exemption or an approval policy, in characters.
 pub const MAX_EXEMPTION_REASON_CHARS: usize = 512;
 
 /// Most exemptions in force at once (each is checked against every device
 /// its selector may match).
 pub const MAX_EXEMPTIONS: i64 = 1_000;
+
+/// Most approval policies at once (each is checked against the devices of
+/// every desired change).
+pub const MAX_APPROVAL_POLICIES: i64 = 100;
 
 /// Owned-field paths in one list (server-wide, or of one selector), at most.
 pub const MAX_OWNED_FIELDS: usize = 64;

@@ -131,6 +131,8 @@ error_codes! {
     InvalidExpiry = "invalid_expiry",
     /// A broker password that breaks the password rules.
     InvalidBrokerPassword = "invalid_broker_password",
+    /// An approval policy id that is not a UUID.
+    InvalidApprovalPolicyId = "invalid_approval_policy_id",
     /// A `rollout` whose waves do not increase, do not end at `"100%"`,
     /// or whose pause or gates are out of range (the message names the
     /// field).
@@ -170,6 +172,16 @@ error_codes! {
     /// An operator tried to approve their own change; another operator's
     /// token must.
     SelfApproval = "self_approval",
+    /// The change needs another operator's approval: make a plan
+    /// (`POST /v1/plans`), have it approved (`POST /v1/plans/{id}/approve`),
+    /// then apply it.
+    ApprovalRequired = "approval_required",
+    /// The plan was approved already (the message says by whom).
+    AlreadyApproved = "already_approved",
+    /// No approval policy has this id.
+    UnknownApprovalPolicy = "unknown_approval_policy",
+    /// As many approval policies exist as the server allows.
+    TooManyApprovalPolicies = "too_many_approval_policies",
     /// The device id is the user name of another broker account.
     ReservedBrokerAccount = "reserved_broker_account",
     /// The server does not manage broker accounts (`--broker-accounts none`).

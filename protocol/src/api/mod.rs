@@ -9,6 +9,7 @@
 //! fields out.
 
 mod access;
+mod approvals;
 pub mod bounds;
 mod devices;
 mod error_code;
@@ -27,6 +28,7 @@ pub use access::{
     AuditEntry, AuditPage, AuditQuery, TokenCreated, TokenList, TokenRequest, TokenRevoked,
     TokenView,
 };
+pub use approvals::{ApprovalPolicyList, ApprovalPolicyRequest, ApprovalPolicyView};
 pub use devices::{
     Attempt, CredentialsRequest, DesiredSet, DesiredView, DeviceDeleted, DeviceDesired,
     DeviceListQuery, DevicePage, DeviceRegistration, DeviceUpsert, DeviceView, FieldChangeKind,
@@ -38,8 +40,8 @@ pub use exemptions::schema::ExemptionRequest as ExemptionRequestSchema;
 pub use exemptions::{ExemptionList, ExemptionRequest, ExemptionView};
 pub use owned::{OwnedBySelector, OwnedFieldsDeclaration, OwnedFieldsView};
 pub use plans::{
-    PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
-    PlanState, PlanView, PlannedDevice,
+    PlanApplyRequest, PlanApproval, PlanApproved, PlanChange, PlanCounts, PlanDevicePage,
+    PlanDeviceQuery, PlanSkipCounts, PlanSkipReason, PlanState, PlanView, PlannedDevice,
 };
 pub use rollouts::{
     ApprovalView, GatesRequest, PausedView, RolloutActed, RolloutRequest, RolloutStateName,

@@ -31,6 +31,43 @@ pub struct PlanView {
     pub devices: Vec<PlannedDevice>,
     /// Continue with `GET /v1/plans/{id}/devices?change=push&after=…`.
     pub next_after: Option<String>,
+    /// Whether applying it needs another operator's approval, and who gave it.
+    pub approval: PlanApproval,
+}
+
+/// A plan's approval: required when the server requires it of every change
+/// (`--require-approval`) or an approval policy covers one of its devices,
+/// judged again when it is applied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlanApproval {
+    pub required: bool,
+    /// Why it is required (the flag, or the policy and how many of the
+    /// plan's devices it covers).
+    pub reason: Option<String>,
+    /// The token that approved it (`POST /v1/plans/{id}/approve`).
+    pub approved_by: Option<String>,
+    pub approved_at: Option<DateTime<Utc>>,
+}
+
+/// The body of `POST /v1/plans/{id}/apply` (optional): the waves to apply
+/// the plan in.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PlanApplyRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::api::rollouts::schema::optional_rollout))]
+    pub rollout: Option<super::RolloutRequest>,
+}
+
+/// The answer of `POST /v1/plans/{id}/approve`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlanApproved {
+    pub plan_id: Uuid,
+    pub approved_by: String,
+    pub approved_at: DateTime<Utc>,
 }
 
 /// Where a plan stands.

@@ -34,7 +34,7 @@ pub enum WaveRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum WaveSizeRequest {
-    Count(u64),
+    Count(#[serde(deserialize_with = "whole::number")] u64),
     Text(String),
 }
 
@@ -64,12 +64,85 @@ pub struct GatesRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_success_ratio: Option<f64>,
     /// Failed devices in the wave, at most (a count).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "whole::optional"
+    )]
     pub max_failures: Option<u64>,
     /// Failed devices over the wave's devices, at most (within [0, 1]);
     /// not together with `max_failures`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_failure_ratio: Option<f64>,
+}
+
+/// The largest count a wave size or a gate takes (the largest whole
+/// number every JSON reader holds exactly).
+pub const MAX_COUNT: u64 = 9_007_199_254_740_991;
+
+/// Counts as JSON may write them: `10`, or `10.0` (JSON Schema calls that
+/// an integer too), never `10.5` or a negative number.
+mod whole {
+    use serde::de::{self, Deserializer, Visitor};
+    use std::fmt;
+
+    struct Whole;
+
+    impl Visitor<'_> for Whole {
+        type Value = u64;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a whole number from 0 to 2^53 - 1")
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+            if v <= super::MAX_COUNT {
+                Ok(v)
+            } else {
+                Err(E::invalid_value(de::Unexpected::Unsigned(v), &self))
+            }
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+            match u64::try_from(v) {
+                Ok(v) => self.visit_u64(v),
+                Err(_) => Err(E::invalid_value(de::Unexpected::Signed(v), &self)),
+            }
+        }
+
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
+            // Up to MAX_COUNT (2^53 - 1) every whole f64 is exact.
+            if v.fract() == 0.0 && (0.0..=super::MAX_COUNT as f64).contains(&v) {
+                Ok(v as u64)
+            } else {
+                Err(E::invalid_value(de::Unexpected::Float(v), &self))
+            }
+        }
+    }
+
+    pub fn number<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        d.deserialize_any(Whole)
+    }
+
+    pub fn optional<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        struct Optional;
+        impl<'de> Visitor<'de> for Optional {
+            type Value = Option<u64>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a whole number of at least 0, or null")
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Option<u64>, E> {
+                Ok(None)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Option<u64>, E> {
+                Ok(None)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<u64>, D::Error> {
+                number(d).map(Some)
+            }
+        }
+        d.deserialize_option(Optional)
+    }
 }
 
 /// Where a rollout stands.
@@ -187,7 +260,7 @@ pub mod schema {
     };
     use utoipa::openapi::RefOr;
 
-    use super::{MAX_WAVES, PAUSE_PATTERN, WAVE_PERCENT_PATTERN};
+    use super::{MAX_COUNT, MAX_WAVES, PAUSE_PATTERN, WAVE_PERCENT_PATTERN};
 
     fn ratio() -> Schema {
         ObjectBuilder::new()
@@ -202,7 +275,8 @@ pub mod schema {
             .item(
                 ObjectBuilder::new()
                     .schema_type(Type::Integer)
-                    .minimum(Some(1.0)),
+                    .minimum(Some(1.0))
+                    .maximum(Some(MAX_COUNT as f64)),
             )
             .item(
                 ObjectBuilder::new()
@@ -230,7 +304,8 @@ pub mod schema {
                 "max_failures",
                 ObjectBuilder::new()
                     .schema_type(Type::Integer)
-                    .minimum(Some(0.0)),
+                    .minimum(Some(0.0))
+                    .maximum(Some(MAX_COUNT as f64)),
             )
             .property("max_failure_ratio", ratio())
             .description(Some(
@@ -252,7 +327,16 @@ pub mod schema {
         OneOfBuilder::new().item(size()).item(detailed).into()
     }
 
-    /// `rollout` of `POST /v1/desired`.
+    /// `rollout` of `POST /v1/desired` and `POST /v1/plans/{id}/apply`,
+    /// or `null` (no waves: every device at once).
+    pub fn optional_rollout() -> Schema {
+        OneOfBuilder::new()
+            .item(rollout())
+            .item(ObjectBuilder::new().schema_type(Type::Null))
+            .into()
+    }
+
+    /// `rollout` of `POST /v1/desired` and `POST /v1/plans/{id}/apply`.
     pub fn rollout() -> Schema {
         ObjectBuilder::new()
             .schema_type(Type::Object)
@@ -271,5 +355,37 @@ pub mod schema {
             ))
             .additional_properties(Some(AdditionalProperties::FreeForm(false)))
             .into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_count_written_as_a_whole_float_is_a_count_and_a_fraction_or_negative_is_refused() {
+        let request: RolloutRequest = serde_json::from_value(json!({
+            "waves": [10.0, {"size": 20.0}, "100%"],
+            "gates": {"max_failures": 2.0},
+        }))
+        .unwrap();
+        assert_eq!(
+            request.waves[0],
+            WaveRequest::Size(WaveSizeRequest::Count(10))
+        );
+        assert_eq!(request.gates.unwrap().max_failures, Some(2));
+        let too_big = json!({"waves": [MAX_COUNT + 1]});
+        for bad in [json!({"waves": [1.5]}), json!({"waves": [-1]}), too_big] {
+            assert!(
+                serde_json::from_value::<RolloutRequest>(bad.clone()).is_err(),
+                "{bad}"
+            );
+        }
+        let bad_gate = json!({"waves": ["100%"], "gates": {"max_failures": 2.5}});
+        assert!(serde_json::from_value::<RolloutRequest>(bad_gate).is_err());
+        let no_gate = json!({"waves": ["100%"], "gates": {"max_failures": null}});
+        let request: RolloutRequest = serde_json::from_value(no_gate).unwrap();
+        assert_eq!(request.gates.unwrap().max_failures, None);
     }
 }

@@ -44,6 +44,9 @@ pub struct RunView {
     /// for every other run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan_id: Option<Uuid>,
+    /// The approval of the plan it applied, when it needed one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<super::ApprovalView>,
     /// Its waves and where they stand, for a staged rollout; absent for
     /// every other run.
     #[serde(default, skip_serializing_if = "Option::is_none")]

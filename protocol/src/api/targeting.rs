@@ -271,7 +271,7 @@ pub mod schema {
             object
                 .property("spec", bounds::spec_not_null())
                 .required("spec")
-                .property("rollout", crate::api::rollouts::schema::rollout())
+                .property("rollout", crate::api::rollouts::schema::optional_rollout())
         } else {
             object.property("spec", null()).property("rollout", null())
         };

@@ -1,6 +1,7 @@
 //! The changes group (`--help` heading "Changes"): how long a plan
 //! (`POST /v1/plans`) can be applied, how many the server keeps, and the
-//! longest drift exemption (`POST /v1/exemptions`).
+//! longest drift exemption (`POST /v1/exemptions`), and whether every
+//! desired change needs a second operator's approval.
 
 use std::time::Duration;
 
@@ -23,6 +24,13 @@ pub struct ChangesArgs {
     /// (at least 1s, at most 365d).
     #[arg(long, env = "IDEM_EXEMPTION_MAX", default_value = "30d", value_parser = parse_duration)]
     pub exemption_max: Duration,
+
+    /// Every desired change needs approval: it is applied only through a
+    /// plan (`POST /v1/plans`) that a token other than its author's
+    /// approved (`POST /v1/plans/{id}/approve`). Without it, only changes
+    /// to devices an approval policy covers do (`POST /v1/approval-policies`).
+    #[arg(long, env = "IDEM_REQUIRE_APPROVAL", default_value_t = false)]
+    pub require_approval: bool,
 }
 
 /// The changes group, validated.
@@ -30,6 +38,7 @@ pub struct ChangesArgs {
 pub struct ChangesSettings {
     pub plan_ttl: Duration,
     pub exemption_max: Duration,
+    pub require_approval: bool,
 }
 
 impl ChangesArgs {
@@ -46,6 +55,7 @@ impl ChangesArgs {
         Ok(ChangesSettings {
             plan_ttl: self.plan_ttl,
             exemption_max: self.exemption_max,
+            require_approval: self.require_approval,
         })
     }
 }

@@ -334,6 +334,7 @@ impl Engine {
         metrics
             .attempts_in_flight
             .set(stats.attempts_in_flight as f64);
+        metrics.set_rollouts(&stats.rollouts);
     }
 
     /// Writes `record` in one transaction, retrying until it commits or the
@@ -439,6 +440,9 @@ impl Engine {
         metrics.retries.increment(record.tally.retries);
         metrics.quarantined.increment(record.tally.quarantines);
         metrics.drifts.increment(record.tally.drifts);
+        for draft in &record.drafts {
+            metrics.rollout_step(draft.event_type.as_str());
+        }
         for run in announced(record, &committed.completed) {
             metrics.run_duration.record(run.elapsed.as_secs_f64());
             metrics.runs_completed.increment(1);

@@ -14,7 +14,7 @@ use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedD
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::device::DeviceEntry;
 use crate::reconcile::owned::NewSpecDigests;
-use crate::reconcile::plan::{retargeted, Plan, Staleness};
+use crate::reconcile::plan::{retargeted, Plan, PlanApproval, Staleness};
 use crate::reconcile::policy::{converged_targets, Converged};
 use crate::reconcile::rollout::{assign_waves, Rollout, RolloutSpec};
 pub use crate::reconcile::run::Trigger;
@@ -45,6 +45,8 @@ pub enum CommitRunError {
 #[derive(Debug)]
 pub struct FromPlan {
     pub plan: Arc<Plan>,
+    /// Its approval, recorded with the run.
+    pub approval: Option<PlanApproval>,
 }
 
 /// A run to commit.
@@ -94,14 +96,15 @@ impl NewRun {
         self
     }
 
-    /// The run that applies `plan` (its devices, spec and force).
-    pub fn applying(plan: Arc<Plan>) -> Self {
+    /// The run that applies `plan` (its devices, spec and force), with
+    /// the approval it was given.
+    pub fn applying(plan: Arc<Plan>, approval: Option<PlanApproval>) -> Self {
         let targets = plan.devices.iter().map(|d| d.id.clone()).collect();
         let spec = Value::clone(&plan.spec);
         let mut run = Self::new(targets, Trigger::Desired)
             .forced(plan.force)
             .changing_desired_to(spec);
-        run.plan = Some(FromPlan { plan });
+        run.plan = Some(FromPlan { plan, approval });
         run
     }
 
@@ -225,6 +228,7 @@ pub async fn commit_run(
         force: run.force,
         started_by: run.started_by.as_deref(),
         plan_id: run.plan.as_ref().map(|from| from.plan.id),
+        approval: run.plan.as_ref().and_then(|from| from.approval.as_ref()),
     };
     write_run(
         &mut write,

@@ -41,6 +41,40 @@ where
     }
 }
 
+/// A JSON body that may be left out: no body at all, or `null`, is
+/// `T::default()`; any other is decoded as [`ApiJson`] decodes it.
+pub struct ApiJsonOrEmpty<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJsonOrEmpty<T>
+where
+    T: DeserializeOwned + Default,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let (parts, body) = req.into_parts();
+        let bytes = axum::body::Bytes::from_request(Request::new(body), state)
+            .await
+            .map_err(|e| ApiError::bad_request(ErrorCode::InvalidBody, e.body_text()))?;
+        if bytes.is_empty() {
+            return Ok(ApiJsonOrEmpty(T::default()));
+        }
+        let req = Request::from_parts(parts, axum::body::Body::from(bytes));
+        let ApiJson(value) = ApiJson::<Value>::from_request(req, state).await?;
+        if value.is_null() {
+            return Ok(ApiJsonOrEmpty(T::default()));
+        }
+        decode_strictly(&value).map(ApiJsonOrEmpty).map_err(|e| {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                ErrorCode::InvalidBody,
+                e.to_string(),
+            )
+        })
+    }
+}
+
 /// `T` from `value`, refusing an array where `T` (or any part of it) is an
 /// object.
 pub fn decode_strictly<T: DeserializeOwned>(value: &Value) -> Result<T, serde_json::Error> {

@@ -368,6 +368,22 @@ pub enum Unusable {
     Applying,
 }
 
+/// A plan's approval by a token other than its author's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanApproval {
+    pub by: String,
+    pub at: DateTime<Utc>,
+}
+
+/// Why a plan cannot be approved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApproveRefusal {
+    Unusable(Unusable),
+    /// The approving token is the plan's author.
+    SelfApproval,
+    Approved(PlanApproval),
+}
+
 /// A kept plan's own state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -383,7 +399,14 @@ enum Slot {
 pub struct PlanBook {
     capacity: usize,
     /// Oldest first.
-    plans: Vec<(Arc<Plan>, Slot)>,
+    plans: Vec<Kept>,
+}
+
+#[derive(Debug)]
+struct Kept {
+    plan: Arc<Plan>,
+    slot: Slot,
+    approval: Option<PlanApproval>,
 }
 
 impl PlanBook {
@@ -396,57 +419,114 @@ impl PlanBook {
 
     /// Keeps `plan`, forgetting the oldest beyond the capacity.
     pub fn insert(&mut self, plan: Plan, now: DateTime<Utc>) -> Arc<Plan> {
-        self.plans.retain(|(p, slot)| {
-            *slot == Slot::Applying || now < p.expires_at + (p.expires_at - p.created_at)
+        self.plans.retain(|k| {
+            k.slot == Slot::Applying
+                || now < k.plan.expires_at + (k.plan.expires_at - k.plan.created_at)
         });
         while self.plans.len() >= self.capacity {
             self.plans.remove(0);
         }
         let plan = Arc::new(plan);
-        self.plans.push((plan.clone(), Slot::Open));
+        self.plans.push(Kept {
+            plan: plan.clone(),
+            slot: Slot::Open,
+            approval: None,
+        });
         plan
     }
 
-    /// A kept plan and where it stands.
-    pub fn get(&self, id: Uuid, now: DateTime<Utc>) -> Option<(Arc<Plan>, PlanState)> {
-        let (plan, slot) = self.plans.iter().find(|(p, _)| p.id == id)?;
-        let state = match slot {
-            Slot::Applied(run) => PlanState::Applied(*run),
-            Slot::Open | Slot::Applying if now >= plan.expires_at => PlanState::Expired,
+    fn kept(&mut self, id: Uuid) -> Option<&mut Kept> {
+        self.plans.iter_mut().find(|k| k.plan.id == id)
+    }
+
+    /// A kept plan, where it stands and its approval.
+    pub fn get(
+        &self,
+        id: Uuid,
+        now: DateTime<Utc>,
+    ) -> Option<(Arc<Plan>, PlanState, Option<PlanApproval>)> {
+        let kept = self.plans.iter().find(|k| k.plan.id == id)?;
+        let state = match kept.slot {
+            Slot::Applied(run) => PlanState::Applied(run),
+            Slot::Open | Slot::Applying if now >= kept.plan.expires_at => PlanState::Expired,
             Slot::Open | Slot::Applying => PlanState::Open,
         };
-        Some((plan.clone(), state))
+        Some((kept.plan.clone(), state, kept.approval.clone()))
+    }
+
+    /// Approves an open plan by `by`, who must not be its author; an
+    /// approval is given once.
+    pub fn approve(
+        &mut self,
+        id: Uuid,
+        by: &str,
+        now: DateTime<Utc>,
+    ) -> Result<PlanApproval, ApproveRefusal> {
+        let Some(kept) = self.kept(id) else {
+            return Err(ApproveRefusal::Unusable(Unusable::Unknown));
+        };
+        match kept.slot {
+            Slot::Applied(run) => return Err(ApproveRefusal::Unusable(Unusable::Applied(run))),
+            Slot::Applying => return Err(ApproveRefusal::Unusable(Unusable::Applying)),
+            Slot::Open if now >= kept.plan.expires_at => {
+                return Err(ApproveRefusal::Unusable(Unusable::Expired(
+                    kept.plan.expires_at,
+                )))
+            }
+            Slot::Open => {}
+        }
+        if kept.plan.author == by {
+            return Err(ApproveRefusal::SelfApproval);
+        }
+        if let Some(given) = &kept.approval {
+            return Err(ApproveRefusal::Approved(given.clone()));
+        }
+        let approval = PlanApproval {
+            by: by.to_owned(),
+            at: now,
+        };
+        kept.approval = Some(approval.clone());
+        Ok(approval)
     }
 
     /// The plan, claimed for one call to apply it: a second call is refused
     /// until [`PlanBook::applied`] or [`PlanBook::release`].
-    pub fn claim(&mut self, id: Uuid, now: DateTime<Utc>) -> Result<Arc<Plan>, Unusable> {
-        let Some((plan, slot)) = self.plans.iter_mut().find(|(p, _)| p.id == id) else {
+    /// With its approval, if it has one.
+    pub fn claim(
+        &mut self,
+        id: Uuid,
+        now: DateTime<Utc>,
+    ) -> Result<(Arc<Plan>, Option<PlanApproval>), Unusable> {
+        let Some(kept) = self.kept(id) else {
             return Err(Unusable::Unknown);
         };
-        match *slot {
+        match kept.slot {
             Slot::Applied(run) => Err(Unusable::Applied(run)),
             Slot::Applying => Err(Unusable::Applying),
-            Slot::Open if now >= plan.expires_at => Err(Unusable::Expired(plan.expires_at)),
+            Slot::Open if now >= kept.plan.expires_at => {
+                Err(Unusable::Expired(kept.plan.expires_at))
+            }
             Slot::Open => {
-                *slot = Slot::Applying;
-                Ok(plan.clone())
+                kept.slot = Slot::Applying;
+                Ok((kept.plan.clone(), kept.approval.clone()))
             }
         }
     }
 
     /// The claiming call's run applied the plan.
     pub fn applied(&mut self, id: Uuid, run: Uuid) {
-        if let Some((_, slot)) = self.plans.iter_mut().find(|(p, _)| p.id == id) {
-            *slot = Slot::Applied(run);
+        if let Some(kept) = self.kept(id) {
+            kept.slot = Slot::Applied(run);
         }
     }
 
     /// The claiming call did not apply it (refused, or the engine stopped):
     /// it is open again.
     pub fn release(&mut self, id: Uuid) {
-        if let Some((_, slot @ Slot::Applying)) = self.plans.iter_mut().find(|(p, _)| p.id == id) {
-            *slot = Slot::Open;
+        if let Some(kept) = self.kept(id) {
+            if kept.slot == Slot::Applying {
+                kept.slot = Slot::Open;
+            }
         }
     }
 }

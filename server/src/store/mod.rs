@@ -5,6 +5,7 @@
 //! Holds no business rules: callers decide, this module persists.
 
 pub mod access;
+pub mod approvals;
 pub mod cache;
 pub mod copy;
 pub mod devices;

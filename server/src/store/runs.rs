@@ -8,6 +8,7 @@ use uuid::Uuid;
 use super::copy::copy_in;
 use super::{to_i64, Context, StoreError};
 use crate::reconcile::machine::OutcomeRecord;
+use crate::reconcile::plan::PlanApproval;
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct RunRow {
@@ -28,6 +29,9 @@ pub struct RunRow {
     pub plan_id: Option<Uuid>,
     /// Its rollout as stored ([`crate::reconcile::rollout::StoredRollout`]).
     pub rollout: Option<sqlx::types::Json<serde_json::Value>>,
+    /// Who approved the plan it applied, and when.
+    pub approved_by: Option<String>,
+    pub approved_at: Option<DateTime<Utc>>,
 }
 
 impl RunRow {
@@ -45,7 +49,8 @@ impl RunRow {
 
 const RUN_COLUMNS: &str =
     "id, trigger, state, force, target_count, already_converged, provisioned, \
-    failed, skipped, superseded, started_at, finished_at, started_by, plan_id, rollout";
+    failed, skipped, superseded, started_at, finished_at, started_by, plan_id, rollout, \
+    approved_by, approved_at";
 
 /// The run row to insert.
 #[derive(Debug, Clone, Copy)]
@@ -55,6 +60,7 @@ pub struct NewRunRow<'a> {
     pub force: bool,
     pub started_by: Option<&'a str>,
     pub plan_id: Option<Uuid>,
+    pub approval: Option<&'a PlanApproval>,
 }
 
 /// A target whose outcome (`already_converged`) is known when its run is
@@ -78,8 +84,8 @@ pub async fn create(
     let id = run.id;
     let count = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
     sqlx::query(
-        "INSERT INTO runs (id, trigger, force, target_count, started_by, already_converged, plan_id) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        "INSERT INTO runs (id, trigger, force, target_count, started_by, already_converged, \
+         plan_id, approved_by, approved_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
     )
     .bind(id)
     .bind(run.trigger)
@@ -88,6 +94,8 @@ pub async fn create(
     .bind(run.started_by)
     .bind(count(converged.len()))
     .bind(run.plan_id)
+    .bind(run.approval.map(|a| a.by.as_str()))
+    .bind(run.approval.map(|a| a.at))
     .execute(&mut **tx)
     .await
     .context("creating a run")?;

@@ -1,5 +1,6 @@
 //! Desired state: `PUT /v1/devices/{id}/desired` and `POST /v1/desired`,
-//! each committing the change with its run through [`super::command`];
+//! each committing the change with its run through [`super::command`]
+//! (refused when it needs an approval: [`super::approvals`]);
 //! and what a bulk call targets (shared with `POST /v1/runs`).
 
 use idem_protocol::api::ErrorCode;
@@ -15,6 +16,7 @@ use idem_protocol::api::{
 use idem_protocol::{DeviceId, Generation, SpecDigest};
 use serde_json::{json, Value};
 
+use super::approvals::refuse_unapproved;
 use super::command::{audited_ids, recorded, start_run};
 use super::params::registered;
 use crate::app::state::AppState;
@@ -42,6 +44,7 @@ pub(super) async fn set_device_desired(
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     input::check_spec(state.config.fleet.budget, &body.spec)?;
+    refuse_unapproved(&state, &state.pool, &[id.to_string()]).await?;
     let note = AuditNote {
         targets: Some(1),
         detail: Some(
@@ -87,6 +90,8 @@ pub(super) async fn set_desired_bulk(
         .map(super::rollouts::checked_rollout)
         .transpose()?;
     let targets = resolve_targets(&state, &body).await?;
+    let target_ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
+    refuse_unapproved(&state, &state.pool, &target_ids).await?;
     let count = targets.len();
     let digest = SpecDigest::of(&spec).to_string();
     let note = AuditNote {

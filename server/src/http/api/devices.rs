@@ -18,6 +18,7 @@ use idem_protocol::api::{
 use idem_protocol::{DeviceId, DeviceStatus, SpecDigest};
 use serde_json::{json, Value};
 
+use super::approvals::refuse_unapproved;
 use super::command::{self, audited_ids, recorded, DeviceWrite};
 use super::credentials::{self, Issued};
 use super::params::{page_limit, parse_id, parse_labels, registered, unknown_device};
@@ -149,7 +150,7 @@ pub(super) async fn register_devices(
         .await?;
     // And into or out of a selector's owned fields.
     write.refresh_owned_of(&registered).await?;
-    let desired_changed = write_desired(&mut write, &checked.specs).await?;
+    let desired_changed = write_desired(&state, &mut write, &checked.specs).await?;
     let answer = Registered {
         created: counts.created,
         updated: counts.updated,
@@ -183,19 +184,27 @@ pub(super) async fn register_devices(
 
 /// Writes the registrations' desired specs in `write`; the cache follows
 /// after the commit and the engine refreshes the retained desired message
-/// of devices that have one. Returns how many devices' desired state changed.
+/// of devices that have one. Returns how many devices' desired state
+/// changed. A change to a device that had a desired state already is
+/// refused when it needs approval (a first desired state is not a change
+/// to what a device runs).
 async fn write_desired(
+    state: &AppState,
     write: &mut DeviceWrite<'_>,
     specs: &BTreeMap<SpecDigest, (Value, Vec<String>)>,
 ) -> Result<u64, ApiError> {
     let mut changed = 0;
     let mut changed_ids = Vec::new();
+    let mut replaced = Vec::new();
     for (digest, (spec, group)) in specs {
         let written =
             store::devices::set_desired(write.tx(), group, spec, &digest.to_string()).await?;
         changed += written.len() as u64;
         let spec = Arc::new(spec.clone());
         for w in written {
+            if w.desired_generation > 1 {
+                replaced.push(w.id.clone());
+            }
             let id = store::device_id(&w.id, "reading the ids of a desired change")?;
             // The cache leaves out what the device owns (`set_desired`).
             let desired = DesiredState::new(
@@ -208,6 +217,8 @@ async fn write_desired(
             changed_ids.push(id);
         }
     }
+    // Read in the registration's transaction: the labels it gave count.
+    refuse_unapproved(state, &mut **write.tx().tx(), &replaced).await?;
     if !changed_ids.is_empty() {
         write.then_tell(EngineCommand::DesiredChanged(changed_ids));
     }

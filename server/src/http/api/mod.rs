@@ -13,6 +13,7 @@ use axum::Router;
 use crate::app::state::AppState;
 use crate::http::auth::AuthState;
 
+mod approvals;
 mod audit;
 mod command;
 mod credentials;

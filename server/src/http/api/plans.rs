@@ -2,8 +2,10 @@
 //! by device, with the decision a run takes (`reconcile::plan`), and changes
 //! nothing — no device row, run, event, audit record or MQTT message;
 //! `GET /v1/plans/{id}` and `GET /v1/plans/{id}/devices` read it with
-//! field-level diffs; `POST /v1/plans/{id}/apply` applies it through the
-//! command layer, refused when anything it was computed on changed.
+//! field-level diffs; `POST /v1/plans/{id}/approve` records another
+//! operator's approval; `POST /v1/plans/{id}/apply` applies it (in waves,
+//! if asked) through the command layer, refused when anything it was
+//! computed on changed or an approval it needs is missing.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,15 +16,16 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::Utc;
 use idem_protocol::api::{
-    ErrorBody, ErrorCode, PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts,
-    PlanSkipReason, PlanState as ApiPlanState, PlanView, PlannedDevice, RunStarted,
-    TargetedRequest,
+    ErrorBody, ErrorCode, PlanApplyRequest, PlanApproval as ApiPlanApproval, PlanApproved,
+    PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
+    PlanState as ApiPlanState, PlanView, PlannedDevice, RunStarted, TargetedRequest,
 };
 use idem_protocol::SpecDigest;
 use serde_json::json;
 use uuid::Uuid;
 
-use super::command::{audited_ids, recorded, start_run};
+use super::approvals::{approval_needed, approval_required};
+use super::command::{audited, audited_ids, recorded, start_run};
 use super::desired::{checked_targeting, matching, targeting_summary};
 use super::devices::field_diffs;
 use super::params::page_limit;
@@ -30,11 +33,14 @@ use crate::app::state::AppState;
 use crate::engine::new_run::NewRun;
 use crate::http::auth::{AuditNote, Call, DryRun};
 use crate::http::error::ApiError;
-use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::http::extract::{ApiJson, ApiJsonOrEmpty, ApiPath, ApiQuery};
 use crate::http::input;
 use crate::reconcile::owned::NewSpecDigests;
-use crate::reconcile::plan::{self, plan_devices, Plan, PlanSkip, PlanState, Unusable, Verdict};
+use crate::reconcile::plan::{
+    self, plan_devices, ApproveRefusal, Plan, PlanApproval, PlanSkip, PlanState, Unusable, Verdict,
+};
 use crate::reconcile::policy::Blocked;
+use crate::reconcile::rollout::RolloutSpec;
 use crate::store;
 
 /// `POST /v1/plans`: what `POST /v1/desired` with this body would do, device
@@ -54,6 +60,13 @@ pub(super) async fn create_plan(
         ));
     };
     input::check_spec(state.config.fleet.budget, &spec)?;
+    if body.rollout.is_some() {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidRollout,
+            "`rollout` is given when a plan is applied (POST /v1/plans/{id}/apply with \
+             {\"rollout\": …}), not when it is made",
+        ));
+    }
     let targeting = checked_targeting(&body)?;
     let targets = matching(&state, &targeting).await?;
     let digest = SpecDigest::of(&spec);
@@ -77,7 +90,7 @@ pub(super) async fn create_plan(
     };
     let plan = book(&state).insert(plan, now);
     state.metrics.plan("created");
-    let view = plan_view(&state, &plan, PlanState::Open).await?;
+    let view = plan_view(&state, &plan, PlanState::Open, None).await?;
     Ok((StatusCode::CREATED, Extension(DryRun), Json(view)).into_response())
 }
 
@@ -90,10 +103,10 @@ pub(super) async fn get_plan(
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Json<PlanView>, ApiError> {
     let id = plan_id(&raw)?;
-    let (plan, plan_state) = book(&state)
+    let (plan, plan_state, approval) = book(&state)
         .get(id, Utc::now())
         .ok_or_else(|| unknown_plan(id))?;
-    Ok(Json(plan_view(&state, &plan, plan_state).await?))
+    Ok(Json(plan_view(&state, &plan, plan_state, approval).await?))
 }
 
 /// `GET /v1/plans/{id}/devices`: a page of a plan's devices in id order.
@@ -111,7 +124,7 @@ pub(super) async fn plan_devices_page(
     if let Some(after) = &query.after {
         input::check_query_text("after", after)?;
     }
-    let (plan, _) = book(&state)
+    let (plan, _, _) = book(&state)
         .get(id, Utc::now())
         .ok_or_else(|| unknown_plan(id))?;
     let (devices, next_after) =
@@ -122,23 +135,32 @@ pub(super) async fn plan_devices_page(
     }))
 }
 
-/// `POST /v1/plans/{id}/apply`: the run that does what the plan said,
-/// refused (`409 plan_stale`) when a device it covers changed since, or a
-/// device joined its targeting, or it was applied already.
+/// `POST /v1/plans/{id}/apply`: the run that does what the plan said
+/// (in the waves of `rollout`, if the body gives one), refused
+/// (`409 plan_stale`) when a device it covers changed since, or a device
+/// joined its targeting, or it was applied already, and
+/// (`409 approval_required`) when it needs an approval it does not have.
 #[utoipa::path(post, path = "/v1/plans/{id}/apply", tag = "plans",
     params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "plan id")),
+    request_body(content = Option<PlanApplyRequest>, description = "optional: the waves to apply it in"),
     responses((status = 200, body = RunStarted), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn apply_plan(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
     ApiPath(raw): ApiPath<String>,
+    ApiJsonOrEmpty(body): ApiJsonOrEmpty<PlanApplyRequest>,
 ) -> Result<Response, ApiError> {
     let id = plan_id(&raw)?;
-    let plan = book(&state)
+    let rollout = body
+        .rollout
+        .as_ref()
+        .map(super::rollouts::checked_rollout)
+        .transpose()?;
+    let (plan, approval) = book(&state)
         .claim(id, Utc::now())
         .map_err(|unusable| refused(&state, id, unusable))?;
     let count = plan.devices.len() as u64;
-    let started = apply_claimed(&state, &call, plan).await;
+    let started = apply_claimed(&state, &call, plan, approval, rollout, body).await;
     match &started {
         Ok(run) => book(&state).applied(id, *run),
         Err(_) => book(&state).release(id),
@@ -153,8 +175,27 @@ pub(super) async fn apply_plan(
     Ok(recorded(StatusCode::OK, answer))
 }
 
-/// Starts the run of a plan this call claimed.
-async fn apply_claimed(state: &AppState, call: &Call, plan: Arc<Plan>) -> Result<Uuid, ApiError> {
+/// Starts the run of a plan this call claimed, once its approval (if it
+/// needs one) is there.
+async fn apply_claimed(
+    state: &AppState,
+    call: &Call,
+    plan: Arc<Plan>,
+    approval: Option<PlanApproval>,
+    rollout: Option<RolloutSpec>,
+    body: PlanApplyRequest,
+) -> Result<Uuid, ApiError> {
+    let devices: Vec<String> = plan.devices.iter().map(|d| d.id.to_string()).collect();
+    let needed = approval_needed(state, &state.pool, &devices).await?;
+    let approval = match (needed, approval) {
+        (Some(reason), None) => {
+            state.metrics.plan("refused_unapproved");
+            return Err(approval_required(&reason));
+        }
+        (Some(_), Some(approval)) => Some(approval),
+        // An approval given when none was needed is kept all the same.
+        (None, approval) => approval,
+    };
     let count = plan.devices.len();
     let request = TargetedRequest::from(plan.targeting.clone());
     let note = AuditNote {
@@ -162,20 +203,79 @@ async fn apply_claimed(state: &AppState, call: &Call, plan: Arc<Plan>) -> Result
         detail: Some(json!({
             "plan_id": plan.id,
             "plan_author": plan.author,
+            "approved_by": approval.as_ref().map(|a| a.by.as_str()),
+            "approved_at": approval.as_ref().map(|a| a.at),
             "targeting": targeting_summary(&request),
             "devices": audited_ids(plan.devices.iter().map(|d| d.id.as_str())),
             "digest": plan.digest.to_string(),
             "force": plan.force,
+            "rollout": body.rollout.as_ref().map(|r| json!(r)),
         })),
         ..AuditNote::default()
     };
-    let run = NewRun::applying(plan.clone());
+    let run = NewRun::applying(plan.clone(), approval).in_waves(rollout);
     let (run, _) = start_run(state, call, run, note).await.inspect_err(|e| {
         if e.code() == ErrorCode::PlanStale {
             state.metrics.plan("refused_stale");
         }
     })?;
     Ok(run)
+}
+
+/// `POST /v1/plans/{id}/approve`: approves an open plan, by a token other
+/// than its author's (403 `self_approval`); once approved, it can be
+/// applied even where approval is required.
+#[utoipa::path(post, path = "/v1/plans/{id}/approve", tag = "plans",
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "plan id")),
+    responses((status = 200, body = PlanApproved), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn approve_plan(
+    State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
+    ApiPath(raw): ApiPath<String>,
+) -> Result<Response, ApiError> {
+    let id = plan_id(&raw)?;
+    let approved = book(&state).approve(id, &call.actor.name, Utc::now());
+    let approval = approved.map_err(|refusal| match refusal {
+        ApproveRefusal::Unusable(unusable) => unusable_plan(id, unusable),
+        ApproveRefusal::SelfApproval => ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::SelfApproval,
+            format!(
+                "plan {id} was made by {}: its author cannot approve it; another \
+                 operator's token must",
+                call.actor.name
+            ),
+        ),
+        ApproveRefusal::Approved(given) => ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::AlreadyApproved,
+            format!(
+                "plan {id} was approved already, by {} at {}",
+                given.by, given.at
+            ),
+        ),
+    })?;
+    state.metrics.plan("approved");
+    let author = book(&state)
+        .get(id, Utc::now())
+        .map(|(plan, _, _)| plan.author.clone());
+    let note = AuditNote {
+        detail: Some(json!({
+            "plan_id": id,
+            "plan_author": author,
+            "approved_by": approval.by,
+        })),
+        ..AuditNote::default()
+    };
+    Ok(audited(
+        note,
+        StatusCode::OK,
+        PlanApproved {
+            plan_id: id,
+            approved_by: approval.by,
+            approved_at: approval.at,
+        },
+    ))
 }
 
 fn book(state: &AppState) -> std::sync::MutexGuard<'_, plan::PlanBook> {
@@ -212,33 +312,35 @@ fn unknown_plan(id: Uuid) -> ApiError {
     )
 }
 
+/// The refusal to apply a plan that cannot be, counted.
 fn refused(state: &AppState, id: Uuid, unusable: Unusable) -> ApiError {
     match unusable {
+        Unusable::Unknown => {}
+        Unusable::Expired(_) => state.metrics.plan("refused_expired"),
+        Unusable::Applying | Unusable::Applied(_) => state.metrics.plan("refused_stale"),
+    }
+    unusable_plan(id, unusable)
+}
+
+/// Why the plan cannot be applied (or approved).
+fn unusable_plan(id: Uuid, unusable: Unusable) -> ApiError {
+    match unusable {
         Unusable::Unknown => unknown_plan(id),
-        Unusable::Expired(at) => {
-            state.metrics.plan("refused_expired");
-            ApiError::new(
-                StatusCode::GONE,
-                ErrorCode::PlanExpired,
-                format!("plan {id} expired at {at}; re-plan with POST /v1/plans"),
-            )
-        }
-        Unusable::Applying => {
-            state.metrics.plan("refused_stale");
-            ApiError::new(
-                StatusCode::CONFLICT,
-                ErrorCode::PlanStale,
-                format!("plan {id} is being applied by another call; a plan applies once"),
-            )
-        }
-        Unusable::Applied(run) => {
-            state.metrics.plan("refused_stale");
-            ApiError::new(
-                StatusCode::CONFLICT,
-                ErrorCode::PlanStale,
-                format!("plan {id} was applied already, by run {run}; re-plan"),
-            )
-        }
+        Unusable::Expired(at) => ApiError::new(
+            StatusCode::GONE,
+            ErrorCode::PlanExpired,
+            format!("plan {id} expired at {at}; re-plan with POST /v1/plans"),
+        ),
+        Unusable::Applying => ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::PlanStale,
+            format!("plan {id} is being applied by another call; a plan applies once"),
+        ),
+        Unusable::Applied(run) => ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::PlanStale,
+            format!("plan {id} was applied already, by run {run}; re-plan"),
+        ),
     }
 }
 
@@ -246,7 +348,10 @@ async fn plan_view(
     state: &AppState,
     plan: &Plan,
     plan_state: PlanState,
+    approval: Option<PlanApproval>,
 ) -> Result<PlanView, ApiError> {
+    let ids: Vec<String> = plan.devices.iter().map(|d| d.id.to_string()).collect();
+    let reason = approval_needed(state, &state.pool, &ids).await?;
     let (devices, next_after) = page(
         state,
         plan,
@@ -284,6 +389,12 @@ async fn plan_view(
         },
         devices,
         next_after,
+        approval: ApiPlanApproval {
+            required: reason.is_some(),
+            reason,
+            approved_by: approval.as_ref().map(|a| a.by.clone()),
+            approved_at: approval.map(|a| a.at),
+        },
     })
 }
 

@@ -13,8 +13,8 @@ use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
 use utoipa_axum::routes;
 
 use super::{
-    audit, credentials, desired, devices, exemptions, fleet, openapi, ops, owned, plans, rollouts,
-    runs, tokens,
+    approvals, audit, credentials, desired, devices, exemptions, fleet, openapi, ops, owned, plans,
+    rollouts, runs, tokens,
 };
 use crate::app::state::AppState;
 use crate::http::auth::{access_for, Access, AuthSettings, Role, Route};
@@ -44,7 +44,11 @@ fn table() -> Vec<(Access, UtoipaMethodRouter<Arc<AppState>>)> {
         (operator, routes!(plans::create_plan)),
         (viewer, routes!(plans::get_plan)),
         (viewer, routes!(plans::plan_devices_page)),
+        (operator, routes!(plans::approve_plan)),
         (operator, routes!(plans::apply_plan)),
+        (admin, routes!(approvals::create_policy)),
+        (viewer, routes!(approvals::list_policies)),
+        (admin, routes!(approvals::delete_policy)),
         (operator, routes!(rollouts::resume_rollout)),
         (operator, routes!(rollouts::abort_rollout)),
         (operator, routes!(rollouts::approve_rollout)),

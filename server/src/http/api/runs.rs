@@ -10,8 +10,8 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Json};
 use idem_protocol::api::{
-    ErrorBody, OutcomePage, OutcomeQuery, OutcomeRow, RunListQuery, RunPage, RunStarted, RunView,
-    TargetedRequest,
+    ApprovalView, ErrorBody, OutcomePage, OutcomeQuery, OutcomeRow, RunListQuery, RunPage,
+    RunStarted, RunView, TargetedRequest,
 };
 use idem_protocol::{DeviceId, OutcomeKind};
 use serde_json::json;
@@ -195,6 +195,10 @@ fn run_view(row: RunRow) -> RunView {
         finished_at: row.finished_at,
         started_by: row.started_by,
         plan_id: row.plan_id,
+        approval: row
+            .approved_by
+            .zip(row.approved_at)
+            .map(|(by, at)| ApprovalView { wave: None, by, at }),
         rollout: row.rollout.and_then(|stored| {
             serde_json::from_value::<StoredRollout>(stored.0)
                 .ok()

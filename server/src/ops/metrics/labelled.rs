@@ -7,10 +7,10 @@ use metrics::Counter;
 
 use super::labels::{
     BodyRejection, ConnectionRefusal, DropReason, HeadRejection, ReportResult, SseRefusal,
-    AUTH_REFUSAL_REASONS, PLAN_ACTIONS, REFUSED_PUBLISH_KINDS, REJECT_REASONS,
+    AUTH_REFUSAL_REASONS, PLAN_ACTIONS, REFUSED_PUBLISH_KINDS, REJECT_REASONS, ROLLOUT_STEP_NAMES,
 };
 use super::Metrics;
-use crate::reconcile::machine::{AskReason, RecheckTrigger};
+use crate::reconcile::machine::{AskReason, RecheckTrigger, RolloutStats};
 
 impl Metrics {
     /// Sets `idem_devices{status}` from a count per status; statuses not in
@@ -149,6 +149,34 @@ impl Metrics {
     pub fn publish_refused(&self, kind: &str) {
         if let Some(i) = REFUSED_PUBLISH_KINDS.iter().position(|k| *k == kind) {
             self.refused_publishes[i].increment(1);
+        }
+    }
+
+    /// Sets the rollout gauges to `stats`.
+    pub fn set_rollouts(&self, stats: &RolloutStats) {
+        let by_state = [
+            stats.running,
+            stats.paused_gate,
+            stats.paused_manual,
+            stats.paused_approval,
+            stats.paused_timed,
+        ];
+        for (gauge, n) in self.rollouts.iter().zip(by_state) {
+            gauge.set(n as f64);
+        }
+        self.rollout_wave_size.set(stats.wave_devices as f64);
+        self.rollout_wave_decided.set(stats.wave_decided as f64);
+        self.rollout_waiting.set(stats.waiting as f64);
+    }
+
+    /// Counts a rollout step, by its event's type (other events are not
+    /// rollout steps and are not counted).
+    pub fn rollout_step(&self, event_type: &str) {
+        let Some(step) = event_type.strip_prefix("io.idem.rollout.") else {
+            return;
+        };
+        if let Some(i) = ROLLOUT_STEP_NAMES.iter().position(|s| *s == step) {
+            self.rollout_steps[i].increment(1);
         }
     }
 }

@@ -49,9 +49,17 @@ impl ReportResult {
     }
 }
 
-/// The `action` values of `idem_plans_total`: plans made, applied, and
-/// refused at apply (stale or applied already; expired).
-pub const PLAN_ACTIONS: [&str; 4] = ["created", "applied", "refused_stale", "refused_expired"];
+/// The `action` values of `idem_plans_total`: plans made, approved,
+/// applied, and refused at apply (stale or applied already; expired); and
+/// desired changes refused because they need an approval they lack.
+pub const PLAN_ACTIONS: [&str; 6] = [
+    "created",
+    "approved",
+    "applied",
+    "refused_stale",
+    "refused_expired",
+    "refused_unapproved",
+];
 
 /// Why an API call was refused by authentication or authorisation: label
 /// values of `idem_http_auth_refusals_total` (`auth::Refusal::reason`).
@@ -181,3 +189,23 @@ impl DropReason {
         }
     }
 }
+
+/// The `state` values of `idem_rollouts`.
+pub const ROLLOUT_STATES: [&str; 5] = [
+    "running",
+    "paused_gate",
+    "paused_manual",
+    "paused_approval",
+    "paused_timed",
+];
+
+/// The `step` values of `idem_rollout_steps_total`: the rollout events'
+/// types without their `io.idem.rollout.` prefix.
+pub const ROLLOUT_STEP_NAMES: [&str; 6] = [
+    "wave_started",
+    "wave_completed",
+    "paused",
+    "resumed",
+    "approved",
+    "aborted",
+];

@@ -27,7 +27,8 @@ mod tests;
 
 pub use labels::{
     BodyRejection, ConnectionRefusal, DropReason, HeadRejection, ReportResult, SseRefusal,
-    AUTH_REFUSAL_REASONS, PLAN_ACTIONS, REFUSED_PUBLISH_KINDS, REJECT_REASONS,
+    AUTH_REFUSAL_REASONS, PLAN_ACTIONS, REFUSED_PUBLISH_KINDS, REJECT_REASONS, ROLLOUT_STATES,
+    ROLLOUT_STEP_NAMES,
 };
 use series::*;
 
@@ -96,6 +97,11 @@ pub struct Metrics {
     pub sse_clients: Gauge,
     sse_refused: [Counter; SseRefusal::ALL.len()],
     sse_dropped: [Counter; DropReason::ALL.len()],
+    rollouts: [Gauge; ROLLOUT_STATES.len()],
+    rollout_wave_size: Gauge,
+    rollout_wave_decided: Gauge,
+    rollout_waiting: Gauge,
+    rollout_steps: [Counter; ROLLOUT_STEP_NAMES.len()],
 }
 
 impl std::fmt::Debug for Metrics {
@@ -184,6 +190,12 @@ impl Metrics {
                 .map(|reason| SSE_CLIENTS_REFUSED.register(r, &[("reason", reason.as_str())])),
             sse_dropped: DropReason::ALL
                 .map(|reason| SSE_CLIENTS_DROPPED.register(r, &[("reason", reason.as_str())])),
+            rollouts: ROLLOUT_STATES.map(|state| ROLLOUTS.register(r, &[("state", state)])),
+            rollout_wave_size: ROLLOUT_WAVE_DEVICES.register(r, &[("progress", "size")]),
+            rollout_wave_decided: ROLLOUT_WAVE_DEVICES.register(r, &[("progress", "decided")]),
+            rollout_waiting: ROLLOUT_DEVICES_WAITING.register(r, &[]),
+            rollout_steps: ROLLOUT_STEP_NAMES
+                .map(|step| ROLLOUT_STEPS.register(r, &[("step", step)])),
             handle,
         }
     }

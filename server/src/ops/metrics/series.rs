@@ -30,7 +30,7 @@ pub(super) const HTTP_AUTH_REFUSALS: Family<Counter> = Family::new(
 );
 pub(super) const PLANS: Family<Counter> = Family::new(
     "idem_plans_total",
-    "Plans (POST /v1/plans) by action: created, applied, refused_stale (changed since, or applied already), refused_expired",
+    "Plans (POST /v1/plans) by action: created, approved, applied, refused_stale (changed since, or applied already), refused_expired, refused_unapproved (a change needing approval made without an approved plan)",
 );
 pub(super) const INGEST_BATCH_SPLITS: Family<Counter> = Family::new(
     "idem_ingest_batch_splits_total",
@@ -175,4 +175,20 @@ pub(super) const SSE_CLIENTS_REFUSED: Family<Counter> = Family::new(
 pub(super) const SSE_CLIENTS_DROPPED: Family<Counter> = Family::new(
     "idem_sse_clients_dropped_total",
     "SSE clients disconnected because they did not keep up, by reason",
+);
+pub(super) const ROLLOUTS: Family<Gauge> = Family::new(
+    "idem_rollouts",
+    "Staged rollouts in progress, by state: running, paused_gate, paused_manual, paused_approval, paused_timed",
+);
+pub(super) const ROLLOUT_WAVE_DEVICES: Family<Gauge> = Family::new(
+    "idem_rollout_wave_devices",
+    "Devices of the current wave of every rollout in progress (progress=size), and those of them with their outcome (progress=decided)",
+);
+pub(super) const ROLLOUT_DEVICES_WAITING: Family<Gauge> = Family::new(
+    "idem_rollout_devices_waiting",
+    "Devices of rollouts in progress waiting for a later wave",
+);
+pub(super) const ROLLOUT_STEPS: Family<Counter> = Family::new(
+    "idem_rollout_steps_total",
+    "Steps of staged rollouts, by step: wave_started, wave_completed, paused, resumed, approved, aborted",
 );

@@ -163,6 +163,24 @@ pub struct MachineStats {
     pub queued_pushes: usize,
     pub pushes_in_flight: usize,
     pub attempts_in_flight: usize,
+    pub rollouts: RolloutStats,
+}
+
+/// The unfinished rollouts the machine carries, summed: how many are in
+/// each state and how far their current waves are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RolloutStats {
+    pub running: u64,
+    pub paused_gate: u64,
+    pub paused_manual: u64,
+    pub paused_approval: u64,
+    pub paused_timed: u64,
+    /// Devices in the current wave of each rollout, and how many of them
+    /// have their outcome.
+    pub wave_devices: u64,
+    pub wave_decided: u64,
+    /// Devices of later waves still to be pushed.
+    pub waiting: u64,
 }
 
 /// What made the server suspect that the broker dropped messages for it.

@@ -36,7 +36,7 @@ pub use crate::reconcile::change::{DeviceChange, RememberedOutcome};
 use crate::reconcile::device::{DesiredState, DeviceEntry, FleetRead};
 pub use effect::{
     AskReason, Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason,
-    RecheckTrigger,
+    RecheckTrigger, RolloutStats,
 };
 use flight::{InFlight, Phase};
 use gaps::Gaps;
@@ -304,6 +304,7 @@ impl Machine {
             queued_pushes: self.push_queue.len(),
             pushes_in_flight: self.pushed.len(),
             attempts_in_flight: self.in_flight.len(),
+            rollouts: self.rollout_stats(),
         }
     }
 

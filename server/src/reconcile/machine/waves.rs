@@ -12,13 +12,14 @@ use idem_protocol::event::{EventType, RolloutApprovedData, RolloutWaveData};
 use idem_protocol::DeviceId;
 use uuid::Uuid;
 
-use super::{Effect, Machine, Now, Phase};
+use super::{Effect, Machine, Now, Phase, RolloutStats};
 use crate::reconcile::device::DeviceEntry;
 use crate::reconcile::event_draft::EventDraft;
 use crate::reconcile::outcome::{Outcome, OutcomeKind, SkipReason};
 use crate::reconcile::policy::DeviceStatus;
 use crate::reconcile::rollout::{
-    paused_view, wave_view, NotNow, Rollout, RolloutState, StoredPause, StoredRollout, Transition,
+    paused_view, wave_view, NotNow, PauseReason, Rollout, RolloutState, StoredPause, StoredRollout,
+    Transition,
 };
 use crate::reconcile::run::{RolloutStart, RunRollout};
 
@@ -74,6 +75,35 @@ pub enum RolloutActionError {
 }
 
 impl Machine {
+    /// The unfinished rollouts, summed (a few per fleet: read per input).
+    pub(super) fn rollout_stats(&self) -> RolloutStats {
+        let mut stats = RolloutStats::default();
+        for run in self.rollouts.values() {
+            let rollout = &run.rollout;
+            let count = match rollout.state() {
+                RolloutState::Running { .. } => &mut stats.running,
+                RolloutState::Paused { reason, .. } => match reason {
+                    PauseReason::Gate(_) => &mut stats.paused_gate,
+                    PauseReason::Manual => &mut stats.paused_manual,
+                    PauseReason::Approval => &mut stats.paused_approval,
+                    PauseReason::Timed { .. } => &mut stats.paused_timed,
+                },
+                RolloutState::Completed | RolloutState::Aborted => continue,
+            };
+            *count += 1;
+            let current = rollout.current_wave();
+            for (wave, counts) in rollout.counts().iter().enumerate() {
+                if wave == current {
+                    stats.wave_devices += counts.size;
+                    stats.wave_decided += counts.decided().min(counts.size);
+                } else if wave > current {
+                    stats.waiting += counts.size.saturating_sub(counts.decided());
+                }
+            }
+        }
+        stats
+    }
+
     /// Starts carrying run `run_id`'s rollout (new: its first wave starts).
     pub(super) fn start_rollout(
         &mut self,

@@ -267,18 +267,18 @@ fn a_plan_expires_and_once_applied_cannot_be_applied_again() {
     let plan = book.insert(plan_of(&fleet(), now), now);
     let later = plan.expires_at;
     assert_eq!(
-        book.claim(plan.id, later).map(|p| p.id),
+        book.claim(plan.id, later).map(|(p, _)| p.id),
         Err(Unusable::Expired(plan.expires_at))
     );
-    assert_eq!(book.claim(plan.id, now).map(|p| p.id), Ok(plan.id));
+    assert_eq!(book.claim(plan.id, now).map(|(p, _)| p.id), Ok(plan.id));
     let run = Uuid::now_v7();
     book.applied(plan.id, run);
     assert_eq!(
-        book.claim(plan.id, now).map(|p| p.id),
+        book.claim(plan.id, now).map(|(p, _)| p.id),
         Err(Unusable::Applied(run))
     );
     assert_eq!(
-        book.claim(Uuid::now_v7(), now).map(|p| p.id),
+        book.claim(Uuid::now_v7(), now).map(|(p, _)| p.id),
         Err(Unusable::Unknown)
     );
 }
@@ -417,4 +417,47 @@ fn a_report_that_says_the_same_again_leaves_the_plan_fresh() {
     let mut staleness = Staleness::default();
     staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
     assert!(staleness.is_fresh(), "{staleness}");
+}
+
+#[test]
+fn a_plan_is_approved_once_by_a_token_other_than_its_author_and_applied_with_that_approval() {
+    let now = Utc::now();
+    let mut book = PlanBook::new(4);
+    let plan = book.insert(plan_of(&fleet(), now), now);
+    assert_eq!(
+        book.approve(plan.id, &plan.author, now),
+        Err(ApproveRefusal::SelfApproval)
+    );
+    assert_eq!(book.get(plan.id, now).unwrap().2, None);
+    let approval = book.approve(plan.id, "second-operator", now).unwrap();
+    assert_eq!(approval.by, "second-operator");
+    assert_eq!(
+        book.approve(plan.id, "third-operator", now),
+        Err(ApproveRefusal::Approved(approval.clone()))
+    );
+    assert_eq!(book.get(plan.id, now).unwrap().2, Some(approval.clone()));
+    let (_, claimed_with) = book.claim(plan.id, now).unwrap();
+    assert_eq!(claimed_with, Some(approval));
+}
+
+#[test]
+fn an_expired_applied_or_unknown_plan_cannot_be_approved() {
+    let now = Utc::now();
+    let mut book = PlanBook::new(4);
+    let plan = book.insert(plan_of(&fleet(), now), now);
+    assert_eq!(
+        book.approve(plan.id, "second-operator", plan.expires_at),
+        Err(ApproveRefusal::Unusable(Unusable::Expired(plan.expires_at)))
+    );
+    let run = Uuid::now_v7();
+    book.claim(plan.id, now).unwrap();
+    book.applied(plan.id, run);
+    assert_eq!(
+        book.approve(plan.id, "second-operator", now),
+        Err(ApproveRefusal::Unusable(Unusable::Applied(run)))
+    );
+    assert_eq!(
+        book.approve(Uuid::now_v7(), "second-operator", now),
+        Err(ApproveRefusal::Unusable(Unusable::Unknown))
+    );
 }

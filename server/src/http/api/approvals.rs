@@ -1,0 +1,219 @@
+//! Approval: whether a desired change needs another operator's approval
+//! (the server's `--require-approval`, or an approval policy covering one
+//! of its devices), the refusal of such a change outside an approved plan
+//! (409 `approval_required`), and the policies themselves:
+//! `POST /v1/approval-policies`, `GET /v1/approval-policies`,
+//! `DELETE /v1/approval-policies/{id}`.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::{Extension, Json};
+use idem_protocol::api::bounds::{MAX_APPROVAL_POLICIES, MAX_EXEMPTION_REASON_CHARS};
+use idem_protocol::api::{
+    ApprovalPolicyList, ApprovalPolicyRequest, ApprovalPolicyView, ErrorBody, ErrorCode, Selector,
+};
+use serde_json::json;
+use sqlx::PgExecutor;
+use uuid::Uuid;
+
+use super::command::audited;
+use crate::app::state::AppState;
+use crate::http::auth::{AuditNote, Call};
+use crate::http::error::ApiError;
+use crate::http::extract::{ApiJson, ApiPath};
+use crate::http::input;
+use crate::store;
+use crate::store::approvals::{ApprovalPolicyRow, Created, NewApprovalPolicy};
+
+/// Why a change to `devices` needs approval, if it does: the server's flag
+/// first, then the oldest policy covering one of them.
+pub(super) async fn approval_needed(
+    state: &AppState,
+    executor: impl PgExecutor<'_>,
+    devices: &[String],
+) -> Result<Option<String>, ApiError> {
+    if devices.is_empty() {
+        return Ok(None);
+    }
+    if state.config.changes.require_approval {
+        return Ok(Some(
+            "the server requires approval of every desired change (--require-approval)".to_owned(),
+        ));
+    }
+    let covering = store::approvals::covering(executor, devices).await?;
+    Ok(covering.map(|(policy, covered)| {
+        let labels = serde_json::to_string(&policy.selector).unwrap_or_default();
+        format!(
+            "approval policy {} (labels {labels}: {}) covers {covered} of its device(s)",
+            policy.id, policy.reason
+        )
+    }))
+}
+
+/// The refusal of a change that needs approval and was not made through
+/// an approved plan.
+pub(super) fn approval_required(reason: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        ErrorCode::ApprovalRequired,
+        format!(
+            "this change needs another operator's approval: {reason}; make a plan \
+             (POST /v1/plans), have a token other than yours approve it \
+             (POST /v1/plans/{{id}}/approve), then apply it (POST /v1/plans/{{id}}/apply)"
+        ),
+    )
+}
+
+/// Refuses a direct desired change to `devices` when it needs approval.
+pub(super) async fn refuse_unapproved(
+    state: &AppState,
+    executor: impl PgExecutor<'_>,
+    devices: &[String],
+) -> Result<(), ApiError> {
+    match approval_needed(state, executor, devices).await? {
+        Some(reason) => {
+            state.metrics.plan("refused_unapproved");
+            Err(approval_required(&reason))
+        }
+        None => Ok(()),
+    }
+}
+
+/// `POST /v1/approval-policies`: desired changes to the devices whose
+/// labels contain `selector` need another operator's approval from now on.
+#[utoipa::path(post, path = "/v1/approval-policies", tag = "approvals",
+    request_body = ApprovalPolicyRequest,
+    responses((status = 201, body = ApprovalPolicyView), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn create_policy(
+    State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
+    ApiJson(body): ApiJson<ApprovalPolicyRequest>,
+) -> Result<Response, ApiError> {
+    let selector = checked_selector(&body.selector)?;
+    let reason_chars = body.reason.chars().count();
+    if !(1..=MAX_EXEMPTION_REASON_CHARS).contains(&reason_chars) {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidReason,
+            format!(
+                "`reason` must be 1 to {MAX_EXEMPTION_REASON_CHARS} characters (got {reason_chars})"
+            ),
+        ));
+    }
+    let id = Uuid::now_v7();
+    let labels = serde_json::to_value(&selector.labels).unwrap_or_default();
+    let new = NewApprovalPolicy {
+        id,
+        selector: &labels,
+        reason: &body.reason,
+        author: &call.actor.name,
+    };
+    let view = match store::approvals::create(&state.pool, new, MAX_APPROVAL_POLICIES).await? {
+        Created::Created(row) => policy_view(row),
+        Created::Full(existing) => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::TooManyApprovalPolicies,
+                format!(
+                    "{existing} approval policies exist, the most the server allows \
+                     ({MAX_APPROVAL_POLICIES}); delete one, or widen a selector"
+                ),
+            ))
+        }
+    };
+    let note = AuditNote {
+        detail: Some(json!({
+            "approval_policy": id,
+            "selector": labels,
+            "reason": body.reason,
+            "devices": view.devices,
+        })),
+        ..AuditNote::default()
+    };
+    Ok(audited(note, StatusCode::CREATED, view))
+}
+
+/// `GET /v1/approval-policies`: every policy, oldest first.
+#[utoipa::path(get, path = "/v1/approval-policies", tag = "approvals",
+    responses((status = 200, body = ApprovalPolicyList), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn list_policies(
+    State(state): State<Arc<AppState>>,
+) -> Result<Json<ApprovalPolicyList>, ApiError> {
+    let rows = store::approvals::list(&state.pool).await?;
+    Ok(Json(ApprovalPolicyList {
+        policies: rows.into_iter().map(policy_view).collect(),
+    }))
+}
+
+/// `DELETE /v1/approval-policies/{id}`: changes to its devices no longer
+/// need approval (unless another policy or the server's flag says so).
+#[utoipa::path(delete, path = "/v1/approval-policies/{id}", tag = "approvals",
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "approval policy id")),
+    responses((status = 200, body = ApprovalPolicyView), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn delete_policy(
+    State(state): State<Arc<AppState>>,
+    ApiPath(raw): ApiPath<String>,
+) -> Result<Response, ApiError> {
+    let id = (raw.len() == 36)
+        .then(|| Uuid::parse_str(&raw).ok())
+        .flatten()
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                ErrorCode::InvalidApprovalPolicyId,
+                format!(
+                    "{raw:?} is not an approval policy id (a UUID, as POST \
+                     /v1/approval-policies answers)"
+                ),
+            )
+        })?;
+    let row = store::approvals::delete(&state.pool, id)
+        .await?
+        .ok_or_else(|| unknown(id))?;
+    let note = AuditNote {
+        detail: Some(json!({
+            "approval_policy": id,
+            "selector": row.selector,
+            "reason": row.reason,
+            "author": row.author,
+        })),
+        ..AuditNote::default()
+    };
+    Ok(audited(note, StatusCode::OK, policy_view(row)))
+}
+
+fn checked_selector(selector: &Selector) -> Result<Selector, ApiError> {
+    if selector.labels.is_empty() {
+        return Err(ApiError::bad_request(
+            ErrorCode::EmptySelector,
+            "selector.labels is empty; name at least one label (every change needing \
+             approval is the server's --require-approval)",
+        ));
+    }
+    input::check_count("selector labels", selector.labels.len(), input::MAX_LABELS)?;
+    for (key, value) in &selector.labels {
+        input::check_label_pair(key, value)?;
+    }
+    Ok(selector.clone())
+}
+
+fn unknown(id: Uuid) -> ApiError {
+    ApiError::not_found(
+        ErrorCode::UnknownApprovalPolicy,
+        format!("no approval policy {id} exists"),
+    )
+}
+
+fn policy_view(row: ApprovalPolicyRow) -> ApprovalPolicyView {
+    ApprovalPolicyView {
+        id: row.id,
+        selector: Selector {
+            labels: serde_json::from_value(row.selector).unwrap_or_default(),
+        },
+        reason: row.reason,
+        author: row.author,
+        created_at: row.created_at,
+        devices: u64::try_from(row.devices).unwrap_or(0),
+    }
+}

@@ -1,0 +1,142 @@
+//! Approval policies: the `approval_policies` rows, and which policy, if
+//! any, covers one of a change's devices (its labels contain the policy's
+//! selector), read in the caller's transaction.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::{PgExecutor, PgPool};
+use uuid::Uuid;
+
+use super::{Context, StoreError};
+
+/// A policy to insert.
+#[derive(Debug, Clone, Copy)]
+pub struct NewApprovalPolicy<'a> {
+    pub id: Uuid,
+    /// A label object: devices whose labels contain it.
+    pub selector: &'a Value,
+    pub reason: &'a str,
+    pub author: &'a str,
+}
+
+/// A policy as stored, with how many registered devices it covers now.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ApprovalPolicyRow {
+    pub id: Uuid,
+    pub selector: Value,
+    pub reason: String,
+    pub author: String,
+    pub created_at: DateTime<Utc>,
+    pub devices: i64,
+}
+
+const ROW_COLUMNS: &str = "p.id, p.selector, p.reason, p.author, p.created_at, \
+     (SELECT count(*) FROM devices d WHERE d.labels @> p.selector) AS devices";
+
+/// What [`create`] did.
+#[derive(Debug)]
+pub enum Created {
+    Created(ApprovalPolicyRow),
+    /// `max` policies exist already (this many): nothing was created.
+    Full(i64),
+}
+
+/// Creates the policy unless `max` exist already (one creation at a time,
+/// so the count cannot pass it).
+pub async fn create(
+    pool: &PgPool,
+    new: NewApprovalPolicy<'_>,
+    max: i64,
+) -> Result<Created, StoreError> {
+    let mut tx = pool.begin().await.context("beginning an approval policy")?;
+    sqlx::query("LOCK TABLE approval_policies IN SHARE ROW EXCLUSIVE MODE")
+        .execute(&mut *tx)
+        .await
+        .context("locking the approval policies")?;
+    let existing: i64 = sqlx::query_scalar("SELECT count(*) FROM approval_policies")
+        .fetch_one(&mut *tx)
+        .await
+        .context("counting approval policies")?;
+    if existing >= max {
+        return Ok(Created::Full(existing));
+    }
+    sqlx::query(
+        "INSERT INTO approval_policies (id, selector, reason, author) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(new.id)
+    .bind(new.selector)
+    .bind(new.reason)
+    .bind(new.author)
+    .execute(&mut *tx)
+    .await
+    .context("creating an approval policy")?;
+    let row = get(&mut *tx, new.id).await?.ok_or(StoreError::Corrupt {
+        context: "reading back an approval policy",
+        detail: "the row inserted is not there".to_owned(),
+    })?;
+    tx.commit().await.context("committing an approval policy")?;
+    Ok(Created::Created(row))
+}
+
+pub async fn get(
+    executor: impl PgExecutor<'_>,
+    id: Uuid,
+) -> Result<Option<ApprovalPolicyRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "SELECT {ROW_COLUMNS} FROM approval_policies p WHERE p.id = $1"
+    ))
+    .bind(id)
+    .fetch_optional(executor)
+    .await
+    .context("reading an approval policy")
+}
+
+/// Every policy, oldest first.
+pub async fn list(executor: impl PgExecutor<'_>) -> Result<Vec<ApprovalPolicyRow>, StoreError> {
+    sqlx::query_as(&format!(
+        "SELECT {ROW_COLUMNS} FROM approval_policies p ORDER BY p.created_at, p.id"
+    ))
+    .fetch_all(executor)
+    .await
+    .context("listing approval policies")
+}
+
+/// Deletes the policy; the row as it was, if there was one.
+pub async fn delete(
+    executor: impl PgExecutor<'_>,
+    id: Uuid,
+) -> Result<Option<ApprovalPolicyRow>, StoreError> {
+    sqlx::query_as(
+        "DELETE FROM approval_policies p WHERE p.id = $1 \
+         RETURNING p.id, p.selector, p.reason, p.author, p.created_at, 0::bigint AS devices",
+    )
+    .bind(id)
+    .fetch_optional(executor)
+    .await
+    .context("deleting an approval policy")
+}
+
+/// A policy that covers at least one of `devices`, and how many of them
+/// it covers (the oldest such policy), if any does.
+pub async fn covering(
+    executor: impl PgExecutor<'_>,
+    devices: &[String],
+) -> Result<Option<(ApprovalPolicyRow, i64)>, StoreError> {
+    #[derive(sqlx::FromRow)]
+    struct Covering {
+        #[sqlx(flatten)]
+        policy: ApprovalPolicyRow,
+        covered: i64,
+    }
+    let found: Option<Covering> = sqlx::query_as(&format!(
+        "SELECT {ROW_COLUMNS}, c.covered FROM approval_policies p \
+         JOIN LATERAL (SELECT count(*) AS covered FROM devices d \
+             WHERE d.id = ANY($1) AND d.labels @> p.selector) c ON c.covered > 0 \
+         ORDER BY p.created_at, p.id LIMIT 1"
+    ))
+    .bind(devices)
+    .fetch_optional(executor)
+    .await
+    .context("reading the approval policies that cover a change")?;
+    Ok(found.map(|c| (c.policy, c.covered)))
+}
