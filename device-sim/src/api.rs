@@ -200,6 +200,18 @@ impl ServerClient {
         self.post("/v1/desired", body).await
     }
 
+    /// `POST /v1/rollouts/{run_id}/abort`: nothing more is pushed.
+    pub async fn abort_rollout(
+        &self,
+        run_id: impl std::fmt::Display,
+    ) -> Result<idem_protocol::api::RolloutActed, ApiError> {
+        self.post(
+            &format!("/v1/rollouts/{run_id}/abort"),
+            &serde_json::json!({}),
+        )
+        .await
+    }
+
     /// `GET /v1/runs/{id}`.
     pub async fn run(&self, run_id: impl std::fmt::Display) -> Result<RunView, ApiError> {
         self.get(&format!("/v1/runs/{run_id}")).await

@@ -49,7 +49,10 @@ pub use config::{
     parse_broker_url, Backoff, BrokerAddr, Credentials, FleetConfig, OfflineMode, SecretString,
     SimDevice, SimTls, DEFAULT_MAX_CONNECTING, DEFAULT_MQTTS_PORT, DEFAULT_MQTT_PORT,
 };
-pub use demo::{run_demo, DemoError, DemoObserver, DemoPhase, DemoReport, DemoRun, DemoSettings};
+pub use demo::{
+    run_demo, DemoError, DemoObserver, DemoPhase, DemoReport, DemoRollout, DemoRun, DemoSettings,
+    RolloutReport,
+};
 pub use error::{PlanError, SimError};
 pub use fleet::{DeviceSnapshot, Fleet, FleetStats};
 pub use plan::{

@@ -124,3 +124,41 @@ async fn a_demo_on_a_server_with_other_devices_runs_only_its_own_fleet() {
     assert!(demo.report.passed(), "{:#?}", demo.report.check);
     demo.fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demo_rollout_stops_on_its_gate_says_why_and_every_device_matches_the_ground_truth() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    // 400 devices: 200 drifted and 20 rejecting need a push; 180 are
+    // converged and in no wave.
+    let plan = FleetPlan::new("canary-", 400)
+        .drifted(200)
+        .rejecting(20)
+        .seed(7)
+        .build()
+        .unwrap();
+    let mut settings = settings_for(&scenario, plan);
+    settings.rollout = Some(idem_device_sim::DemoRollout::parse("1%,10%,100%", 0.02).unwrap());
+    let demo = run_demo(settings, &()).await.unwrap();
+    let report = &demo.report;
+    let rollout = report.rollout.as_ref().expect("a rollout report");
+    assert_eq!(report.counts.already_converged, 180, "{report:#?}");
+    let sizes: Vec<u64> = rollout.waves.iter().map(|w| w.size).collect();
+    // Cumulative 1 %, 10 %, 100 % of the 220 that need a push, rounded up.
+    assert_eq!(sizes, [3, 19, 198], "{rollout:#?}");
+    let paused = rollout
+        .paused
+        .as_ref()
+        .expect("one rejection in any wave breaches 2 %");
+    assert_eq!(paused.gate.as_deref(), Some("max_failure_ratio"));
+    assert_eq!(paused.limit, Some(0.02));
+    assert!(paused.observed.unwrap() > 0.02, "{paused:?}");
+    assert!(rollout.aborted);
+    // Waves after the paused one pushed nothing.
+    for wave in &rollout.waves[paused.wave as usize + 1..] {
+        assert_eq!(wave.provisioned + wave.failed, 0, "{wave:?}");
+        assert_eq!(wave.skipped, wave.size, "{wave:?}");
+    }
+    assert!(report.counts.skipped > 0, "{report:#?}");
+    assert!(report.passed(), "{:#?}", report.check.mismatches);
+    demo.fleet.shutdown().await;
+}

@@ -14,8 +14,8 @@ use clap::Args;
 use idem_device_sim::demo::Latency;
 use idem_device_sim::memory::{format_bytes, peak_rss_bytes};
 use idem_device_sim::{
-    format_count, run_demo, ClientAuth, DemoObserver, DemoPhase, DemoReport, DemoSettings, Fleet,
-    SecretString,
+    format_count, run_demo, ClientAuth, DemoObserver, DemoPhase, DemoReport, DemoRollout,
+    DemoSettings, Fleet, RolloutReport, SecretString,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -75,6 +75,23 @@ pub struct DemoArgs {
     /// (to explore the server with live devices).
     #[arg(long, env = "IDEM_SIM_KEEP_RUNNING")]
     pub keep_running: bool,
+
+    /// Run the change as a staged rollout in these cumulative waves over
+    /// the devices that need a push, e.g. `"1%,10%,100%"` or `"10,500,100%"`;
+    /// a wave whose gate is breached pauses it, and the demo prints why and
+    /// aborts it.
+    #[arg(long, env = "IDEM_SIM_ROLLOUT")]
+    pub rollout: Option<String>,
+
+    /// The gate of every rollout wave: at most this fraction of a wave's
+    /// devices may fail.
+    #[arg(
+        long,
+        env = "IDEM_SIM_GATE_MAX_FAILURE_RATIO",
+        default_value_t = 0.02,
+        requires = "rollout"
+    )]
+    pub gate_max_failure_ratio: f64,
 }
 
 impl DemoArgs {
@@ -146,6 +163,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         ca_file: args.api_ca_file.clone(),
     };
     settings.after_register = args.after_register.clone();
+    settings.rollout = args
+        .rollout
+        .as_deref()
+        .map(|waves| DemoRollout::parse(waves, args.gate_max_failure_ratio))
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
     if output == Output::Text {
         print_intro(&args, &settings, fd_limit);
     }
@@ -182,7 +205,7 @@ fn print_intro(args: &DemoArgs, settings: &DemoSettings, fd_limit: u64) {
         "device-sim demo: {} devices ({} drifted, {} rejecting, {} silent; seed {}) against {}",
         format_count(f.devices as u64),
         f.drifted_count().unwrap_or(f.drifted),
-        f.reject,
+        f.reject_count().unwrap_or(f.reject),
         f.silent,
         f.seed,
         args.server,
@@ -191,10 +214,23 @@ fn print_intro(args: &DemoArgs, settings: &DemoSettings, fd_limit: u64) {
         "  broker {} · topic root {} · open-file limit {fd_limit}",
         settings.fleet.broker, settings.fleet.topic_root
     );
-    println!(
-        "  a correct server's run reads: {}",
-        settings.plan.expected_counts()
-    );
+    match &settings.rollout {
+        None => println!(
+            "  a correct server's run reads: {}",
+            settings.plan.expected_counts()
+        ),
+        Some(rollout) => {
+            let expected = settings.plan.expected_counts();
+            println!(
+                "  a staged rollout in waves {} (gate: at most {} of a wave failing) over the \
+                 {} devices that need a push; {} already converged are decided at the start",
+                rollout.waves.join(", "),
+                rollout.max_failure_ratio,
+                format_count((expected.provisioned + expected.failed) as u64),
+                format_count(expected.already_converged as u64),
+            )
+        }
+    }
 }
 
 /// The report in the chosen output form.
@@ -261,6 +297,9 @@ fn text_lines(report: &DemoReport, peak_rss: Option<u64>) -> Vec<String> {
         format!("    {}", report.summary),
         String::new(),
     ];
+    if let Some(rollout) = &report.rollout {
+        lines.extend(rollout_lines(rollout, report));
+    }
     let server_ms = t
         .server_run_ms
         .map(|ms| format!(" (server: {ms} ms)"))
@@ -311,6 +350,72 @@ fn text_lines(report: &DemoReport, peak_rss: Option<u64>) -> Vec<String> {
             format_bytes(peak as f64 / report.devices.max(1) as f64)
         ));
     }
+    lines
+}
+
+/// The rollout's waves as they ended, and why it stopped.
+fn rollout_lines(rollout: &RolloutReport, report: &DemoReport) -> Vec<String> {
+    let needing: u64 = rollout.waves.iter().map(|w| w.size).sum();
+    let mut lines = vec![format!(
+        "rollout over the {} devices that needed a push ({} already converged at the start, in no wave):",
+        format_count(needing),
+        format_count(report.counts.already_converged),
+    )];
+    let total = rollout.waves.len();
+    for wave in &rollout.waves {
+        let mut parts = Vec::new();
+        for (n, what) in [
+            (wave.provisioned, "provisioned"),
+            (wave.failed, "failed"),
+            (wave.skipped, "skipped"),
+            (wave.already_converged, "already converged"),
+            (wave.superseded, "superseded"),
+        ] {
+            if n > 0 {
+                parts.push(format!("{} {what}", format_count(n)));
+            }
+        }
+        let outcomes = if parts.is_empty() {
+            "nothing decided".to_owned()
+        } else {
+            parts.join(", ")
+        };
+        let state = serde_json::to_value(wave.state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        lines.push(format!(
+            "  wave {}/{total}: {} devices — {outcomes} — {state}",
+            wave.index + 1,
+            format_count(wave.size),
+        ));
+    }
+    match &rollout.paused {
+        Some(paused) => {
+            let wave = rollout.waves.get(paused.wave as usize);
+            let figures = match (&paused.gate, paused.limit, paused.observed, wave) {
+                (Some(gate), Some(limit), Some(observed), Some(wave)) => format!(
+                    "gate {gate} breached (observed {observed:.3}, limit {limit}); the wave \
+                     ended with {} of its {} devices failed",
+                    format_count(wave.failed),
+                    format_count(wave.size),
+                ),
+                _ => format!("paused ({})", paused.reason),
+            };
+            lines.push(format!(
+                "STOPPED in wave {}: {figures}; nothing more was pushed",
+                paused.wave + 1
+            ));
+            if rollout.aborted {
+                lines.push(
+                    "aborted by the demo: the devices not yet pushed end skipped (aborted)"
+                        .to_owned(),
+                );
+            }
+        }
+        None => lines.push("every wave passed its gate".to_owned()),
+    }
+    lines.push(String::new());
     lines
 }
 
@@ -453,6 +558,7 @@ mod tests {
                 mismatches: vec![],
             },
             fleet: FleetStats::default(),
+            rollout: None,
         }
     }
 

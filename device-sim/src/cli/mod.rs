@@ -131,6 +131,11 @@ pub struct FleetArgs {
     #[arg(long, env = "IDEM_SIM_REJECT", default_value_t = 0)]
     pub reject: usize,
 
+    /// Fraction of the devices (0.0–1.0) that start off-spec and reject
+    /// every push; replaces `--reject`.
+    #[arg(long, env = "IDEM_SIM_REJECT_RATIO", conflicts_with = "reject")]
+    pub reject_ratio: Option<f64>,
+
     /// Reason rejecting devices give.
     #[arg(long, env = "IDEM_SIM_REJECT_MESSAGE", default_value = DEFAULT_REJECT_MESSAGE)]
     pub reject_message: String,
@@ -194,12 +199,21 @@ impl FleetArgs {
         }
     }
 
+    /// `--reject`, or `--reject-ratio` of `--devices` rounded to a whole device.
+    pub fn reject_count(&self) -> anyhow::Result<usize> {
+        match self.reject_ratio {
+            None => Ok(self.reject),
+            Some(r) if (0.0..=1.0).contains(&r) => Ok((r * self.devices as f64).round() as usize),
+            Some(r) => anyhow::bail!("--reject-ratio must be between 0.0 and 1.0, got {r}"),
+        }
+    }
+
     /// The plan (device configs + ground truth) these arguments describe.
     pub fn plan(&self) -> anyhow::Result<Plan> {
         FleetPlan::new(self.id_prefix.clone(), self.devices)
             .desired_spec(self.desired_spec.clone().unwrap_or_else(default_desired_spec))
             .drifted(self.drifted_count()?)
-            .rejecting(self.reject)
+            .rejecting(self.reject_count()?)
             .reject_message(self.reject_message.clone())
             .silent(self.silent)
             .ignoring_pushes(self.ignore_pushes)

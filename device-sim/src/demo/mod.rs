@@ -11,12 +11,14 @@
 //!
 //! The steps live in one submodule each: `register` (devices, desired spec,
 //! the after-register hook), `connect` (devices connected, first reports
-//! stored), `run` (one run, followed to completion) and `report` (the
+//! stored), `run` (one run, followed to completion), `rollout` (the run as
+//! a staged rollout, aborted when its gate pauses it) and `report` (the
 //! verdict against the ground truth, with timings and latencies).
 
 mod connect;
 mod register;
 mod report;
+mod rollout;
 mod run;
 
 use std::time::{Duration, Instant};
@@ -32,11 +34,13 @@ use crate::fleet::Fleet;
 use crate::plan::Plan;
 
 pub use report::{DemoReport, DemoTimings, FailedDevice, Latency};
+pub use rollout::{DemoRollout, RolloutReport};
 pub use run::label_selector;
 
 use connect::connect_fleet;
 use register::{register_fleet, run_hook};
 use report::{judge, PhaseTimes};
+use rollout::follow_rollout;
 use run::{follow_run, refuse_early_pushes};
 
 /// Label key the demo puts on its devices; the value names one demo.
@@ -105,6 +109,9 @@ pub struct DemoSettings {
     /// (e.g. to regenerate the broker's password file from the accounts the
     /// server just issued); the demo fails if it fails.
     pub after_register: Option<String>,
+    /// Run the change as a staged rollout in these waves (see `rollout`);
+    /// `None`: one run over the whole fleet.
+    pub rollout: Option<DemoRollout>,
 }
 
 impl DemoSettings {
@@ -127,6 +134,7 @@ impl DemoSettings {
             poll_interval: Duration::from_millis(20),
             auth: ClientAuth::default(),
             after_register: None,
+            rollout: None,
         }
     }
 }
@@ -216,6 +224,7 @@ pub async fn run_demo(
         poll_interval,
         auth,
         after_register,
+        rollout,
     } = settings;
     let devices = plan.devices.len();
     if devices == 0 {
@@ -261,16 +270,28 @@ pub async fn run_demo(
 
     refuse_early_pushes(&fleet, &topic_root)?;
 
-    // 3. One run over the fleet, followed to completion.
-    let (run, trigger, run_time) = follow_run(
-        &client,
-        &run_body,
-        devices,
-        timeout,
-        poll_interval,
-        observer,
-    )
-    .await?;
+    // 3. One run over the fleet, followed to completion; or a rollout,
+    // aborted if its gate pauses it.
+    let (run, trigger, run_time, rollout_report) = match &rollout {
+        None => {
+            let (run, trigger, run_time) = follow_run(
+                &client,
+                &run_body,
+                devices,
+                timeout,
+                poll_interval,
+                observer,
+            )
+            .await?;
+            (run, trigger, run_time, None)
+        }
+        Some(rollout) => {
+            let waits = (timeout, poll_interval);
+            let (run, trigger, run_time, report) =
+                follow_rollout(&client, &run_body, &plan, rollout, waits, observer).await?;
+            (run, trigger, run_time, Some(report))
+        }
+    };
 
     // 4. Every device's outcome against the ground truth.
     let times = PhaseTimes {
@@ -281,6 +302,8 @@ pub async fn run_demo(
         run: run_time,
     };
     let setting = (broker, topic_root, targeting);
-    let report = judge(&client, &plan, &fleet, &run, trigger, times, setting).await?;
+    let report = judge(&client, &plan, &fleet, &run, trigger, times, setting)
+        .await?
+        .with_rollout(rollout_report);
     Ok(DemoRun { report, fleet })
 }

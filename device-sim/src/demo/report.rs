@@ -8,11 +8,11 @@ use idem_protocol::{OutcomeCounts, OutcomeKind};
 use serde::Serialize;
 
 use crate::api::{OutcomeRow, RunView, ServerClient};
-use crate::check::{check_outcomes, GroundTruthCheck};
+use crate::check::{check_outcomes, GroundTruthCheck, Mismatch};
 use crate::fleet::{Fleet, FleetStats};
 use crate::plan::{ExpectedCounts, ExpectedOutcome, Plan};
 
-use super::DemoError;
+use super::{DemoError, RolloutReport};
 
 /// Latency percentiles over a set of devices (nearest-rank).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -97,14 +97,44 @@ pub struct DemoReport {
     /// Per-device comparison with the ground truth.
     pub check: GroundTruthCheck,
     pub fleet: FleetStats,
+    /// How the rollout went, when the demo ran one (`--rollout`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutReport>,
 }
 
 impl DemoReport {
     /// The server's summary equals the plan's, and every device's outcome
-    /// matches the ground truth.
+    /// matches the ground truth. After an aborted rollout, a device the
+    /// plan expects pushed may instead be `skipped` (`aborted`) — it was
+    /// never pushed — and the summary is then judged device by device.
     pub fn passed(&self) -> bool {
-        self.summary == self.expected_summary && self.check.passed()
+        let aborted = self.rollout.as_ref().is_some_and(|r| r.aborted);
+        let summary_matches = if aborted {
+            self.counts.already_converged == self.expected.already_converged as u64
+        } else {
+            self.summary == self.expected_summary
+        };
+        summary_matches && self.check.passed()
     }
+
+    /// With the rollout the demo ran: after an abort, the devices skipped
+    /// as `aborted` that the plan expects pushed are no mismatch.
+    pub fn with_rollout(mut self, rollout: Option<RolloutReport>) -> Self {
+        if rollout.as_ref().is_some_and(|r| r.aborted) {
+            self.check.mismatches.retain(|m| !never_pushed(m));
+        }
+        self.rollout = rollout;
+        self
+    }
+}
+
+/// A device the plan expects pushed that an aborted rollout skipped.
+fn never_pushed(m: &Mismatch) -> bool {
+    let pushed = matches!(
+        m.expected,
+        Some(ExpectedOutcome::Provisioned | ExpectedOutcome::Failed)
+    );
+    pushed && m.actual.as_deref() == Some("skipped") && m.reason.as_deref() == Some("aborted")
 }
 
 /// How long each phase of a demo took.
@@ -162,6 +192,7 @@ pub(super) async fn judge(
         failed,
         check,
         fleet: fleet.stats(),
+        rollout: None,
     })
 }
 

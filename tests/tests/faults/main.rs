@@ -39,6 +39,7 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 
 mod postgres_stopped;
+mod rollout_killed;
 mod server_killed;
 
 /// The real server command line, built by this package.

@@ -1,8 +1,9 @@
-//! The property test: any sequence of inputs — runs created on the
-//! machine's view, reports, rejections, desired changes, connectivity,
-//! deletions, time, held writes and restarts — ends every run once, with
-//! exactly one outcome per target and the machine's counts equal to the
-//! tally of its outcomes.
+//! The property test: any sequence of inputs — runs and staged rollouts
+//! created on the machine's view, reports, rejections, desired changes
+//! (which supersede), connectivity, deletions, time, held writes,
+//! restarts, and an operator's resumes, aborts and approvals of rollouts —
+//! ends every run once, with exactly one outcome per target and the
+//! machine's counts equal to the tally of its outcomes.
 
 use super::*;
 
@@ -30,6 +31,20 @@ pub(super) enum Step {
     /// The process dies (held writes are lost) and a new one resumes the
     /// unfinished runs.
     Restart,
+    /// A staged rollout over the targets in waves `1`, `50%`, `100%`; with
+    /// `gated`, any failure in a wave pauses it; after the first wave a
+    /// manual pause (`after_first` 1) or an approval (2), or neither (0).
+    Rollout {
+        targets: Vec<usize>,
+        gated: bool,
+        after_first: u8,
+    },
+    /// An operator resumes, aborts or approves (as the rollout's author,
+    /// which is refused, or as someone else) the k-th rollout created;
+    /// refusals are part of the game.
+    Resume(usize),
+    Abort(usize),
+    Approve(usize, bool),
 }
 
 pub(super) const DEVICES: usize = 6;
@@ -49,7 +64,41 @@ pub(super) fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::HoldWrites),
         1 => Just(Step::CommitHeld),
         1 => Just(Step::Restart),
+        2 => (proptest::collection::vec(0..DEVICES, 0..8), any::<bool>(), 0u8..3)
+            .prop_map(|(targets, gated, after_first)| Step::Rollout { targets, gated, after_first }),
+        1 => (0usize..4).prop_map(Step::Resume),
+        1 => (0usize..4).prop_map(Step::Abort),
+        1 => ((0usize..4), any::<bool>()).prop_map(|(k, by_author)| Step::Approve(k, by_author)),
     ]
+}
+
+/// Waves `1`, `50%`, `100%` as [`Step::Rollout`] describes them.
+fn rollout_spec(gated: bool, after_first: u8) -> crate::reconcile::rollout::RolloutSpec {
+    use crate::reconcile::rollout::{FailureLimit, Gates, Pause, RolloutSpec, WaveSize, WaveSpec};
+    let gates = Gates {
+        max_failures: gated.then_some(FailureLimit::Count(0)),
+        ..Gates::default()
+    };
+    let wave = |size| WaveSpec {
+        gates,
+        ..WaveSpec::sized(size)
+    };
+    let first = WaveSpec {
+        pause: if after_first == 1 {
+            Pause::Manual
+        } else {
+            Pause::None
+        },
+        approve: after_first == 2,
+        ..wave(WaveSize::Count(1))
+    };
+    let waves = vec![
+        first,
+        wave(WaveSize::Percent(50.0)),
+        wave(WaveSize::Percent(100.0)),
+    ];
+    // Increasing and ending at 100 %: always valid.
+    RolloutSpec::new(waves).unwrap_or_else(|e| panic!("{e}"))
 }
 
 impl World {
@@ -109,6 +158,36 @@ impl World {
             Step::HoldWrites => self.hold_writes(),
             Step::CommitHeld => self.commit_held(),
             Step::Restart => self.restart(),
+            Step::Rollout {
+                targets,
+                gated,
+                after_first,
+            } => {
+                let mut targets: Vec<DeviceId> =
+                    targets.iter().map(|i| fleet[*i].clone()).collect();
+                targets.sort();
+                targets.dedup();
+                self.create_rollout(targets, rollout_spec(*gated, *after_first), "author");
+            }
+            Step::Resume(k) => self.act_on_rollout(*k, RolloutAction::Resume),
+            Step::Abort(k) => self.act_on_rollout(*k, RolloutAction::Abort),
+            Step::Approve(k, by_author) => {
+                let by = if *by_author { "author" } else { "second" };
+                self.act_on_rollout(*k, RolloutAction::Approve { by: by.to_owned() });
+            }
+        }
+    }
+
+    /// `action` on the `k`-th rollout created (none: nothing happens); a
+    /// refusal changes nothing.
+    fn act_on_rollout(&mut self, k: usize, action: RolloutAction) {
+        let rollouts: Vec<Uuid> = self.waves.keys().copied().collect();
+        if rollouts.is_empty() {
+            return;
+        }
+        let run = rollouts[k % rollouts.len()];
+        if let Ok((effects, _)) = self.machine.act_on_rollout(run, action, self.now()) {
+            self.carry(effects);
         }
     }
 }
@@ -132,6 +211,15 @@ proptest! {
         }
         world.commit_held();
         // Long enough for every deadline, retry and debounce window.
+        for _ in 0..40 {
+            world.wait(Duration::from_secs(2));
+        }
+        // A rollout left paused (or waiting for approval) would wait for
+        // an operator forever: one aborts each, and the rest plays out.
+        let rollouts: Vec<Uuid> = world.waves.keys().copied().collect();
+        for k in 0..rollouts.len() {
+            world.act_on_rollout(k, RolloutAction::Abort);
+        }
         for _ in 0..40 {
             world.wait(Duration::from_secs(2));
         }
