@@ -320,7 +320,7 @@ fn text_lines(report: &DemoReport, peak_rss: Option<u64>) -> Vec<String> {
                 ))
                 .unwrap_or_default()
         )),
-        (None, _) => lines.push("convergence: no device needed a push".to_owned()),
+        (None, _) => lines.push("convergence: no device was provisioned".to_owned()),
     }
     if !report.failed.is_empty() {
         lines.push(format!(

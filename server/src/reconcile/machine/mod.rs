@@ -49,6 +49,11 @@ pub const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
 /// Write at once when this many outcomes are waiting; a larger run is
 /// started in slices of this size, bounding memory per write.
 pub const FLUSH_SIZE: usize = 10_000;
+
+/// Rollout pushes written ahead in one record, at most: a wave's first
+/// pushes go out after a short write, and the rest follow in chunks while
+/// those are answered, instead of all waiting for one long write.
+pub const WRITE_AHEAD_CHUNK: usize = 512;
 /// How often in-flight attempts are checked against deadlines and retry times.
 pub const SCAN_INTERVAL: Duration = Duration::from_millis(50);
 
@@ -533,10 +538,12 @@ impl Machine {
                         return;
                     }
                 }
-                let may_push = permit
-                    || (self.push_queue.is_empty()
-                        && self.pushed.len() < self.settings.max_in_flight
-                        && self.pacer.try_take(now.at));
+                let chunk_full = self.write_ahead.len() >= WRITE_AHEAD_CHUNK && self.in_rollout(id);
+                let may_push = !chunk_full
+                    && (permit
+                        || (self.push_queue.is_empty()
+                            && self.pushed.len() < self.settings.max_in_flight
+                            && self.pacer.try_take(now.at)));
                 if !may_push {
                     self.set_phase(id, Phase::Queued);
                     self.push_queue.push_back(id.clone());
@@ -652,6 +659,11 @@ impl Machine {
     /// Pushes queued devices as pacing and the in-flight cap allow.
     fn drain_push_queue(&mut self, now: Now, out: &mut Vec<Effect>) {
         while !self.push_queue.is_empty() && self.pushed.len() < self.settings.max_in_flight {
+            // The next chunk goes once this one is written (the machine
+            // wakes at once while the queue can drain).
+            if self.write_ahead.len() >= WRITE_AHEAD_CHUNK {
+                break;
+            }
             if !self.pacer.try_take(now.at) {
                 break;
             }

@@ -54,7 +54,7 @@ struct Cli {
     max_connecting: usize,
 
     /// Run `perf record -g` during STEP (connect, converged, normal, forced,
-    /// full_push, ingest); data in perf-STEP.data.
+    /// full_push, rollout, ingest); data in perf-STEP.data.
     #[arg(long, value_name = "STEP")]
     perf: Option<String>,
 

@@ -1,6 +1,7 @@
 //! The benchmark's steps, in order: register, connect, the write floor,
 //! the converged pass, the normal and the forced run over the re-drifted
-//! fleet, the full push and the ingest burst; then memory. Each step runs
+//! fleet, the full push, the same change as a ten-wave rollout and the
+//! ingest burst; then memory. Each step runs
 //! through [`Bench::step`]; what they measure goes to the report.
 
 use std::collections::{BTreeMap, HashMap};
@@ -127,6 +128,23 @@ pub async fn run_steps(
         bail!("full push: {}", full.summary);
     }
 
+    // Rollout: the next fleet-wide change as a staged rollout, 100 % in ten
+    // waves without pauses or gates; its cost against the full push above.
+    let mut rollout_spec = new_spec.clone();
+    rollout_spec["firmware"] = json!("2.6.0");
+    let waves: Vec<String> = (1..=10).map(|i| format!("{}%", i * 10)).collect();
+    let rollout_body = json!({"all": true, "spec": rollout_spec, "rollout": {"waves": waves}});
+    let (rolled, rollout_wall, rollout_pushes) = run_step(
+        bench,
+        &mut record,
+        "rollout",
+        RunStart::Desired(&rollout_body),
+    )
+    .await?;
+    if rolled.counts.provisioned != n as u64 {
+        bail!("rollout: {}", rolled.summary);
+    }
+
     // Ingest: every device publishes K reports at once; the server's stored
     // rate against a bare subscriber's received rate, same burst.
     let (total, sub_rate, server_rate) =
@@ -163,6 +181,8 @@ pub async fn run_steps(
         forced_pushes,
         full_wall,
         full_pushes,
+        rollout_wall,
+        rollout_pushes,
         sub_rate,
         server_rate,
         ingest_ratio,

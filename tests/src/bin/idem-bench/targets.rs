@@ -35,6 +35,8 @@ pub fn targets(bench: &Bench, measured: &Measured) -> Vec<Target> {
         forced_pushes,
         full_wall,
         full_pushes,
+        rollout_wall,
+        rollout_pushes,
         sub_rate,
         server_rate,
         ingest_ratio,
@@ -53,6 +55,9 @@ pub fn targets(bench: &Bench, measured: &Measured) -> Vec<Target> {
     let duration_ratio = forced_wall.as_secs_f64() / normal_wall.as_secs_f64();
     let publish_ratio = forced_pushes / normal_pushes.max(1.0);
     let full_rate = n as f64 / full_wall.as_secs_f64();
+    let rollout_rate = n as f64 / rollout_wall.as_secs_f64();
+    // Throughput of the staged change against the plain one, same run.
+    let rollout_ratio = rollout_rate / full_rate;
     let nf = format_count(n as u64);
     // The targets: connect 2 s per 10,000 devices; the ingest ratio
     // may fall to 0.9 at 100,000 (edges and bridges in between).
@@ -126,6 +131,17 @@ pub fn targets(bench: &Bench, measured: &Measured) -> Vec<Target> {
             ),
             target: ">= 10,000 pushes/s",
             met: Some(full_rate >= 10_000.0),
+        },
+        Target {
+            measure: "rollout in 10 waves, no pauses / full push (throughput)",
+            result: format!(
+                "{rollout_ratio:.2} ({:.2} s, {rollout_rate:.0} pushes/s, {} publishes; full push {:.2} s)",
+                rollout_wall.as_secs_f64(),
+                format_count(rollout_pushes as u64),
+                full_wall.as_secs_f64()
+            ),
+            target: ">= 0.9",
+            met: Some(rollout_ratio >= 0.9),
         },
         Target {
             measure: "ingest ratio (server stored / bare subscriber)",

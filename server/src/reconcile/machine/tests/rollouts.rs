@@ -336,3 +336,29 @@ fn a_restart_in_the_middle_of_a_wave_goes_on_where_it_was_and_pushes_no_device_t
     assert_eq!(total, pushed.len(), "no device pushed twice");
     assert_eq!(total, 20);
 }
+
+#[test]
+fn a_large_wave_is_written_ahead_and_pushed_in_chunks_each_written_before_it_is_sent() {
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(600, 600);
+    let spec = RolloutSpec::new(vec![wave(pct(100.0))]).unwrap();
+    world.create_rollout(fleet.clone(), spec, "alice");
+    // The wave starts with one chunk, written before it went out.
+    let first = world.pushed();
+    assert_eq!(first.len(), crate::reconcile::machine::WRITE_AHEAD_CHUNK);
+    for device in &first {
+        let entry = world.fleet.get(device).unwrap();
+        assert_eq!(entry.status, DeviceStatus::Provisioning, "{device}");
+        assert_eq!(entry.retained_generation, Some(2), "{device}");
+    }
+    // The next chunks follow at once (the machine wakes now), without
+    // waiting for answers.
+    assert!(world.machine.next_wake() <= world.clock);
+    world.wait(Duration::from_millis(200));
+    let all = world.pushed();
+    assert_eq!(all.len(), 600);
+    let mut distinct = all.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct, fleet, "each device pushed once");
+}
