@@ -31,13 +31,7 @@ where
         let Json(value) = Json::<Value>::from_request(req, state)
             .await
             .map_err(json_rejection)?;
-        decode_strictly(&value).map(ApiJson).map_err(|e| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                ErrorCode::InvalidBody,
-                e.to_string(),
-            )
-        })
+        decode_strictly(&value).map(ApiJson).map_err(invalid_body)
     }
 }
 
@@ -65,14 +59,19 @@ where
         if value.is_null() {
             return Ok(ApiJsonOrEmpty(T::default()));
         }
-        decode_strictly(&value).map(ApiJsonOrEmpty).map_err(|e| {
-            ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                ErrorCode::InvalidBody,
-                e.to_string(),
-            )
-        })
+        decode_strictly(&value)
+            .map(ApiJsonOrEmpty)
+            .map_err(invalid_body)
     }
+}
+
+/// A body of the wrong shape: `422 invalid_body` with serde's words.
+fn invalid_body(e: serde_json::Error) -> ApiError {
+    ApiError::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        ErrorCode::InvalidBody,
+        e.to_string(),
+    )
 }
 
 /// `T` from `value`, refusing an array where `T` (or any part of it) is an

@@ -20,11 +20,12 @@ use sqlx::PgExecutor;
 use uuid::Uuid;
 
 use super::command::audited;
+use super::exemptions::checked_selector;
+use super::params::parse_hyphenated_id;
 use crate::app::state::AppState;
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
-use crate::http::input;
 use crate::store;
 use crate::store::approvals::{ApprovalPolicyRow, Created, NewApprovalPolicy};
 
@@ -156,18 +157,11 @@ pub(super) async fn delete_policy(
     State(state): State<Arc<AppState>>,
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Response, ApiError> {
-    let id = (raw.len() == 36)
-        .then(|| Uuid::parse_str(&raw).ok())
-        .flatten()
-        .ok_or_else(|| {
-            ApiError::bad_request(
-                ErrorCode::InvalidApprovalPolicyId,
-                format!(
-                    "{raw:?} is not an approval policy id (a UUID, as POST \
-                     /v1/approval-policies answers)"
-                ),
-            )
-        })?;
+    let id = parse_hyphenated_id(
+        &raw,
+        ErrorCode::InvalidApprovalPolicyId,
+        "an approval policy id (a UUID, as POST /v1/approval-policies answers)",
+    )?;
     let row = store::approvals::delete(&state.pool, id)
         .await?
         .ok_or_else(|| unknown(id))?;
@@ -181,21 +175,6 @@ pub(super) async fn delete_policy(
         ..AuditNote::default()
     };
     Ok(audited(note, StatusCode::OK, policy_view(row)))
-}
-
-fn checked_selector(selector: &Selector) -> Result<Selector, ApiError> {
-    if selector.labels.is_empty() {
-        return Err(ApiError::bad_request(
-            ErrorCode::EmptySelector,
-            "selector.labels is empty; name at least one label (every change needing \
-             approval is the server's --require-approval)",
-        ));
-    }
-    input::check_count("selector labels", selector.labels.len(), input::MAX_LABELS)?;
-    for (key, value) in &selector.labels {
-        input::check_label_pair(key, value)?;
-    }
-    Ok(selector.clone())
 }
 
 fn unknown(id: Uuid) -> ApiError {

@@ -20,7 +20,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::command::{recorded, DeviceWrite};
-use super::params::registered;
+use super::params::{parse_hyphenated_id, registered};
 use crate::app::state::AppState;
 use crate::config::parse_duration;
 use crate::http::auth::{AuditNote, Call};
@@ -146,15 +146,11 @@ pub(super) async fn delete_exemption(
     Extension(call): Extension<Call>,
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Response, ApiError> {
-    let id = (raw.len() == 36)
-        .then(|| Uuid::parse_str(&raw).ok())
-        .flatten()
-        .ok_or_else(|| {
-            ApiError::bad_request(
-                ErrorCode::InvalidExemptionId,
-                format!("{raw:?} is not an exemption id (a UUID, as POST /v1/exemptions answers)"),
-            )
-        })?;
+    let id = parse_hyphenated_id(
+        &raw,
+        ErrorCode::InvalidExemptionId,
+        "an exemption id (a UUID, as POST /v1/exemptions answers)",
+    )?;
     let mut write = DeviceWrite::begin(&state).await?;
     let Some(row) = store::exemptions::delete(write.tx(), id).await? else {
         return Err(unknown(id));
@@ -170,7 +166,8 @@ pub(super) async fn delete_exemption(
     Ok(recorded(StatusCode::OK, exemption_view(row)))
 }
 
-fn checked_selector(selector: &Selector) -> Result<Selector, ApiError> {
+/// A selector naming at least one label, each within the label bounds.
+pub(super) fn checked_selector(selector: &Selector) -> Result<Selector, ApiError> {
     if selector.labels.is_empty() {
         return Err(ApiError::bad_request(
             ErrorCode::EmptySelector,

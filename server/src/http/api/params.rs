@@ -46,6 +46,20 @@ pub(super) fn parse_run_id(raw: &str) -> Result<Uuid, ApiError> {
     })
 }
 
+/// An id in the hyphenated form the API answers with (36 characters: the
+/// only form of that length `Uuid::parse_str` reads); otherwise `400 code`
+/// saying it is not `what` ("a plan id (a UUID, as POST /v1/plans answers)").
+pub(super) fn parse_hyphenated_id(
+    raw: &str,
+    code: ErrorCode,
+    what: &str,
+) -> Result<Uuid, ApiError> {
+    (raw.len() == 36)
+        .then(|| Uuid::parse_str(raw).ok())
+        .flatten()
+        .ok_or_else(|| ApiError::bad_request(code, format!("{raw:?} is not {what}")))
+}
+
 pub(super) fn unknown_run(id: Uuid) -> ApiError {
     ApiError::not_found(ErrorCode::UnknownRun, format!("run {id} does not exist"))
 }

@@ -28,7 +28,7 @@ use super::approvals::{approval_needed, approval_required};
 use super::command::{audited, audited_ids, recorded, start_run};
 use super::desired::{checked_targeting, matching, targeting_summary};
 use super::devices::field_diffs;
-use super::params::page_limit;
+use super::params::{page_limit, parse_hyphenated_id};
 use crate::app::state::AppState;
 use crate::engine::new_run::NewRun;
 use crate::http::auth::{AuditNote, Call, DryRun};
@@ -287,18 +287,12 @@ fn book(state: &AppState) -> std::sync::MutexGuard<'_, plan::PlanBook> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// A plan id in the hyphenated form the API answers with (36 characters:
-/// the only form of that length `Uuid::parse_str` reads).
 fn plan_id(raw: &str) -> Result<Uuid, ApiError> {
-    let hyphenated = (raw.len() == 36).then_some(raw);
-    hyphenated
-        .and_then(|raw| Uuid::parse_str(raw).ok())
-        .ok_or_else(|| {
-            ApiError::bad_request(
-                ErrorCode::InvalidPlanId,
-                format!("{raw:?} is not a plan id (a UUID, as POST /v1/plans answers)"),
-            )
-        })
+    parse_hyphenated_id(
+        raw,
+        ErrorCode::InvalidPlanId,
+        "a plan id (a UUID, as POST /v1/plans answers)",
+    )
 }
 
 fn unknown_plan(id: Uuid) -> ApiError {
