@@ -362,6 +362,18 @@ impl Machine {
                 };
                 let mut ids: Vec<DeviceId> = run.waves.keys().cloned().collect();
                 ids.sort_unstable();
+                if follow_up == FollowUp::EndUnpushed {
+                    // Out of the queue at once (one pass, not one per device).
+                    let ending: std::collections::HashSet<&DeviceId> = ids.iter().collect();
+                    let in_flight = &self.in_flight;
+                    self.push_queue.retain(|queued| {
+                        !ending.contains(queued)
+                            || matches!(
+                                in_flight.get(queued).map(|f| &f.phase),
+                                Some(Phase::Pushed { .. })
+                            )
+                    });
+                }
                 for id in ids {
                     let phase = self.in_flight.get(&id).map(|f| f.phase.clone());
                     match (follow_up, phase) {
@@ -373,7 +385,6 @@ impl Machine {
                         }
                         (FollowUp::EndUnpushed, Some(Phase::Pushed { .. })) => {}
                         (FollowUp::EndUnpushed, Some(_)) => {
-                            self.push_queue.retain(|queued| *queued != id);
                             let entry = self.entry(&id).unwrap_or_default();
                             let outcome = Outcome::Skipped(SkipReason::Aborted);
                             self.finish(&id, outcome, &entry, None, now, out);
