@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::{PgExecutor, PgPool};
+use sqlx::{PgExecutor, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::{Context, StoreError};
@@ -41,20 +41,19 @@ pub enum Created {
     Full(i64),
 }
 
-/// Creates the policy unless `max` exist already (one creation at a time,
-/// so the count cannot pass it).
+/// Creates the policy in `tx` unless `max` exist already (the table is
+/// locked until `tx` ends, so concurrent creations cannot pass the limit).
 pub async fn create(
-    pool: &PgPool,
+    tx: &mut Transaction<'_, Postgres>,
     new: NewApprovalPolicy<'_>,
     max: i64,
 ) -> Result<Created, StoreError> {
-    let mut tx = pool.begin().await.context("beginning an approval policy")?;
     sqlx::query("LOCK TABLE approval_policies IN SHARE ROW EXCLUSIVE MODE")
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await
         .context("locking the approval policies")?;
     let existing: i64 = sqlx::query_scalar("SELECT count(*) FROM approval_policies")
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut **tx)
         .await
         .context("counting approval policies")?;
     if existing >= max {
@@ -67,14 +66,13 @@ pub async fn create(
     .bind(new.selector)
     .bind(new.reason)
     .bind(new.author)
-    .execute(&mut *tx)
+    .execute(&mut **tx)
     .await
     .context("creating an approval policy")?;
-    let row = get(&mut *tx, new.id).await?.ok_or(StoreError::Corrupt {
+    let row = get(&mut **tx, new.id).await?.ok_or(StoreError::Corrupt {
         context: "reading back an approval policy",
         detail: "the row inserted is not there".to_owned(),
     })?;
-    tx.commit().await.context("committing an approval policy")?;
     Ok(Created::Created(row))
 }
 

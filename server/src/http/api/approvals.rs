@@ -19,15 +19,15 @@ use serde_json::json;
 use sqlx::PgExecutor;
 use uuid::Uuid;
 
-use super::command::audited;
+use super::command::recorded;
 use super::exemptions::checked_selector;
 use super::params::parse_hyphenated_id;
 use crate::app::state::AppState;
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
-use crate::store;
 use crate::store::approvals::{ApprovalPolicyRow, Created, NewApprovalPolicy};
+use crate::store::{self, Context};
 
 /// Why a change to `devices` needs approval, if it does: the server's flag
 /// first, then the oldest policy covering one of them.
@@ -111,7 +111,8 @@ pub(super) async fn create_policy(
         reason: &body.reason,
         author: &call.actor.name,
     };
-    let view = match store::approvals::create(&state.pool, new, MAX_APPROVAL_POLICIES).await? {
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
+    let view = match store::approvals::create(&mut tx, new, MAX_APPROVAL_POLICIES).await? {
         Created::Created(row) => policy_view(row),
         Created::Full(existing) => {
             return Err(ApiError::new(
@@ -133,7 +134,9 @@ pub(super) async fn create_policy(
         })),
         ..AuditNote::default()
     };
-    Ok(audited(note, StatusCode::CREATED, view))
+    store::access::record_audit(&mut *tx, &call.audit(StatusCode::CREATED, note)).await?;
+    tx.commit().await.context("committing an approval policy")?;
+    Ok(recorded(StatusCode::CREATED, view))
 }
 
 /// `GET /v1/approval-policies`: every policy, oldest first.
@@ -155,6 +158,7 @@ pub(super) async fn list_policies(
     responses((status = 200, body = ApprovalPolicyView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn delete_policy(
     State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let id = parse_hyphenated_id(
@@ -162,7 +166,8 @@ pub(super) async fn delete_policy(
         ErrorCode::InvalidApprovalPolicyId,
         "an approval policy id (a UUID, as POST /v1/approval-policies answers)",
     )?;
-    let row = store::approvals::delete(&state.pool, id)
+    let mut tx = state.pool.begin().await.context("starting a transaction")?;
+    let row = store::approvals::delete(&mut *tx, id)
         .await?
         .ok_or_else(|| unknown(id))?;
     let note = AuditNote {
@@ -174,7 +179,11 @@ pub(super) async fn delete_policy(
         })),
         ..AuditNote::default()
     };
-    Ok(audited(note, StatusCode::OK, policy_view(row)))
+    store::access::record_audit(&mut *tx, &call.audit(StatusCode::OK, note)).await?;
+    tx.commit()
+        .await
+        .context("committing an approval policy's deletion")?;
+    Ok(recorded(StatusCode::OK, policy_view(row)))
 }
 
 fn unknown(id: Uuid) -> ApiError {

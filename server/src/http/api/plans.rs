@@ -186,16 +186,13 @@ async fn apply_claimed(
     body: PlanApplyRequest,
 ) -> Result<Uuid, ApiError> {
     let devices: Vec<String> = plan.devices.iter().map(|d| d.id.to_string()).collect();
-    let needed = approval_needed(state, &state.pool, &devices).await?;
-    let approval = match (needed, approval) {
-        (Some(reason), None) => {
+    // An approval given when none was needed is recorded all the same.
+    if approval.is_none() {
+        if let Some(reason) = approval_needed(state, &state.pool, &devices).await? {
             state.metrics.plan("refused_unapproved");
             return Err(approval_required(&reason));
         }
-        (Some(_), Some(approval)) => Some(approval),
-        // An approval given when none was needed is kept all the same.
-        (None, approval) => approval,
-    };
+    }
     let count = plan.devices.len();
     let request = TargetedRequest::from(plan.targeting.clone());
     let note = AuditNote {
