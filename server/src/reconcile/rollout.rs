@@ -482,6 +482,25 @@ pub struct Rollout {
     /// The token that started it: the one that cannot approve it.
     author: Option<String>,
     approvals: Vec<Approval>,
+    early: Option<EarlyPushes>,
+}
+
+/// The first pushes of the wave after the running one, marked as possibly
+/// sent before that wave starts: the devices of wave `wave` with ids up to
+/// `last` (in id order). Stored with the rollout, so that a restart waits
+/// for their answers instead of pushing them again; the mark lets them go
+/// out at their wave's start without a write of their own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EarlyPushes {
+    pub wave: usize,
+    pub last: String,
+}
+
+impl EarlyPushes {
+    /// Whether the device `id` of wave `wave` is marked.
+    pub fn covers(&self, wave: usize, id: &str) -> bool {
+        self.wave == wave && id <= self.last.as_str()
+    }
 }
 
 impl Rollout {
@@ -514,6 +533,7 @@ impl Rollout {
             current: 0,
             author,
             approvals: Vec::new(),
+            early: None,
         };
         let mut out = vec![Transition::WaveStarted { wave: 0 }];
         rollout.settle(0, None, &mut out);
@@ -531,6 +551,33 @@ impl Rollout {
 
     pub fn approvals(&self) -> &[Approval] {
         &self.approvals
+    }
+
+    /// The pushes marked as possibly sent ahead of their wave, if any.
+    pub fn early(&self) -> Option<&EarlyPushes> {
+        self.early.as_ref()
+    }
+
+    /// Marks (or, with `None`, unmarks) pushes as possibly sent ahead of
+    /// their wave.
+    pub fn mark_early(&mut self, early: Option<EarlyPushes>) {
+        self.early = early;
+    }
+
+    /// Whether the wave after `wave` starts the moment `wave` completes,
+    /// whatever its outcomes: there is one, and `wave` has no gate (or an
+    /// operator waived it), no pause and no approval.
+    pub fn follows_at_once(&self, wave: usize) -> bool {
+        let Some(spec) = self.spec.waves.get(wave) else {
+            return false;
+        };
+        let ungated = spec.gates == Gates::default() || self.waived[wave];
+        let no_pause = match spec.pause {
+            Pause::None => true,
+            Pause::For(pause) => pause.is_zero(),
+            Pause::Manual => false,
+        };
+        wave + 1 < self.spec.waves.len() && ungated && no_pause && !spec.approve
     }
 
     pub fn counts(&self) -> &[WaveCounts] {
@@ -780,6 +827,7 @@ impl Rollout {
             state,
             author: self.author.clone(),
             approvals: self.approvals.clone(),
+            early: self.early.clone(),
         }
     }
 
@@ -829,6 +877,7 @@ impl Rollout {
             current: stored.current,
             author: stored.author,
             approvals: stored.approvals,
+            early: stored.early,
         })
     }
 }
@@ -850,7 +899,7 @@ pub struct RestoreError {
 }
 
 /// A rollout as its run row keeps it (JSON): its waves, counts, waivers,
-/// state, author and approvals.
+/// state, author, approvals and the pushes marked ahead of their wave.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredRollout {
     pub waves: Vec<WaveSpec>,
@@ -861,6 +910,9 @@ pub struct StoredRollout {
     pub state: StoredState,
     pub author: Option<String>,
     pub approvals: Vec<Approval>,
+    /// Absent in rows written before pushes were marked ahead of a wave.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early: Option<EarlyPushes>,
 }
 
 /// [`RolloutState`] as stored; its wave is [`StoredRollout::current`].

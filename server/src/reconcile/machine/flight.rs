@@ -23,6 +23,11 @@ pub(super) enum Phase {
         seq_at_push: Option<u64>,
         deadline: Instant,
     },
+    /// A restarted process found `generation` marked as possibly pushed
+    /// ahead of its wave by the process before: an answer by `deadline`
+    /// is taken as the answer to that push; without one it was not sent,
+    /// and the attempt starts afresh (no failure).
+    MaybePushed { generation: u64, deadline: Instant },
     /// A failed attempt waits until then before it is tried again.
     RetryAt(Instant),
     /// The device needs a push its rollout does not allow yet (a later
@@ -61,6 +66,12 @@ impl InFlight {
                 seq_at_push: *seq_at_push,
                 expired: now >= *deadline,
             },
+            // Never expired: past its deadline the scan starts it afresh.
+            Phase::MaybePushed { generation, .. } => Attempt::Pushed {
+                generation: *generation,
+                seq_at_push: None,
+                expired: false,
+            },
         }
     }
 
@@ -68,7 +79,9 @@ impl InFlight {
     pub fn is_due(&self, now: Instant) -> bool {
         match &self.phase {
             Phase::Fresh | Phase::Queued | Phase::Held => false,
-            Phase::AwaitingReport { deadline } | Phase::Pushed { deadline, .. } => now >= *deadline,
+            Phase::AwaitingReport { deadline }
+            | Phase::Pushed { deadline, .. }
+            | Phase::MaybePushed { deadline, .. } => now >= *deadline,
             Phase::RetryAt(at) => now >= *at,
         }
     }

@@ -102,6 +102,10 @@ pub struct Machine {
     /// Pushes of rollout waves, sent once the record that marks them
     /// pushed is handed out to be written first.
     write_ahead: Vec<Effect>,
+    /// Records handed out to be written, and of those reported written
+    /// (in order: the caller writes one at a time).
+    records_handed_out: u64,
+    records_written: u64,
 }
 
 impl Machine {
@@ -138,6 +142,8 @@ impl Machine {
             rollouts_changed: BTreeSet::new(),
             rollout_work: Vec::new(),
             write_ahead: Vec::new(),
+            records_handed_out: 0,
+            records_written: 0,
         }
     }
 
@@ -247,6 +253,7 @@ impl Machine {
     pub fn record_written(&mut self, now: Instant) {
         self.last_write = now;
         self.writing.clear();
+        self.records_written += 1;
     }
 
     /// Everything not yet written, whatever its size or age (shutdown).
@@ -260,6 +267,7 @@ impl Machine {
     /// [`Machine::record_written`].
     fn hand_out_record(&mut self, now: Now) -> Record {
         self.store_changed_rollouts(now);
+        self.records_handed_out += 1;
         let record = std::mem::take(&mut self.record);
         for (id, change) in &record.devices {
             self.writing
@@ -319,6 +327,7 @@ impl Machine {
         self.settle_rollouts(now, out);
         self.continue_starting(now, out);
         self.settle_rollouts(now, out);
+        self.mark_early_pushes();
         self.drain_push_queue(now, out);
         let moved = !self.rollouts_changed.is_empty();
         let due = self.record.outcomes.len() >= FLUSH_SIZE
@@ -521,6 +530,7 @@ impl Machine {
             | Phase::Queued
             | Phase::AwaitingReport { .. }
             | Phase::Pushed { .. }
+            | Phase::MaybePushed { .. }
             | Phase::Held => {}
         }
         match decide(&desired, &entry.actual(), &flight.attempt(now.at)) {
@@ -538,7 +548,9 @@ impl Machine {
                         return;
                     }
                 }
-                let chunk_full = self.write_ahead.len() >= WRITE_AHEAD_CHUNK && self.in_rollout(id);
+                let chunk_full = self.write_ahead.len() >= WRITE_AHEAD_CHUNK
+                    && self.in_rollout(id)
+                    && !self.marked_early(id);
                 let may_push = !chunk_full
                     && (permit
                         || (self.push_queue.is_empty()
@@ -592,7 +604,7 @@ impl Machine {
             spec: entry.spec_to_publish(desired),
             reason: PublishReason::Attempt,
         };
-        if self.in_rollout(id) {
+        if self.in_rollout(id) && !self.marked_early(id) {
             // Written before it is sent: a restart knows it went out.
             self.write_ahead.push(publish);
         } else {
@@ -716,8 +728,18 @@ impl Machine {
         let mut due: Vec<DeviceId> = Vec::new();
         for (id, flight) in &mut self.in_flight {
             if flight.is_due(now.at) {
-                if let Phase::RetryAt(_) = flight.phase {
-                    flight.phase = Phase::Fresh;
+                match flight.phase {
+                    Phase::RetryAt(_) => flight.phase = Phase::Fresh,
+                    // Not answered: it was never sent (nothing failed).
+                    Phase::MaybePushed { .. } => {
+                        flight.phase = Phase::Fresh;
+                        self.pushed.remove(id);
+                    }
+                    Phase::Fresh
+                    | Phase::Queued
+                    | Phase::AwaitingReport { .. }
+                    | Phase::Pushed { .. }
+                    | Phase::Held => {}
                 }
                 due.push(id.clone());
             }

@@ -18,8 +18,8 @@ use crate::reconcile::event_draft::EventDraft;
 use crate::reconcile::outcome::{Outcome, OutcomeKind, SkipReason};
 use crate::reconcile::policy::DeviceStatus;
 use crate::reconcile::rollout::{
-    paused_view, wave_view, NotNow, PauseReason, Rollout, RolloutState, StoredPause, StoredRollout,
-    Transition,
+    paused_view, wave_view, EarlyPushes, NotNow, PauseReason, Rollout, RolloutState, StoredPause,
+    StoredRollout, Transition,
 };
 use crate::reconcile::run::{RolloutStart, RunRollout};
 
@@ -31,6 +31,12 @@ pub(super) struct RolloutRun {
     pub waves: HashMap<DeviceId, usize>,
     /// Carried on from an earlier process.
     pub restored: bool,
+    /// The record that carries the rollout's current mark of early pushes
+    /// ([`Rollout::early`]), once handed out: the marked pushes may skip
+    /// their own write once it is written.
+    pub early_in: Option<u64>,
+    /// A wave was let go: the next one's first pushes are to be marked.
+    pub mark_due: bool,
 }
 
 /// What a rollout's step leaves the machine to do once the input that
@@ -125,6 +131,8 @@ impl Machine {
                 rollout,
                 waves: start.waves,
                 restored,
+                early_in: None,
+                mark_due: false,
             },
         );
         self.rollout_stepped(run_id, steps, now);
@@ -161,7 +169,9 @@ impl Machine {
     /// A device of a rollout carried on from an earlier process that was
     /// pushed its current generation there (its push is written before it
     /// is sent): it waits for that push's answer, as if this process had
-    /// sent it at `now`, and is not pushed again.
+    /// sent it at `now`, and is not pushed again. One the earlier process
+    /// marked as pushed ahead of its wave may or may not have been sent:
+    /// it waits for an answer as long, then starts afresh.
     pub(super) fn pushed_before_restart(
         &self,
         run_id: Uuid,
@@ -171,16 +181,103 @@ impl Machine {
     ) -> Option<Phase> {
         let run = self.rollouts.get(&run_id)?;
         let desired = entry.desired.as_ref()?;
-        let pushed = run.restored
-            && run.waves.contains_key(id)
-            && entry.status == DeviceStatus::Provisioning
+        let wave = run.waves.get(id).filter(|_| run.restored)?;
+        let deadline = now + self.settings.push_timeout;
+        let pushed = entry.status == DeviceStatus::Provisioning
             && entry.retained_generation == Some(desired.generation);
-        pushed.then(|| Phase::Pushed {
+        if pushed {
+            return Some(Phase::Pushed {
+                generation: desired.generation,
+                // Any report since then may be its answer.
+                seq_at_push: None,
+                deadline,
+            });
+        }
+        let marked = run
+            .rollout
+            .early()
+            .is_some_and(|early| early.covers(*wave, id.as_str()));
+        marked.then_some(Phase::MaybePushed {
             generation: desired.generation,
-            // Any report since then may be its answer.
-            seq_at_push: None,
-            deadline: now + self.settings.push_timeout,
+            deadline,
         })
+    }
+
+    /// Whether `id` may be pushed without a write of its own: every
+    /// rollout it waits on marked it as pushed ahead of its wave, in a
+    /// record already written.
+    pub(super) fn marked_early(&self, id: &DeviceId) -> bool {
+        let Some(flight) = self.in_flight.get(id) else {
+            return false;
+        };
+        let mut marked = false;
+        for run_id in &flight.runs {
+            let Some(run) = self.rollouts.get(run_id) else {
+                continue;
+            };
+            let Some(wave) = run.waves.get(id) else {
+                continue;
+            };
+            let written = run.early_in.is_some_and(|n| n <= self.records_written);
+            let covered = run
+                .rollout
+                .early()
+                .is_some_and(|e| e.covers(*wave, id.as_str()));
+            if !(written && covered) {
+                return false;
+            }
+            marked = true;
+        }
+        marked
+    }
+
+    /// Marks, for each rollout that let a wave go, the next wave's first
+    /// pushes (one write-ahead chunk of its held devices, in id order) as
+    /// pushed ahead of their wave, when nothing can stop that wave from
+    /// starting once this one completes. The mark is written with the
+    /// rollout; once written, those pushes go out the moment their wave
+    /// starts, without waiting for a write of their own.
+    pub(super) fn mark_early_pushes(&mut self) {
+        let Self {
+            rollouts,
+            in_flight,
+            rollouts_changed,
+            ..
+        } = self;
+        for (run_id, run) in rollouts.iter_mut() {
+            if !std::mem::take(&mut run.mark_due) {
+                continue;
+            }
+            let mark = match run.rollout.state() {
+                RolloutState::Running { wave } if run.rollout.follows_at_once(wave) => {
+                    let next = wave + 1;
+                    let mut held: Vec<&DeviceId> = run
+                        .waves
+                        .iter()
+                        .filter(|(id, w)| {
+                            **w == next
+                                && matches!(in_flight.get(*id).map(|f| &f.phase), Some(Phase::Held))
+                        })
+                        .map(|(id, _)| id)
+                        .collect();
+                    held.sort_unstable();
+                    held.truncate(super::WRITE_AHEAD_CHUNK);
+                    held.last().map(|last| EarlyPushes {
+                        wave: next,
+                        last: last.as_str().to_owned(),
+                    })
+                }
+                RolloutState::Running { .. }
+                | RolloutState::Paused { .. }
+                | RolloutState::Completed
+                | RolloutState::Aborted => None,
+            };
+            if run.rollout.early() != mark.as_ref() {
+                run.rollout.mark_early(mark);
+                run.early_in = None;
+                rollouts_changed.insert(*run_id);
+            }
+        }
     }
 
     /// Whether `id` waits on an unfinished rollout: nothing is published to
@@ -266,9 +363,14 @@ impl Machine {
     /// The rollouts that moved since the last write, as stored, into the
     /// record being handed out.
     pub(super) fn store_changed_rollouts(&mut self, now: Now) {
+        // The number of the record these go into.
+        let record = self.records_handed_out + 1;
         for run_id in std::mem::take(&mut self.rollouts_changed) {
-            if let Some(run) = self.rollouts.get(&run_id) {
+            if let Some(run) = self.rollouts.get_mut(&run_id) {
                 let stored = run.rollout.stored(now.at, now.wall);
+                if stored.early.is_some() && run.early_in.is_none() {
+                    run.early_in = Some(record);
+                }
                 self.record.rollouts.insert(run_id, stored);
             }
         }
@@ -357,9 +459,19 @@ impl Machine {
         while !self.rollout_work.is_empty() {
             let work = std::mem::take(&mut self.rollout_work);
             for (run_id, follow_up) in work {
-                let Some(run) = self.rollouts.get(&run_id) else {
+                let Some(run) = self.rollouts.get_mut(&run_id) else {
                     continue;
                 };
+                match follow_up {
+                    FollowUp::Release => run.mark_due = true,
+                    FollowUp::EndUnpushed => {
+                        if run.rollout.early().is_some() {
+                            run.rollout.mark_early(None);
+                            run.early_in = None;
+                            self.rollouts_changed.insert(run_id);
+                        }
+                    }
+                }
                 let mut ids: Vec<DeviceId> = run.waves.keys().cloned().collect();
                 ids.sort_unstable();
                 if follow_up == FollowUp::EndUnpushed {
@@ -370,7 +482,7 @@ impl Machine {
                         !ending.contains(queued)
                             || matches!(
                                 in_flight.get(queued).map(|f| &f.phase),
-                                Some(Phase::Pushed { .. })
+                                Some(Phase::Pushed { .. } | Phase::MaybePushed { .. })
                             )
                     });
                 }
@@ -383,7 +495,12 @@ impl Machine {
                                 self.advance(&id, false, now, out);
                             }
                         }
-                        (FollowUp::EndUnpushed, Some(Phase::Pushed { .. })) => {}
+                        // Maybe sent: its answer counts; without one it
+                        // starts afresh and ends aborted then.
+                        (
+                            FollowUp::EndUnpushed,
+                            Some(Phase::Pushed { .. } | Phase::MaybePushed { .. }),
+                        ) => {}
                         (FollowUp::EndUnpushed, Some(_)) => {
                             let entry = self.entry(&id).unwrap_or_default();
                             let outcome = Outcome::Skipped(SkipReason::Aborted);

@@ -556,3 +556,72 @@ mod property {
         }
     }
 }
+
+#[test]
+fn only_a_wave_without_gate_pause_or_approval_is_followed_at_once() {
+    let mut paused = wave(pct(20.0));
+    paused.pause = Pause::Manual;
+    let mut timed = wave(pct(30.0));
+    timed.pause = Pause::For(Duration::from_secs(1));
+    let mut zero = wave(pct(40.0));
+    zero.pause = Pause::For(Duration::ZERO);
+    let mut approve = wave(pct(50.0));
+    approve.approve = true;
+    let mut gated = wave(pct(60.0));
+    gated.gates.min_success_ratio = Some(0.5);
+    let waves = vec![
+        wave(pct(10.0)),
+        paused,
+        timed,
+        zero,
+        approve,
+        gated,
+        wave(pct(100.0)),
+    ];
+    let (rollout, _) = Rollout::start(spec(waves), 100, None);
+    let at_once: Vec<bool> = (0..8).map(|w| rollout.follows_at_once(w)).collect();
+    // The last wave has no wave after it; an index past the end is none.
+    assert_eq!(
+        at_once,
+        [true, false, false, true, false, false, false, false]
+    );
+}
+
+#[test]
+fn a_waived_gate_no_longer_stands_between_its_wave_and_the_next() {
+    let (mut rollout, _) = Rollout::start(canary_with_gate(0), 100, None);
+    assert!(!rollout.follows_at_once(0));
+    let now = Instant::now();
+    rollout.record(0, OutcomeKind::Failed, now);
+    rollout.resume(now).unwrap();
+    assert!(rollout.follows_at_once(0));
+}
+
+#[test]
+fn pushes_marked_ahead_of_their_wave_are_stored_and_come_back_with_the_rollout() {
+    let (mut rollout, _) = Rollout::start(spec(vec![wave(pct(50.0)), wave(pct(100.0))]), 10, None);
+    let mark = EarlyPushes {
+        wave: 1,
+        last: "d-00007".into(),
+    };
+    assert!(mark.covers(1, "d-00005") && mark.covers(1, "d-00007"));
+    assert!(!mark.covers(1, "d-00008") && !mark.covers(0, "d-00005"));
+    rollout.mark_early(Some(mark.clone()));
+    let now = Instant::now();
+    let wall = Utc::now();
+    let json = rollout.stored(now, wall).to_json();
+    assert_eq!(
+        json["early"],
+        serde_json::json!({"wave": 1, "last": "d-00007"})
+    );
+    let back: StoredRollout = serde_json::from_value(json).unwrap();
+    let restored = Rollout::restore(back, now, wall).unwrap();
+    assert_eq!(restored.early(), Some(&mark));
+    // A row written without the mark reads as none.
+    rollout.mark_early(None);
+    let mut json = rollout.stored(now, wall).to_json();
+    assert!(json.get("early").is_none());
+    json.as_object_mut().unwrap().remove("early");
+    let back: StoredRollout = serde_json::from_value(json).unwrap();
+    assert_eq!(back.early, None);
+}

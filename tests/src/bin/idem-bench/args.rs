@@ -53,6 +53,11 @@ struct Cli {
     #[arg(long, value_name = "M", default_value_t = idem_device_sim::DEFAULT_MAX_CONNECTING)]
     max_connecting: usize,
 
+    /// Equal waves of the rollout step (1 to 100): 1 measures writing
+    /// pushes ahead, more add one wave boundary each.
+    #[arg(long, value_name = "W", default_value_t = 10)]
+    rollout_waves: u32,
+
     /// Run `perf record -g` during STEP (connect, converged, normal, forced,
     /// full_push, rollout, ingest); data in perf-STEP.data.
     #[arg(long, value_name = "STEP")]
@@ -102,6 +107,8 @@ pub struct Args {
     pub heartbeats: u32,
     pub connect_rate: u32,
     pub max_connecting: usize,
+    /// 1 to 100.
+    pub rollout_waves: u32,
     pub perf: Option<String>,
     pub edges: Option<usize>,
     pub secure: bool,
@@ -136,6 +143,7 @@ impl Args {
             heartbeats,
             connect_rate: cli.connect_rate,
             max_connecting: cli.max_connecting,
+            rollout_waves: cli.rollout_waves,
             perf: cli.perf,
             edges: cli.edges,
             secure: cli.secure,
@@ -147,6 +155,9 @@ impl Args {
         }
         if args.devices == 0 || args.drifted == 0 || args.drifted > args.devices {
             bail!("need 0 < --drifted <= --devices");
+        }
+        if !(1..=100).contains(&args.rollout_waves) {
+            bail!("--rollout-waves must be 1 to 100");
         }
         if args.secure && args.edge_count() > 0 {
             bail!(
@@ -189,6 +200,15 @@ mod tests {
         assert_eq!(a.server_bin, PathBuf::from("target/release/idem-server"));
         assert_eq!((a.devices, a.drifted, a.heartbeats), (10_000, 4, 10));
         assert_eq!((a.connect_rate, a.max_connecting), (0, 100));
+        assert_eq!(a.rollout_waves, 10);
+        assert!(args(&["--server-bin", "s", "--rollout-waves", "0"]).is_err());
+        assert!(args(&["--server-bin", "s", "--rollout-waves", "101"]).is_err());
+        assert_eq!(
+            args(&["--server-bin", "s", "--rollout-waves", "1"])
+                .unwrap()
+                .rollout_waves,
+            1
+        );
         assert_eq!(
             (&a.out, &a.perf, a.edges, &a.server_log),
             (&None, &None, None, &None)

@@ -121,7 +121,7 @@ pub struct Measured {
     pub forced_pushes: f64,
     pub full_wall: Duration,
     pub full_pushes: f64,
-    /// The next change as a rollout in ten waves, no pauses.
+    /// The next change as a rollout in `--rollout-waves` waves, no pauses.
     pub rollout_wall: Duration,
     pub rollout_pushes: f64,
     pub sub_rate: f64,

@@ -128,11 +128,15 @@ pub async fn run_steps(
         bail!("full push: {}", full.summary);
     }
 
-    // Rollout: the next fleet-wide change as a staged rollout, 100 % in ten
-    // waves without pauses or gates; its cost against the full push above.
+    // Rollout: the next fleet-wide change as a staged rollout, 100 % in
+    // equal waves (ten unless told) without pauses or gates; its cost
+    // against the full push above.
     let mut rollout_spec = new_spec.clone();
     rollout_spec["firmware"] = json!("2.6.0");
-    let waves: Vec<String> = (1..=10).map(|i| format!("{}%", i * 10)).collect();
+    let wave_count = bench.args.rollout_waves;
+    let waves: Vec<String> = (1..=wave_count)
+        .map(|i| format!("{}%", i * 100 / wave_count))
+        .collect();
     let rollout_body = json!({"all": true, "spec": rollout_spec, "rollout": {"waves": waves}});
     let (rolled, rollout_wall, rollout_pushes) = run_step(
         bench,

@@ -133,15 +133,17 @@ pub fn targets(bench: &Bench, measured: &Measured) -> Vec<Target> {
             met: Some(full_rate >= 10_000.0),
         },
         Target {
-            measure: "rollout in 10 waves, no pauses / full push (throughput)",
+            measure: "rollout in equal waves, no pauses / full push (throughput)",
             result: format!(
-                "{rollout_ratio:.2} ({:.2} s, {rollout_rate:.0} pushes/s, {} publishes; full push {:.2} s)",
+                "{rollout_ratio:.2} ({} waves, {:.2} s, {rollout_rate:.0} pushes/s, {} publishes; full push {:.2} s)",
+                bench.args.rollout_waves,
                 rollout_wall.as_secs_f64(),
                 format_count(rollout_pushes as u64),
                 full_wall.as_secs_f64()
             ),
-            target: ">= 0.9",
-            met: Some(rollout_ratio >= 0.9),
+            target: ">= 0.9 at 10 waves",
+            // The target is for the default ten waves.
+            met: (bench.args.rollout_waves == 10).then_some(rollout_ratio >= 0.9),
         },
         Target {
             measure: "ingest ratio (server stored / bare subscriber)",

@@ -362,3 +362,177 @@ fn a_large_wave_is_written_ahead_and_pushed_in_chunks_each_written_before_it_is_
     distinct.dedup();
     assert_eq!(distinct, fleet, "each device pushed once");
 }
+
+/// Waves `50%, 100%` with nothing between them, over `fleet` (20 need a
+/// push: `d-00000`…`d-00009` in the first wave, `d-00010`…`d-00019` in
+/// the second).
+fn two_free_waves() -> RolloutSpec {
+    RolloutSpec::new(vec![wave(pct(50.0)), wave(pct(100.0))]).unwrap()
+}
+
+/// `device` confirms generation 2, stored; the machine's answer to it,
+/// not yet carried out.
+fn confirmation_effects(world: &mut World, device: &DeviceId) -> Vec<Effect> {
+    world.seq += 1;
+    world.fleet.apply_committed([FleetChange::Reported {
+        id: device.clone(),
+        reported: ReportedState {
+            seq: world.seq,
+            digest: SpecDigest::of(&spec(2)),
+            generation: Some(2),
+            rejection: None,
+            drift: None,
+        },
+        health: None,
+    }]);
+    let now = world.now();
+    world
+        .machine
+        .on_command(EngineCommand::ReportsApplied(vec![device.clone()]), now)
+}
+
+/// The devices pushed by `effects` before its first record.
+fn sent_before_any_write(effects: &[Effect]) -> Vec<String> {
+    effects
+        .iter()
+        .take_while(|effect| !matches!(effect, Effect::Record(_)))
+        .filter_map(|effect| match effect {
+            Effect::Publish {
+                device,
+                reason: PublishReason::Attempt,
+                ..
+            } => Some(device.to_string()),
+            Effect::Publish { .. }
+            | Effect::AskForReport { .. }
+            | Effect::StartRun { .. }
+            | Effect::Record(_) => None,
+        })
+        .collect()
+}
+
+fn second_wave() -> Vec<String> {
+    (10..20).map(|i| format!("d-{i:05}")).collect()
+}
+
+#[test]
+fn a_wave_nothing_can_stop_sends_its_first_pushes_the_moment_it_starts_marked_in_a_write_before() {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, two_free_waves(), "alice");
+    world.settle();
+    // Written with the rollout while the first wave runs: the second
+    // wave's pushes, marked as possibly sent ahead of their wave.
+    let early = world.rollouts[&run].early.clone().unwrap();
+    assert_eq!((early.wave, early.last.as_str()), (1, "d-00019"));
+    assert_ne!(world.status(&id("d-00010")), DeviceStatus::Provisioning);
+    let first = world.pushed();
+    for device in &first[..9] {
+        world.reports(device, 2, Some(2));
+    }
+    world.settle();
+    // The first wave's last answer starts the second wave, whose pushes
+    // leave before anything is written.
+    let effects = confirmation_effects(&mut world, &first[9]);
+    assert_eq!(sent_before_any_write(&effects), second_wave());
+    world.carry(effects);
+    world.settle();
+    // The record after them marks them pushed; the last wave marks nothing.
+    assert_eq!(world.status(&id("d-00010")), DeviceStatus::Provisioning);
+    assert_eq!(world.rollouts[&run].early, None);
+    let mut answered = 10;
+    confirm_all(&mut world, &mut answered);
+    assert!(world.is_completed(run));
+    assert_eq!(world.counts(run), counts(80, 20, 0));
+    assert_eq!(world.pushed().len(), 20, "each device pushed once");
+}
+
+#[test]
+fn a_gated_wave_is_never_pushed_ahead_and_its_pushes_wait_for_their_own_write() {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, gated(2), "alice");
+    world.settle();
+    assert_eq!(world.rollouts[&run].early, None);
+    let first = world.pushed();
+    world.reports(&first[0], 2, Some(2));
+    world.settle();
+    let effects = confirmation_effects(&mut world, &first[1]);
+    assert_eq!(sent_before_any_write(&effects), Vec::<String>::new());
+    world.carry(effects);
+    assert_eq!(
+        world.pushed().len(),
+        10,
+        "the second wave went, after its write"
+    );
+}
+
+#[test]
+fn a_mark_whose_write_has_not_committed_lets_no_push_skip_its_own_write() {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    // Every write from the rollout's start on is still in flight.
+    world.hold_writes();
+    let run = world.create_rollout(targets, two_free_waves(), "alice");
+    let first = world.pushed();
+    assert_eq!(first.len(), 10);
+    for device in &first[..9] {
+        world.reports(device, 2, Some(2));
+    }
+    let effects = confirmation_effects(&mut world, &first[9]);
+    assert_eq!(sent_before_any_write(&effects), Vec::<String>::new());
+    world.carry(effects);
+    assert_eq!(world.pushed().len(), 20, "after their own write");
+    world.commit_held();
+    world.settle();
+    let mut answered = 10;
+    confirm_all(&mut world, &mut answered);
+    assert_eq!(world.counts(run), counts(80, 20, 0));
+}
+
+#[test]
+fn after_a_restart_a_push_marked_ahead_is_awaited_not_repeated_and_one_never_sent_goes_once_without_a_failure(
+) {
+    let mut world = World::new(no_retries());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, two_free_waves(), "alice");
+    world.settle();
+    let first = world.pushed();
+    for device in &first[..9] {
+        world.reports(device, 2, Some(2));
+    }
+    world.settle();
+    // The first wave's last answer lets the second wave's marked pushes
+    // go; the process dies before the write that records them.
+    world.hold_writes();
+    world.reports(&first[9], 2, Some(2));
+    assert_eq!(world.pushed().len(), 20);
+    world.restart();
+    world.settle();
+    // Five of them answer the earlier process's push; five never got it.
+    for i in 10..15 {
+        world.reports(&id(&format!("d-{i:05}")), 2, Some(2));
+    }
+    world.settle();
+    assert_eq!(
+        world.pushed().len(),
+        20,
+        "no marked push repeated while awaited"
+    );
+    world.wait(PUSH_TIMEOUT + SCAN_INTERVAL);
+    let pushed = world.pushed();
+    let again: Vec<String> = pushed[20..].iter().map(ToString::to_string).collect();
+    assert_eq!(
+        again,
+        (15..20).map(|i| format!("d-{i:05}")).collect::<Vec<_>>()
+    );
+    for device in &pushed[20..] {
+        world.reports(device, 2, Some(2));
+    }
+    world.settle();
+    assert!(world.is_completed(run));
+    assert_eq!(
+        world.counts(run),
+        counts(80, 20, 0),
+        "no failure for an unsent push"
+    );
+}
