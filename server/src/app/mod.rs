@@ -3,6 +3,7 @@
 //! cancelled. Takes an injected listener, pool and token so tests can run the
 //! whole server in-process on port 0.
 
+pub mod instance;
 pub mod state;
 
 use std::sync::Arc;
@@ -50,6 +51,8 @@ pub const SHUTDOWN_FLUSH_LIMIT: std::time::Duration = std::time::Duration::from_
 pub enum ServerError {
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Instance(#[from] instance::InstanceError),
 }
 
 /// Runs the server until `token` is cancelled: migrations, cache load,
@@ -61,6 +64,18 @@ pub async fn run(
     token: CancellationToken,
 ) -> Result<(), ServerError> {
     store::migrate(&pool).await?;
+    let claim = instance::claim(&pool, &config.fleet.instance, config.fleet.instance_lease).await?;
+    tracing::info!(instance = %claim.name, "instance name claimed");
+    // The claim's heartbeat runs until the very end (after the MQTT
+    // session closed), on its own token; it stops the server through
+    // `token` if another process took the name over.
+    let beats = CancellationToken::new();
+    let keeper = tokio::spawn(instance::keep(
+        pool.clone(),
+        claim,
+        beats.clone(),
+        token.clone(),
+    ));
     let rows = store::devices::load_all(&pool).await?;
     let owned = store::owned::declared_set(&pool).await?;
     let mut resolver = crate::reconcile::owned::OwnedResolver::new(owned.clone());
@@ -130,6 +145,10 @@ pub async fn run(
 
     workers.stop(&state.publisher).await;
     drop(state);
+    beats.cancel();
+    if let Err(e) = keeper.await {
+        tracing::warn!(error = %e, "the instance heartbeat task failed");
+    }
     Ok(())
 }
 

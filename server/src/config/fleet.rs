@@ -5,15 +5,30 @@
 use idem_protocol::limits::{MAX_MAX_SPEC_BYTES, MIN_MAX_SPEC_BYTES};
 use idem_protocol::{SpecBudget, TopicRoot, DEFAULT_MAX_SPEC_BYTES};
 
-use super::ConfigError;
+use std::time::Duration;
+
+use super::{parse_duration, ConfigError};
+
+/// Shortest and longest `--instance-lease`.
+pub const INSTANCE_LEASE_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(600);
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Fleet")]
 pub struct FleetArgs {
     /// Name of this server instance: CloudEvents `source` is `/idem/{instance}`
     /// and the MQTT client id is `idem-server:{instance}`.
+    /// Two live processes never share a name: the name is claimed in the
+    /// database at start-up and kept by a heartbeat.
     #[arg(long, env = "IDEM_INSTANCE", default_value = "idem-1")]
     pub instance: String,
+
+    /// How long the instance name stays claimed without a heartbeat (beats
+    /// every quarter of it), e.g. `10s` (1s to 10m). A process starting with
+    /// a name whose holder stopped beating waits at most this long for the
+    /// claim to go stale; one whose holder still beats refuses to start.
+    #[arg(long, env = "IDEM_INSTANCE_LEASE", default_value = "10s", value_parser = parse_duration)]
+    pub instance_lease: Duration,
 
     /// Topic root shared with the devices.
     #[arg(long, env = "IDEM_TOPIC_ROOT", default_value = idem_protocol::DEFAULT_TOPIC_ROOT)]
@@ -35,6 +50,8 @@ pub struct FleetArgs {
 pub struct FleetSettings {
     /// 1-64 letters, digits, `-` or `_`.
     pub instance: String,
+    /// The instance name's claim lasts this long without a heartbeat.
+    pub instance_lease: Duration,
     pub topic_root: TopicRoot,
     /// The one size budget every limit derives from.
     pub budget: SpecBudget,
@@ -61,11 +78,15 @@ impl FleetArgs {
         if !instance_ok {
             return Err(ConfigError::Instance(self.instance.clone()));
         }
+        if !INSTANCE_LEASE_RANGE.contains(&self.instance_lease) {
+            return Err(ConfigError::InstanceLease(self.instance_lease));
+        }
         if !(MIN_MAX_SPEC_BYTES..=MAX_MAX_SPEC_BYTES).contains(&self.max_spec_bytes) {
             return Err(ConfigError::MaxSpec(self.max_spec_bytes));
         }
         Ok(FleetSettings {
             instance: self.instance.clone(),
+            instance_lease: self.instance_lease,
             topic_root,
             budget: SpecBudget::new(self.max_spec_bytes),
             auto_register: self.auto_register,
@@ -75,6 +96,8 @@ impl FleetArgs {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use crate::Config;
 
     #[test]
@@ -97,5 +120,20 @@ mod tests {
         config.fleet.max_spec_bytes = 10;
         let err = config.validate().unwrap_err().to_string();
         assert!(err.contains("IDEM_MAX_SPEC_BYTES"), "{err}");
+    }
+
+    #[test]
+    fn an_instance_lease_outside_one_second_to_ten_minutes_is_refused_naming_the_variable() {
+        for bad in [Duration::from_millis(999), Duration::from_secs(601)] {
+            let mut config = Config::defaults();
+            config.fleet.instance_lease = bad;
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains("IDEM_INSTANCE_LEASE"), "{err}");
+        }
+        let config = Config::defaults();
+        assert_eq!(
+            config.validate().unwrap().fleet.instance_lease,
+            Duration::from_secs(10)
+        );
     }
 }

@@ -167,6 +167,8 @@ pub enum ConfigError {
         "IDEM_INSTANCE / --instance {0:?} must be 1-64 characters of letters, digits, '-' or '_'"
     )]
     Instance(String),
+    #[error("IDEM_INSTANCE_LEASE / --instance-lease must be between 1s and 10m (got {0:?})")]
+    InstanceLease(Duration),
     #[error(
         "IDEM_MAX_SPEC_BYTES / --max-spec-bytes must be between {MIN_MAX_SPEC_BYTES} and {MAX_MAX_SPEC_BYTES} (got {0})"
     )]

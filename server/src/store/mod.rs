@@ -11,6 +11,7 @@ pub mod copy;
 pub mod devices;
 pub mod events;
 pub mod exemptions;
+pub mod instances;
 pub mod owned;
 pub mod runs;
 pub mod writer;

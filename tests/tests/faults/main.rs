@@ -21,8 +21,10 @@
 //!
 //! Here: what the tests share (the binary, one-at-a-time, registering and
 //! starting fleets, waiting on what Postgres and the witness saw). By
-//! topic: `server_killed` (the server SIGKILLed mid-run) and
-//! `postgres_stopped` (the database stopped mid-run).
+//! topic: `server_killed` (the server SIGKILLed mid-run),
+//! `rollout_killed` (SIGKILLed mid-wave), `instance_names` (a name claimed
+//! by a live, a killed or a silent process) and `postgres_stopped` (the
+//! database stopped mid-run).
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -38,6 +40,7 @@ use idem_tests::{PrivateMosquitto, ProcessServer, ReportWitness};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
+mod instance_names;
 mod postgres_stopped;
 mod rollout_killed;
 mod server_killed;

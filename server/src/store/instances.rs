@@ -1,0 +1,146 @@
+//! The `instances` table: which server process holds each instance name,
+//! claimed at start-up, kept alive by a heartbeat, released at a graceful
+//! stop. SQL only; the start-up rules are in `app::instance`.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use super::{Context, StoreError};
+
+/// The process claiming or holding a name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claimant {
+    pub holder: Uuid,
+    pub host: String,
+    pub pid: u32,
+    /// A heartbeat older than this makes the claim stale.
+    pub lease: Duration,
+}
+
+/// The current holder of a name, as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Holder {
+    pub holder: Uuid,
+    pub host: String,
+    pub pid: u32,
+    /// Seconds since its last heartbeat, by the database's clock.
+    pub heartbeat_age_secs: f64,
+    /// Seconds since it started.
+    pub age_secs: f64,
+    pub lease: Duration,
+}
+
+/// Every instance row, for `GET /v1/cluster`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceRow {
+    pub name: String,
+    pub holder: Holder,
+}
+
+fn lease_ms(lease: Duration) -> i64 {
+    i64::try_from(lease.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+/// Claims `name` for `claimant` when nobody holds it, when its holder's
+/// heartbeat is older than that holder's lease, or when `replacing` names the
+/// holder (one the caller knows to be dead). `true` when the claim is ours.
+pub async fn claim(
+    pool: &PgPool,
+    name: &str,
+    claimant: &Claimant,
+    replacing: Option<Uuid>,
+) -> Result<bool, StoreError> {
+    let claimed: Option<Uuid> = sqlx::query_scalar(
+        "INSERT INTO instances (name, holder, host, pid, lease_ms) \
+         VALUES ($1, $2, $3, $4, $5) \
+         ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, host = EXCLUDED.host, \
+             pid = EXCLUDED.pid, lease_ms = EXCLUDED.lease_ms, started_at = now(), heartbeat_at = now() \
+         WHERE instances.heartbeat_at < now() - make_interval(secs => instances.lease_ms / 1000.0) \
+            OR instances.holder = $6 \
+         RETURNING holder",
+    )
+    .bind(name)
+    .bind(claimant.holder)
+    .bind(&claimant.host)
+    .bind(i32::try_from(claimant.pid).unwrap_or(i32::MAX))
+    .bind(lease_ms(claimant.lease))
+    .bind(replacing)
+    .fetch_optional(pool)
+    .await
+    .context("claiming the instance name")?;
+    Ok(claimed == Some(claimant.holder))
+}
+
+/// The current holder of `name`, if any.
+pub async fn holder(pool: &PgPool, name: &str) -> Result<Option<Holder>, StoreError> {
+    let row: Option<(Uuid, String, i32, f64, f64, i64)> = sqlx::query_as(
+        "SELECT holder, host, pid, \
+                EXTRACT(EPOCH FROM now() - heartbeat_at)::float8, \
+                EXTRACT(EPOCH FROM now() - started_at)::float8, lease_ms \
+         FROM instances WHERE name = $1",
+    )
+    .bind(name)
+    .fetch_optional(pool)
+    .await
+    .context("reading the instance name's holder")?;
+    Ok(row.map(holder_from))
+}
+
+fn holder_from(
+    (holder, host, pid, heartbeat_age_secs, age_secs, lease_ms): (Uuid, String, i32, f64, f64, i64),
+) -> Holder {
+    Holder {
+        holder,
+        host,
+        pid: u32::try_from(pid).unwrap_or(0),
+        heartbeat_age_secs,
+        age_secs,
+        lease: Duration::from_millis(u64::try_from(lease_ms).unwrap_or(1)),
+    }
+}
+
+/// Every instance row, by name.
+pub async fn all(pool: &PgPool) -> Result<Vec<InstanceRow>, StoreError> {
+    let rows: Vec<(String, Uuid, String, i32, f64, f64, i64)> = sqlx::query_as(
+        "SELECT name, holder, host, pid, \
+                EXTRACT(EPOCH FROM now() - heartbeat_at)::float8, \
+                EXTRACT(EPOCH FROM now() - started_at)::float8, lease_ms \
+         FROM instances ORDER BY name",
+    )
+    .fetch_all(pool)
+    .await
+    .context("listing the instances")?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, holder, host, pid, beat, age, lease)| InstanceRow {
+            name,
+            holder: holder_from((holder, host, pid, beat, age, lease)),
+        })
+        .collect())
+}
+
+/// Renews the heartbeat of `holder`'s claim. `false` when the claim is no
+/// longer `holder`'s (another process took the name over).
+pub async fn heartbeat(pool: &PgPool, name: &str, holder: Uuid) -> Result<bool, StoreError> {
+    let done =
+        sqlx::query("UPDATE instances SET heartbeat_at = now() WHERE name = $1 AND holder = $2")
+            .bind(name)
+            .bind(holder)
+            .execute(pool)
+            .await
+            .context("renewing the instance heartbeat")?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Gives the name up (a graceful stop), if `holder` still holds it.
+pub async fn release(pool: &PgPool, name: &str, holder: Uuid) -> Result<(), StoreError> {
+    sqlx::query("DELETE FROM instances WHERE name = $1 AND holder = $2")
+        .bind(name)
+        .bind(holder)
+        .execute(pool)
+        .await
+        .context("releasing the instance name")?;
+    Ok(())
+}
