@@ -11,6 +11,7 @@
 mod access;
 mod approvals;
 pub mod bounds;
+mod cluster;
 mod devices;
 mod error_code;
 mod exemptions;
@@ -29,6 +30,7 @@ pub use access::{
     TokenView,
 };
 pub use approvals::{ApprovalPolicyList, ApprovalPolicyRequest, ApprovalPolicyView};
+pub use cluster::{ClusterInstance, ClusterView};
 pub use devices::{
     Attempt, CredentialsRequest, DesiredSet, DesiredView, DeviceDeleted, DeviceDesired,
     DeviceListQuery, DevicePage, DeviceRegistration, DeviceUpsert, DeviceView, FieldChangeKind,

@@ -1,7 +1,8 @@
 //! Instance names are claimed in the database: a second live server with a
 //! name in use refuses to start naming the holder, a SIGKILLed one's name is
 //! taken at once by its restart on the same host, and a name whose holder
-//! stopped beating elsewhere is taken after its lease.
+//! stopped beating elsewhere is taken after its lease. `GET /v1/cluster`
+//! lists the claims.
 
 use std::path::Path;
 use std::time::Duration;
@@ -33,6 +34,18 @@ async fn a_second_live_server_with_a_name_in_use_exits_non_zero_naming_the_holde
     .await
     .unwrap();
     let holder_pid = first.pid().unwrap();
+    let (status, cluster) = first.get("/v1/cluster").await.unwrap();
+    assert_eq!(status, 200, "{cluster}");
+    assert_eq!(cluster["instance"], name.as_str(), "{cluster}");
+    let listed = &cluster["instances"][0];
+    assert_eq!(listed["name"], name.as_str(), "{cluster}");
+    assert_eq!(listed["pid"], holder_pid, "{cluster}");
+    assert_eq!(listed["live"], true, "{cluster}");
+    assert_eq!(listed["lease_ms"], 2000, "{cluster}");
+    assert!(
+        listed["heartbeat_age_ms"].as_u64().unwrap() < 2000,
+        "{cluster}"
+    );
 
     let mut second = ProcessServer::launch(
         Path::new(SERVER_BIN),

@@ -15,6 +15,7 @@ use crate::http::auth::AuthState;
 
 mod approvals;
 mod audit;
+mod cluster;
 mod command;
 mod credentials;
 mod desired;

@@ -13,8 +13,8 @@ use utoipa_axum::router::{OpenApiRouter, UtoipaMethodRouter};
 use utoipa_axum::routes;
 
 use super::{
-    approvals, audit, credentials, desired, devices, exemptions, fleet, openapi, ops, owned, plans,
-    rollouts, runs, tokens,
+    approvals, audit, cluster, credentials, desired, devices, exemptions, fleet, openapi, ops,
+    owned, plans, rollouts, runs, tokens,
 };
 use crate::app::state::AppState;
 use crate::http::auth::{access_for, Access, AuthSettings, Role, Route};
@@ -31,6 +31,7 @@ fn table() -> Vec<(Access, UtoipaMethodRouter<Arc<AppState>>)> {
         (viewer, routes!(ops::metrics)),
         (viewer, routes!(sse::events)),
         (viewer, routes!(fleet::fleet_summary)),
+        (viewer, routes!(cluster::cluster)),
         (viewer, routes!(devices::list_devices)),
         (operator, routes!(devices::register_devices)),
         (viewer, routes!(devices::get_device)),

@@ -1,0 +1,31 @@
+//! The body of `GET /v1/cluster`: the server instances sharing this
+//! database, as their claims in it say.
+
+use serde::{Deserialize, Serialize};
+
+/// `GET /v1/cluster`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClusterView {
+    /// The name of the instance that answered.
+    pub instance: String,
+    /// Every claimed instance name, by name.
+    pub instances: Vec<ClusterInstance>,
+}
+
+/// One instance name's claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClusterInstance {
+    pub name: String,
+    pub host: String,
+    pub pid: u32,
+    /// Its heartbeat is younger than its lease.
+    pub live: bool,
+    /// Milliseconds since its last heartbeat, by the database's clock.
+    pub heartbeat_age_ms: u64,
+    /// How long its claim lasts without a heartbeat.
+    pub lease_ms: u64,
+    /// Seconds since it claimed the name.
+    pub uptime_s: u64,
+}
