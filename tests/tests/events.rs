@@ -372,3 +372,205 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
     assert_eq!(reported, vec![expected; 5]);
     fleet.shutdown().await;
 }
+
+/// Subscribes to every event topic of `root` and collects CloudEvent ids
+/// (the sequence) as they arrive, with how often each came.
+async fn event_witness(
+    scenario: &Scenario,
+    root: &idem_protocol::TopicRoot,
+) -> (
+    std::sync::Arc<std::sync::Mutex<BTreeMap<i64, usize>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (client, mut eventloop) = AsyncClient::new(
+        scenario
+            .broker
+            .mqtt_options(format!("relay-witness-{}", uuid::Uuid::new_v4().simple())),
+        100,
+    );
+    client
+        .subscribe(root.events_filter(), QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::new()));
+    let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
+    let mut subscribed_tx = Some(subscribed_tx);
+    let tally = seen.clone();
+    let pump = tokio::spawn(async move {
+        let _client = client;
+        while let Ok(event) = eventloop.poll().await {
+            match event {
+                Event::Incoming(Packet::Publish(p)) => {
+                    let event: Value = serde_json::from_slice(&p.payload).unwrap();
+                    let id: i64 = event["id"].as_str().unwrap().parse().unwrap();
+                    *tally.lock().unwrap().entry(id).or_insert(0) += 1;
+                }
+                Event::Incoming(Packet::SubAck(_)) => {
+                    if let Some(tx) = subscribed_tx.take() {
+                        let _ = tx.send(());
+                    }
+                }
+                Event::Incoming(_) | Event::Outgoing(_) => {}
+            }
+        }
+    });
+    subscribed.await.unwrap();
+    (seen, pump)
+}
+
+/// Waits until the witness saw every id in `ids`, then half a second more
+/// than a second relay's poll would take; returns what it saw.
+async fn seen_after(
+    seen: &std::sync::Mutex<BTreeMap<i64, usize>>,
+    ids: std::ops::RangeInclusive<i64>,
+) -> BTreeMap<i64, usize> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ids.clone().all(|id| seen.lock().unwrap().contains_key(&id)) {
+        assert!(
+            Instant::now() < deadline,
+            "events {ids:?} did not all reach MQTT within 20 s: {:?}",
+            seen.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    seen.lock().unwrap().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_one_database_publish_each_event_once_and_the_survivor_takes_over_the_relay(
+) {
+    let mut scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let root = scenario.server.topic_root.clone();
+    let second = idem_tests::TestServer::start(
+        &scenario.db,
+        &scenario.broker,
+        ServerSettings {
+            topic_root: Some(root.to_string()),
+            ..ServerSettings::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (seen, pump) = event_witness(&scenario, &root).await;
+
+    let last = scenario.append_events(50, 0).await.unwrap();
+    let first = last - 49;
+    let got = seen_after(&seen, first..=last).await;
+    let repeated: Vec<_> = got.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        repeated.is_empty(),
+        "with two instances, events reached MQTT more than once (id → times): {repeated:?}"
+    );
+
+    // The first instance stops (releasing the lease); the second relays
+    // what is committed next, from the shared cursor: once, none skipped.
+    let first_server = std::mem::replace(&mut scenario.server, second);
+    first_server.stop().await.unwrap();
+    let last_after = scenario.append_events(50, 0).await.unwrap();
+    let got = seen_after(&seen, first..=last_after).await;
+    assert_eq!(
+        got.keys().copied().collect::<Vec<_>>(),
+        (first..=last_after).collect::<Vec<_>>(),
+        "the survivor skipped events or published foreign ones"
+    );
+    let repeated: Vec<_> = got.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        repeated.is_empty(),
+        "after the takeover, events reached MQTT more than once: {repeated:?}"
+    );
+    let (status, cluster) = scenario.server.get("/v1/cluster").await.unwrap();
+    assert_eq!(status, 200, "{cluster}");
+    assert_eq!(
+        cluster["instances"].as_array().unwrap().len(),
+        1,
+        "{cluster}"
+    );
+    let relay = &cluster["leases"][0];
+    assert_eq!(relay["name"], "relay", "{cluster}");
+    assert_eq!(
+        relay["holder"],
+        scenario.server.instance.as_str(),
+        "{cluster}"
+    );
+    assert_eq!(relay["live"], true, "{cluster}");
+    assert_eq!(relay["epoch"], 2, "the lease changed hands once: {cluster}");
+    pump.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_lease_expired_and_changed_hands_cannot_move_the_shared_cursor() {
+    use idem_server::store::events::{load_cursor, save_cursor_fenced};
+    use idem_server::store::leases::{acquire_or_renew, LeaseHolder};
+    let db = idem_tests::TestDatabase::create_with(&idem_server::MIGRATOR)
+        .await
+        .unwrap();
+    let pool = db.pool();
+    let holder = |instance: &str| LeaseHolder {
+        instance: instance.to_owned(),
+        id: uuid::Uuid::new_v4(),
+        ttl: Duration::from_secs(10),
+    };
+    let (a, b) = (holder("a"), holder("b"));
+    let held_by_a = acquire_or_renew(pool, "relay", &a).await.unwrap().unwrap();
+    assert!(
+        acquire_or_renew(pool, "relay", &b).await.unwrap().is_none(),
+        "b took a running lease"
+    );
+    assert!(
+        save_cursor_fenced(pool, "relay", 10, "relay", a.id, held_by_a.epoch)
+            .await
+            .unwrap()
+    );
+    // a is paused past its lease; b takes the lease over.
+    sqlx::query("UPDATE leases SET renewed_at = now() - interval '11 seconds'")
+        .execute(pool)
+        .await
+        .unwrap();
+    let held_by_b = acquire_or_renew(pool, "relay", &b).await.unwrap().unwrap();
+    assert_eq!(held_by_b.epoch, held_by_a.epoch + 1);
+    // a wakes up and saves: refused, the cursor stays where it was.
+    assert!(
+        !save_cursor_fenced(pool, "relay", 20, "relay", a.id, held_by_a.epoch)
+            .await
+            .unwrap()
+    );
+    assert_eq!(load_cursor(pool, "relay").await.unwrap(), Some(10));
+    assert!(
+        acquire_or_renew(pool, "relay", &a).await.unwrap().is_none(),
+        "a took b's running lease back"
+    );
+    assert!(
+        save_cursor_fenced(pool, "relay", 20, "relay", b.id, held_by_b.epoch)
+            .await
+            .unwrap()
+    );
+    assert_eq!(load_cursor(pool, "relay").await.unwrap(), Some(20));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_instance_takes_the_relay_lease_its_dead_predecessor_held_at_once() {
+    use idem_server::store::leases::{acquire_or_renew, LeaseHolder};
+    let db = idem_tests::TestDatabase::create_with(&idem_server::MIGRATOR)
+        .await
+        .unwrap();
+    let pool = db.pool();
+    let process = |instance: &str| LeaseHolder {
+        instance: instance.to_owned(),
+        id: uuid::Uuid::new_v4(),
+        ttl: Duration::from_secs(10),
+    };
+    let before_crash = acquire_or_renew(pool, "relay", &process("idem-1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(acquire_or_renew(pool, "relay", &process("idem-2"))
+        .await
+        .unwrap()
+        .is_none());
+    let after_restart = acquire_or_renew(pool, "relay", &process("idem-1"))
+        .await
+        .unwrap()
+        .expect("the restarted idem-1 waits out its own dead predecessor's lease");
+    assert_eq!(after_restart.epoch, before_crash.epoch + 1);
+}

@@ -11,6 +11,25 @@ pub struct ClusterView {
     pub instance: String,
     /// Every claimed instance name, by name.
     pub instances: Vec<ClusterInstance>,
+    /// Work one instance does at a time (`relay`: publishing the event log
+    /// to MQTT), and who holds it.
+    pub leases: Vec<ClusterLease>,
+}
+
+/// One lease and its holder.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClusterLease {
+    pub name: String,
+    /// The instance name that renewed it last.
+    pub holder: String,
+    /// Grows by one each time the lease changes hands.
+    pub epoch: i64,
+    /// Renewed within its time to live.
+    pub live: bool,
+    /// Milliseconds since its last renewal (absent once released).
+    pub renewed_age_ms: Option<u64>,
+    pub ttl_ms: u64,
 }
 
 /// One instance name's claim.

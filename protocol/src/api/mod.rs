@@ -30,7 +30,7 @@ pub use access::{
     TokenView,
 };
 pub use approvals::{ApprovalPolicyList, ApprovalPolicyRequest, ApprovalPolicyView};
-pub use cluster::{ClusterInstance, ClusterView};
+pub use cluster::{ClusterInstance, ClusterLease, ClusterView};
 pub use devices::{
     Attempt, CredentialsRequest, DesiredSet, DesiredView, DeviceDeleted, DeviceDesired,
     DeviceListQuery, DevicePage, DeviceRegistration, DeviceUpsert, DeviceView, FieldChangeKind,

@@ -211,6 +211,7 @@ fn shared_state(
 
 fn event_relay(
     settings: &EventsSettings,
+    fleet: &crate::config::FleetSettings,
     pool: &PgPool,
     publisher: &Publisher,
     live: &broadcast::Sender<Arc<StoredEvent>>,
@@ -224,6 +225,11 @@ fn event_relay(
         wake: wake.clone(),
         metrics: metrics.clone(),
         retention: settings.retention,
+        lease: crate::store::leases::LeaseHolder {
+            instance: fleet.instance.clone(),
+            id: uuid::Uuid::new_v4(),
+            ttl: fleet.instance_lease,
+        },
     }
 }
 
@@ -340,6 +346,7 @@ impl Workers {
         ];
         let relay = event_relay(
             &config.events,
+            &config.fleet,
             &state.pool,
             &state.publisher,
             &state.live_events,

@@ -2,11 +2,20 @@
 //! each event to the MQTT event topics and to live SSE streams. Also prunes
 //! relayed events past the retention limits.
 //!
+//! Every instance follows the log for its own SSE streams; only the holder of
+//! the `relay` lease (`store::leases`) publishes to MQTT, saves the shared
+//! cursor and prunes, so an event leaves over MQTT once however many
+//! instances run. The cursor is saved fenced by the lease's epoch: a holder
+//! paused past its lease saves nothing, and the next holder starts from the
+//! last saved cursor (what a paused holder published after it again: at
+//! least once, at most one batch).
+//!
 //! Reads only what is committed, so nothing is emitted that was not. Its
 //! cursor is persisted after each batch, so a restart neither skips nor
 //! republishes (but for the part of a batch a crash, or a shutdown past its
 //! limit, cut short). Cancelled at shutdown, once every writer of this
-//! process has stopped, it first relays what is committed by then.
+//! process has stopped, it first relays what is committed by then, then
+//! lets its lease expire at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,8 +28,11 @@ use tokio_util::sync::CancellationToken;
 use crate::mqtt::Publisher;
 use crate::ops::metrics::Metrics;
 use crate::store::events::{self, EventFilter, StoredEvent};
+use crate::store::leases::{self, Held, LeaseHolder};
 
 const CURSOR_NAME: &str = "relay";
+/// The lease whose holder publishes the log to MQTT.
+pub const RELAY_LEASE: &str = "relay";
 const READ_BATCH: i64 = 2_000;
 /// Fallback poll when no commit woke the relay (e.g. another instance wrote).
 const POLL_INTERVAL: Duration = Duration::from_millis(500);
@@ -41,11 +53,23 @@ pub struct EventRelay {
     pub wake: Arc<Notify>,
     pub metrics: Arc<Metrics>,
     pub retention: Retention,
+    /// This process's claim on the `relay` lease.
+    pub lease: LeaseHolder,
+}
+
+/// Where the relay has got to.
+#[derive(Debug, Clone, Copy)]
+struct Cursors {
+    /// The last event handed to this process's SSE streams.
+    live: i64,
+    /// While holding the lease: the epoch, and the last event published
+    /// to MQTT (the shared cursor).
+    held: Option<(Held, i64)>,
 }
 
 impl EventRelay {
     pub async fn run(self, token: CancellationToken) {
-        let mut cursor = loop {
+        let start = loop {
             match events::load_cursor(&self.pool, CURSOR_NAME).await {
                 Ok(c) => break c.unwrap_or(0),
                 Err(e) => {
@@ -56,19 +80,31 @@ impl EventRelay {
                 }
             }
         };
+        let mut cursors = Cursors {
+            live: start,
+            held: None,
+        };
+        let renew_every = self.lease.ttl / 3;
+        let mut last_renewal: Option<tokio::time::Instant> = None;
         let mut last_prune = tokio::time::Instant::now();
         loop {
-            match self.relay_batch(cursor).await {
+            if last_renewal.is_none_or(|at| at.elapsed() >= renew_every) || cursors.held.is_none() {
+                cursors = self.renew(cursors).await;
+                last_renewal = Some(tokio::time::Instant::now());
+            }
+            match self.relay_batch(cursors).await {
                 Ok(Some(next)) => {
-                    cursor = next;
+                    cursors = next;
                     continue;
                 }
                 Ok(None) => {}
                 Err(e) => tracing::warn!(error = %e, "event relay read failed; retrying"),
             }
-            if last_prune.elapsed() >= PRUNE_INTERVAL {
-                last_prune = tokio::time::Instant::now();
-                self.prune(cursor).await;
+            if let Some((_, published)) = cursors.held {
+                if last_prune.elapsed() >= PRUNE_INTERVAL {
+                    last_prune = tokio::time::Instant::now();
+                    self.prune(published).await;
+                }
             }
             tokio::select! {
                 () = token.cancelled() => break,
@@ -76,15 +112,65 @@ impl EventRelay {
                 () = tokio::time::sleep(POLL_INTERVAL) => {}
             }
         }
-        self.catch_up(cursor).await;
+        self.catch_up(cursors).await;
+        if cursors.held.is_some() {
+            if let Err(e) = leases::release(&self.pool, RELAY_LEASE, self.lease.id).await {
+                tracing::warn!(error = %e, "could not release the relay lease; it expires after its time");
+            }
+        }
+    }
+
+    /// Takes or renews the lease. Taking it starts publishing from the
+    /// shared cursor; losing it stops publishing.
+    async fn renew(&self, cursors: Cursors) -> Cursors {
+        let held = match leases::acquire_or_renew(&self.pool, RELAY_LEASE, &self.lease).await {
+            Ok(held) => held,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not renew the relay lease; retrying");
+                return cursors;
+            }
+        };
+        match (cursors.held, held) {
+            (Some((was, published)), Some(now)) if was == now => Cursors {
+                held: Some((now, published)),
+                ..cursors
+            },
+            (_, Some(now)) => match events::load_cursor(&self.pool, CURSOR_NAME).await {
+                Ok(published) => {
+                    tracing::info!(
+                        epoch = now.epoch,
+                        "this instance relays the event log to MQTT"
+                    );
+                    Cursors {
+                        held: Some((now, published.unwrap_or(0))),
+                        ..cursors
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "event relay cannot read its cursor; retrying");
+                    Cursors {
+                        held: None,
+                        ..cursors
+                    }
+                }
+            },
+            (Some(_), None) => {
+                tracing::warn!("another instance took the relay lease; this one no longer publishes events to MQTT");
+                Cursors {
+                    held: None,
+                    ..cursors
+                }
+            }
+            (None, None) => cursors,
+        }
     }
 
     /// Relays batch after batch until none is left, or until a read fails
     /// (the rest then goes out at the next start, from the cursor).
-    async fn catch_up(&self, mut cursor: i64) {
+    async fn catch_up(&self, mut cursors: Cursors) {
         loop {
-            match self.relay_batch(cursor).await {
-                Ok(Some(next)) => cursor = next,
+            match self.relay_batch(cursors).await {
+                Ok(Some(next)) => cursors = next,
                 Ok(None) => return,
                 Err(e) => {
                     tracing::warn!(
@@ -97,35 +183,71 @@ impl EventRelay {
         }
     }
 
-    /// Relays the next batch after `cursor`; `Some(new cursor)` if there was one.
-    async fn relay_batch(&self, cursor: i64) -> Result<Option<i64>, crate::store::StoreError> {
-        let batch = events::read(&self.pool, cursor, &EventFilter::default(), READ_BATCH).await?;
+    /// Relays the next batch after the cursors: to MQTT what is past the
+    /// shared cursor (while holding the lease), to SSE what is past the live
+    /// one. `Some(new cursors)` if there was a batch.
+    async fn relay_batch(
+        &self,
+        cursors: Cursors,
+    ) -> Result<Option<Cursors>, crate::store::StoreError> {
+        let from = match cursors.held {
+            Some((_, published)) => published.min(cursors.live),
+            None => cursors.live,
+        };
+        let batch = events::read(&self.pool, from, &EventFilter::default(), READ_BATCH).await?;
         let Some(last) = batch.last().map(|e| e.sequence) else {
             let committed = events::last_sequence(&self.pool).await?;
             self.metrics
                 .event_log_lag
-                .set((committed - cursor).max(0) as f64);
+                .set((committed - from).max(0) as f64);
             return Ok(None);
         };
+        let publish_after = cursors.held.map(|(_, published)| published);
         for event in batch {
-            if let Some((publisher, qos)) = &self.mqtt {
-                let topic = publisher
-                    .root()
-                    .event_topic(&event.event_type, &event.subject);
-                publisher
-                    .publish_event(topic, *qos, event.cloudevent.to_string().into_bytes())
-                    .await;
+            if publish_after.is_some_and(|after| event.sequence > after) {
+                if let Some((publisher, qos)) = &self.mqtt {
+                    let topic = publisher
+                        .root()
+                        .event_topic(&event.event_type, &event.subject);
+                    publisher
+                        .publish_event(topic, *qos, event.cloudevent.to_string().into_bytes())
+                        .await;
+                }
+                self.metrics.events_published.increment(1);
             }
-            // No live subscriber is fine.
-            let _ = self.live.send(Arc::new(event));
-            self.metrics.events_published.increment(1);
+            if event.sequence > cursors.live {
+                // No live subscriber is fine.
+                let _ = self.live.send(Arc::new(event));
+            }
         }
-        events::save_cursor(&self.pool, CURSOR_NAME, last).await?;
+        let held = match cursors.held {
+            Some((lease, _)) => {
+                let saved = events::save_cursor_fenced(
+                    &self.pool,
+                    CURSOR_NAME,
+                    last,
+                    RELAY_LEASE,
+                    self.lease.id,
+                    lease.epoch,
+                )
+                .await?;
+                if saved {
+                    Some((lease, last))
+                } else {
+                    tracing::warn!("the relay lease changed hands; this instance no longer publishes events to MQTT");
+                    None
+                }
+            }
+            None => None,
+        };
         let committed = events::last_sequence(&self.pool).await?;
         self.metrics
             .event_log_lag
             .set((committed - last).max(0) as f64);
-        Ok(Some(last))
+        Ok(Some(Cursors {
+            live: last.max(cursors.live),
+            held,
+        }))
     }
 
     async fn prune(&self, relayed: i64) {

@@ -150,6 +150,49 @@ pub async fn save_cursor(pool: &PgPool, name: &str, sequence: i64) -> Result<(),
     Ok(())
 }
 
+/// [`save_cursor`], fenced by a lease: saved only while `holder` still
+/// holds `lease` at `epoch`, checked in the same statement. `false`: the
+/// lease has changed hands, nothing was saved.
+pub async fn save_cursor_fenced(
+    pool: &PgPool,
+    name: &str,
+    sequence: i64,
+    lease: &str,
+    holder: uuid::Uuid,
+    epoch: i64,
+) -> Result<bool, StoreError> {
+    let fenced = sqlx::query(
+        "INSERT INTO event_cursors (name, sequence) \
+         SELECT $1, $2 WHERE EXISTS \
+             (SELECT 1 FROM leases WHERE name = $3 AND holder_id = $4 AND epoch = $5) \
+         ON CONFLICT (name) DO UPDATE SET sequence = EXCLUDED.sequence \
+         WHERE event_cursors.sequence < EXCLUDED.sequence",
+    )
+    .bind(name)
+    .bind(sequence)
+    .bind(lease)
+    .bind(holder)
+    .bind(epoch)
+    .execute(pool)
+    .await
+    .context("saving an event cursor under a lease")?;
+    if fenced.rows_affected() == 1 {
+        return Ok(true);
+    }
+    // Nothing written: either the lease is gone, or the cursor was already
+    // at `sequence` (a batch saved twice); only the first is a loss.
+    let held: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM leases WHERE name = $1 AND holder_id = $2 AND epoch = $3)",
+    )
+    .bind(lease)
+    .bind(holder)
+    .bind(epoch)
+    .fetch_one(pool)
+    .await
+    .context("checking a lease")?;
+    Ok(held)
+}
+
 /// Deletes relayed events (sequence ≤ `relayed`) that are older than
 /// `max_age` or beyond the newest `max_count`. Returns how many were deleted.
 pub async fn prune(

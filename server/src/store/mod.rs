@@ -12,6 +12,7 @@ pub mod devices;
 pub mod events;
 pub mod exemptions;
 pub mod instances;
+pub mod leases;
 pub mod owned;
 pub mod runs;
 pub mod writer;

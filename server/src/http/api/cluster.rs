@@ -1,11 +1,12 @@
 //! `GET /v1/cluster`: the server instances sharing this database, read
-//! from their claims (`store::instances`).
+//! from their claims (`store::instances`), and the leases they hold
+//! (`store::leases`).
 
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::Json;
-use idem_protocol::api::{ClusterInstance, ClusterView, ErrorBody};
+use idem_protocol::api::{ClusterInstance, ClusterLease, ClusterView, ErrorBody};
 
 use crate::app::state::AppState;
 use crate::http::error::ApiError;
@@ -46,8 +47,28 @@ pub(super) async fn cluster(
             }
         })
         .collect();
+    let leases = store::leases::all(&state.pool)
+        .await?
+        .into_iter()
+        .map(|lease| {
+            let ttl_ms = u64::try_from(lease.ttl.as_millis()).unwrap_or(u64::MAX);
+            let renewed_age_ms = lease
+                .renewed_age_secs
+                .is_finite()
+                .then(|| whole(lease.renewed_age_secs * 1000.0));
+            ClusterLease {
+                name: lease.name,
+                holder: lease.holder,
+                epoch: lease.epoch,
+                live: renewed_age_ms.is_some_and(|age| age < ttl_ms),
+                renewed_age_ms,
+                ttl_ms,
+            }
+        })
+        .collect();
     Ok(Json(ClusterView {
         instance: state.config.fleet.instance.clone(),
         instances,
+        leases,
     }))
 }

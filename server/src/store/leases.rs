@@ -1,0 +1,106 @@
+//! The `leases` table: work exactly one instance does at a time, taken
+//! when free or expired, renewed by its holder, and fenced by an epoch that
+//! grows each time it changes hands. SQL only; holders are in `events::relay`.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use super::{Context, StoreError};
+
+/// Who asks for a lease.
+#[derive(Debug, Clone)]
+pub struct LeaseHolder {
+    /// The instance name (shown in `GET /v1/cluster`).
+    pub instance: String,
+    /// This holder's own id: one per process and lease.
+    pub id: Uuid,
+    /// The lease expires this long after its last renewal.
+    pub ttl: Duration,
+}
+
+/// A lease held: the epoch every fenced write checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub epoch: i64,
+}
+
+/// One lease as stored, for `GET /v1/cluster`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseRow {
+    pub name: String,
+    pub holder: String,
+    pub epoch: i64,
+    /// Seconds since its last renewal, by the database's clock.
+    pub renewed_age_secs: f64,
+    pub ttl: Duration,
+}
+
+/// Takes `name` for `holder` when it is free or expired, or renews it when
+/// `holder` has it. A lease held under `holder`'s instance name by another
+/// process is taken at once: instance names are claimed (`instances`), so
+/// that process is gone (a restart after a crash). `None`: another
+/// instance's lease is still running.
+pub async fn acquire_or_renew(
+    pool: &PgPool,
+    name: &str,
+    holder: &LeaseHolder,
+) -> Result<Option<Held>, StoreError> {
+    let ttl_ms = i64::try_from(holder.ttl.as_millis())
+        .unwrap_or(i64::MAX)
+        .max(1);
+    let epoch: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO leases (name, holder, holder_id, epoch, renewed_at, ttl_ms) \
+         VALUES ($1, $2, $3, 1, now(), $4) \
+         ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, holder_id = EXCLUDED.holder_id, \
+             epoch = CASE WHEN leases.holder_id = EXCLUDED.holder_id THEN leases.epoch \
+                          ELSE leases.epoch + 1 END, \
+             renewed_at = now(), ttl_ms = EXCLUDED.ttl_ms \
+         WHERE leases.holder_id = EXCLUDED.holder_id OR leases.holder = EXCLUDED.holder \
+            OR leases.renewed_at < now() - make_interval(secs => leases.ttl_ms / 1000.0) \
+         RETURNING epoch",
+    )
+    .bind(name)
+    .bind(&holder.instance)
+    .bind(holder.id)
+    .bind(ttl_ms)
+    .fetch_optional(pool)
+    .await
+    .context("taking or renewing a lease")?;
+    Ok(epoch.map(|epoch| Held { epoch }))
+}
+
+/// Lets `name` expire at once if `holder` still has it (a graceful stop):
+/// the next holder need not wait out the lease. The epoch stays.
+pub async fn release(pool: &PgPool, name: &str, holder: Uuid) -> Result<(), StoreError> {
+    sqlx::query("UPDATE leases SET renewed_at = '-infinity' WHERE name = $1 AND holder_id = $2")
+        .bind(name)
+        .bind(holder)
+        .execute(pool)
+        .await
+        .context("releasing a lease")?;
+    Ok(())
+}
+
+/// Every lease, by name.
+pub async fn all(pool: &PgPool) -> Result<Vec<LeaseRow>, StoreError> {
+    let rows: Vec<(String, String, i64, f64, i64)> = sqlx::query_as(
+        "SELECT name, holder, epoch, \
+                COALESCE(EXTRACT(EPOCH FROM now() - renewed_at)::float8, 'Infinity'::float8), ttl_ms \
+         FROM leases ORDER BY name",
+    )
+    .fetch_all(pool)
+    .await
+    .context("listing the leases")?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, holder, epoch, renewed_age_secs, ttl_ms)| LeaseRow {
+            name,
+            holder,
+            epoch,
+            renewed_age_secs,
+            ttl: Duration::from_millis(u64::try_from(ttl_ms).unwrap_or(1)),
+        })
+        .collect())
+}
