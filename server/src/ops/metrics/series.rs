@@ -118,7 +118,7 @@ pub(super) const EVENTS_COMMITTED: Family<Counter> = Family::new(
 );
 pub(super) const EVENTS_PUBLISHED: Family<Counter> = Family::new(
     "idem_events_published_total",
-    "Committed events relayed to MQTT and live SSE streams",
+    "Committed events this instance relayed holding the relay lease (to MQTT when events go there, and to live SSE streams)",
 );
 pub(super) const EVENT_LOG_LAG: Family<Gauge> = Family::new(
     "idem_event_log_lag_events",
