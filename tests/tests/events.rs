@@ -453,6 +453,18 @@ async fn two_instances_on_one_database_publish_each_event_once_and_the_survivor_
     .await
     .unwrap();
     let (seen, pump) = event_witness(&scenario, &root).await;
+    // The first one took the relay lease at its start; `/readyz` says so.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, first_ready) = scenario.server.get("/readyz").await.unwrap();
+        if first_ready["owns"] == json!(["relay"]) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{first_ready}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, second_ready) = second.get("/readyz").await.unwrap();
+    assert_eq!(second_ready["owns"], json!([]), "{second_ready}");
 
     let last = scenario.append_events(50, 0).await.unwrap();
     let first = last - 49;
@@ -479,6 +491,8 @@ async fn two_instances_on_one_database_publish_each_event_once_and_the_survivor_
         repeated.is_empty(),
         "after the takeover, events reached MQTT more than once: {repeated:?}"
     );
+    let (_, ready) = scenario.server.get("/readyz").await.unwrap();
+    assert_eq!(ready["owns"], json!(["relay"]), "{ready}");
     let (status, cluster) = scenario.server.get("/v1/cluster").await.unwrap();
     assert_eq!(status, 200, "{cluster}");
     assert_eq!(

@@ -92,6 +92,10 @@ pub struct Readiness {
     pub mqtt: bool,
     /// Workers (`ingest`, `engine`) failing to commit, with why.
     pub stuck: BTreeMap<String, String>,
+    /// The work this instance owns now, of what one instance at a time
+    /// does: `relay` (publishing the event log to MQTT).
+    #[serde(default)]
+    pub owns: Vec<String>,
 }
 
 /// Serde's `skip_serializing_if` for flags that are false by default.

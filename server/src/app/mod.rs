@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::app::state::{AppState, Stalls};
-use crate::config::{EventsSettings, ValidConfig};
+use crate::config::ValidConfig;
 use crate::engine::new_run::Trigger;
 use crate::engine::{
     Engine, EngineCommand, EngineContext, EngineInbox, EngineStats, RolloutRequest, RunRequest,
@@ -29,7 +29,6 @@ use crate::reconcile::plan::PlanBook;
 use crate::reconcile::rollout::{Rollout, StoredRollout};
 use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::cache::FleetCache;
-use crate::store::events::StoredEvent;
 use crate::store::{self, DeviceWriter, StoreError};
 
 const ENGINE_CAPACITY: usize = 1_024;
@@ -193,6 +192,7 @@ fn shared_state(
         engine,
         live_events,
         events_wake: Arc::new(Notify::new()),
+        relay_held: Arc::default(),
         mqtt: Arc::new(MqttStatus::default()),
         publisher,
         engine_stats: Arc::new(EngineStats::default()),
@@ -209,27 +209,23 @@ fn shared_state(
     }
 }
 
-fn event_relay(
-    settings: &EventsSettings,
-    fleet: &crate::config::FleetSettings,
-    pool: &PgPool,
-    publisher: &Publisher,
-    live: &broadcast::Sender<Arc<StoredEvent>>,
-    wake: &Arc<Notify>,
-    metrics: &Arc<Metrics>,
-) -> EventRelay {
+/// The event relay of this process, from what the state shares.
+fn event_relay(state: &AppState) -> EventRelay {
+    let settings = &state.config.events;
+    let fleet = &state.config.fleet;
     EventRelay {
-        pool: pool.clone(),
-        mqtt: settings.mqtt.map(|qos| (publisher.clone(), qos)),
-        live: live.clone(),
-        wake: wake.clone(),
-        metrics: metrics.clone(),
+        pool: state.pool.clone(),
+        mqtt: settings.mqtt.map(|qos| (state.publisher.clone(), qos)),
+        live: state.live_events.clone(),
+        wake: state.events_wake.clone(),
+        metrics: state.metrics.clone(),
         retention: settings.retention,
         lease: crate::store::leases::LeaseHolder {
             instance: fleet.instance.clone(),
             id: uuid::Uuid::new_v4(),
             ttl: fleet.instance_lease,
         },
+        held: state.relay_held.clone(),
     }
 }
 
@@ -344,15 +340,7 @@ impl Workers {
                 intake_token.clone(),
             )),
         ];
-        let relay = event_relay(
-            &config.events,
-            &config.fleet,
-            &state.pool,
-            &state.publisher,
-            &state.live_events,
-            &state.events_wake,
-            &state.metrics,
-        );
+        let relay = event_relay(state);
         let relay = tokio::spawn(relay.run(relay_token.clone()));
         Self {
             intake_token,

@@ -32,6 +32,8 @@ pub struct AppState {
     pub live_events: broadcast::Sender<Arc<StoredEvent>>,
     /// Wakes the relay after a commit that wrote events.
     pub events_wake: Arc<Notify>,
+    /// Set while this instance's relay holds the `relay` lease (`/readyz`).
+    pub relay_held: Arc<std::sync::atomic::AtomicBool>,
     pub mqtt: Arc<MqttStatus>,
     /// For clearing a deleted device's retained messages.
     pub publisher: Publisher,

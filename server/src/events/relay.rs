@@ -17,6 +17,7 @@
 //! process has stopped, it first relays what is committed by then, then
 //! lets its lease expire at once.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,6 +56,8 @@ pub struct EventRelay {
     pub retention: Retention,
     /// This process's claim on the `relay` lease.
     pub lease: LeaseHolder,
+    /// Mirrors whether the lease is held, for `/readyz`.
+    pub held: Arc<AtomicBool>,
 }
 
 /// Where the relay has got to.
@@ -91,10 +94,12 @@ impl EventRelay {
             if last_renewal.is_none_or(|at| at.elapsed() >= renew_every) || cursors.held.is_none() {
                 cursors = self.renew(cursors).await;
                 last_renewal = Some(tokio::time::Instant::now());
+                self.held.store(cursors.held.is_some(), Ordering::Relaxed);
             }
             match self.relay_batch(cursors).await {
                 Ok(Some(next)) => {
                     cursors = next;
+                    self.held.store(cursors.held.is_some(), Ordering::Relaxed);
                     continue;
                 }
                 Ok(None) => {}
@@ -114,6 +119,7 @@ impl EventRelay {
         }
         self.catch_up(cursors).await;
         if cursors.held.is_some() {
+            self.held.store(false, Ordering::Relaxed);
             if let Err(e) = leases::release(&self.pool, RELAY_LEASE, self.lease.id).await {
                 tracing::warn!(error = %e, "could not release the relay lease; it expires after its time");
             }

@@ -93,6 +93,11 @@ pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         database,
         mqtt,
         stuck,
+        owns: if state.relay_held.load(std::sync::atomic::Ordering::Relaxed) {
+            vec![crate::events::relay::RELAY_LEASE.to_owned()]
+        } else {
+            Vec::new()
+        },
     };
     (status, Json(answer)).into_response()
 }
