@@ -512,19 +512,24 @@ async fn two_instances_on_one_database_publish_each_event_once_and_the_survivor_
     pump.abort();
 }
 
+/// A process asking for a lease as instance `instance`, with a 10 s lease.
+fn lease_holder(instance: &str) -> idem_server::store::leases::LeaseHolder {
+    idem_server::store::leases::LeaseHolder {
+        instance: instance.to_owned(),
+        id: uuid::Uuid::new_v4(),
+        ttl: Duration::from_secs(10),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_whose_lease_expired_and_changed_hands_cannot_move_the_shared_cursor() {
     use idem_server::store::events::{load_cursor, save_cursor_fenced};
-    use idem_server::store::leases::{acquire_or_renew, LeaseHolder};
+    use idem_server::store::leases::acquire_or_renew;
     let db = idem_tests::TestDatabase::create_with(&idem_server::MIGRATOR)
         .await
         .unwrap();
     let pool = db.pool();
-    let holder = |instance: &str| LeaseHolder {
-        instance: instance.to_owned(),
-        id: uuid::Uuid::new_v4(),
-        ttl: Duration::from_secs(10),
-    };
+    let holder = lease_holder;
     let (a, b) = (holder("a"), holder("b"));
     let held_by_a = acquire_or_renew(pool, "relay", &a).await.unwrap().unwrap();
     assert!(
@@ -564,16 +569,12 @@ async fn a_relay_whose_lease_expired_and_changed_hands_cannot_move_the_shared_cu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_instance_takes_the_relay_lease_its_dead_predecessor_held_at_once() {
-    use idem_server::store::leases::{acquire_or_renew, LeaseHolder};
+    use idem_server::store::leases::acquire_or_renew;
     let db = idem_tests::TestDatabase::create_with(&idem_server::MIGRATOR)
         .await
         .unwrap();
     let pool = db.pool();
-    let process = |instance: &str| LeaseHolder {
-        instance: instance.to_owned(),
-        id: uuid::Uuid::new_v4(),
-        ttl: Duration::from_secs(10),
-    };
+    let process = lease_holder;
     let before_crash = acquire_or_renew(pool, "relay", &process("idem-1"))
         .await
         .unwrap()

@@ -12,16 +12,22 @@ use idem_tests::{PrivateMosquitto, ProcessServer, TestDatabase};
 
 use crate::{unique_tag, SERIAL, SERVER_BIN};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_live_server_with_a_name_in_use_exits_non_zero_naming_the_holder() {
-    let _serial = SERIAL.lock().await;
+/// A private broker, a fresh database, a unique topic root, and a unique
+/// instance name starting with `prefix`.
+async fn services_and_a_name(prefix: &str) -> (PrivateMosquitto, TestDatabase, TopicRoot, String) {
     let broker = PrivateMosquitto::start().unwrap();
     let db = TestDatabase::create_with(&idem_server::MIGRATOR)
         .await
         .unwrap();
     let tag = unique_tag();
     let root = TopicRoot::new(format!("idem-names/{tag}")).unwrap();
-    let name = format!("names-{tag}");
+    (broker, db, root, format!("{prefix}-{tag}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_live_server_with_a_name_in_use_exits_non_zero_naming_the_holder() {
+    let _serial = SERIAL.lock().await;
+    let (broker, db, root, name) = services_and_a_name("names").await;
     let lease = [("IDEM_INSTANCE_LEASE", "2s")];
     let mut first = ProcessServer::start(
         Path::new(SERVER_BIN),
@@ -117,13 +123,7 @@ async fn a_second_live_server_with_a_name_in_use_exits_non_zero_naming_the_holde
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_name_whose_holder_on_another_host_stopped_beating_is_taken_after_its_lease() {
     let _serial = SERIAL.lock().await;
-    let broker = PrivateMosquitto::start().unwrap();
-    let db = TestDatabase::create_with(&idem_server::MIGRATOR)
-        .await
-        .unwrap();
-    let tag = unique_tag();
-    let root = TopicRoot::new(format!("idem-names/{tag}")).unwrap();
-    let name = format!("stale-{tag}");
+    let (broker, db, root, name) = services_and_a_name("stale").await;
     // A holder on another host whose last heartbeat is 1 s old, with a 2 s
     // lease: live now, stale a second later.
     sqlx::query(
