@@ -568,7 +568,7 @@ async fn a_relay_whose_lease_expired_and_changed_hands_cannot_move_the_shared_cu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restarted_instance_takes_the_relay_lease_its_dead_predecessor_held_at_once() {
+async fn a_relay_lease_held_by_a_dead_predecessor_of_the_same_name_or_released_is_taken_at_once() {
     use idem_server::store::leases::acquire_or_renew;
     let db = idem_tests::TestDatabase::create_with(&idem_server::MIGRATOR)
         .await
@@ -588,4 +588,23 @@ async fn a_restarted_instance_takes_the_relay_lease_its_dead_predecessor_held_at
         .unwrap()
         .expect("the restarted idem-1 waits out its own dead predecessor's lease");
     assert_eq!(after_restart.epoch, before_crash.epoch + 1);
+
+    // A graceful stop releases it: free at once for another instance, and
+    // listed (by `GET /v1/cluster`) as released, not as an error.
+    let restarted = process("idem-1");
+    let held = acquire_or_renew(pool, "relay", &restarted)
+        .await
+        .unwrap()
+        .unwrap();
+    idem_server::store::leases::release(pool, "relay", restarted.id)
+        .await
+        .unwrap();
+    let listed = idem_server::store::leases::all(pool).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].renewed_age_secs, None, "{listed:?}");
+    let other = acquire_or_renew(pool, "relay", &process("idem-2"))
+        .await
+        .unwrap()
+        .expect("a released lease is free at once");
+    assert_eq!(other.epoch, held.epoch + 1);
 }

@@ -32,8 +32,9 @@ pub struct LeaseRow {
     pub name: String,
     pub holder: String,
     pub epoch: i64,
-    /// Seconds since its last renewal, by the database's clock.
-    pub renewed_age_secs: f64,
+    /// Seconds since its last renewal, by the database's clock (`None`:
+    /// released).
+    pub renewed_age_secs: Option<f64>,
     pub ttl: Duration,
 }
 
@@ -85,9 +86,12 @@ pub async fn release(pool: &PgPool, name: &str, holder: Uuid) -> Result<(), Stor
 
 /// Every lease, by name.
 pub async fn all(pool: &PgPool) -> Result<Vec<LeaseRow>, StoreError> {
-    let rows: Vec<(String, String, i64, f64, i64)> = sqlx::query_as(
+    // A released lease's `renewed_at` is `-infinity`, which PostgreSQL
+    // before 17 refuses to subtract from.
+    let rows: Vec<(String, String, i64, Option<f64>, i64)> = sqlx::query_as(
         "SELECT name, holder, epoch, \
-                COALESCE(EXTRACT(EPOCH FROM now() - renewed_at)::float8, 'Infinity'::float8), ttl_ms \
+                CASE WHEN isfinite(renewed_at) THEN EXTRACT(EPOCH FROM now() - renewed_at)::float8 END, \
+                ttl_ms \
          FROM leases ORDER BY name",
     )
     .fetch_all(pool)

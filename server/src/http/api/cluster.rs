@@ -52,10 +52,7 @@ pub(super) async fn cluster(
         .into_iter()
         .map(|lease| {
             let ttl_ms = u64::try_from(lease.ttl.as_millis()).unwrap_or(u64::MAX);
-            let renewed_age_ms = lease
-                .renewed_age_secs
-                .is_finite()
-                .then(|| whole(lease.renewed_age_secs * 1000.0));
+            let renewed_age_ms = lease.renewed_age_secs.map(|secs| whole(secs * 1000.0));
             ClusterLease {
                 name: lease.name,
                 holder: lease.holder,
