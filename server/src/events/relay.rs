@@ -91,7 +91,13 @@ impl EventRelay {
         let mut last_renewal: Option<tokio::time::Instant> = None;
         let mut last_prune = tokio::time::Instant::now();
         loop {
-            if last_renewal.is_none_or(|at| at.elapsed() >= renew_every) || cursors.held.is_none() {
+            // A holder renews every third of the lease; the others try to
+            // take it at most once a poll, not on every wake-up.
+            let renewal_due = match cursors.held {
+                Some(_) => renew_every,
+                None => POLL_INTERVAL,
+            };
+            if last_renewal.is_none_or(|at| at.elapsed() >= renewal_due) {
                 cursors = self.renew(cursors).await;
                 last_renewal = Some(tokio::time::Instant::now());
                 self.held.store(cursors.held.is_some(), Ordering::Relaxed);

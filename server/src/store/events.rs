@@ -136,23 +136,9 @@ pub async fn load_cursor(pool: &PgPool, name: &str) -> Result<Option<i64>, Store
         .context("reading an event cursor")
 }
 
-pub async fn save_cursor(pool: &PgPool, name: &str, sequence: i64) -> Result<(), StoreError> {
-    sqlx::query(
-        "INSERT INTO event_cursors (name, sequence) VALUES ($1, $2) \
-         ON CONFLICT (name) DO UPDATE SET sequence = EXCLUDED.sequence \
-         WHERE event_cursors.sequence < EXCLUDED.sequence",
-    )
-    .bind(name)
-    .bind(sequence)
-    .execute(pool)
-    .await
-    .context("saving an event cursor")?;
-    Ok(())
-}
-
-/// [`save_cursor`], fenced by a lease: saved only while `holder` still
-/// holds `lease` at `epoch`, checked in the same statement. `false`: the
-/// lease has changed hands, nothing was saved.
+/// Saves an event cursor (only ever forward), fenced by a lease: saved
+/// only while `holder` still holds `lease` at `epoch`, checked in the same
+/// statement. `false`: the lease has changed hands, nothing was saved.
 pub async fn save_cursor_fenced(
     pool: &PgPool,
     name: &str,
