@@ -47,4 +47,23 @@ impl PrivateMosquitto {
             }
         }
     }
+
+    /// Waits until a fresh subscriber to `topic` gets no retained message
+    /// (the server clears retained messages through its publishing queue,
+    /// after the HTTP answer): `Err` with the message still retained when
+    /// `within` runs out.
+    pub async fn wait_nothing_retained_on(
+        &self,
+        topic: &str,
+        within: Duration,
+    ) -> Result<(), Vec<u8>> {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.retained_on(topic).await {
+                None => return Ok(()),
+                Some(payload) if Instant::now() >= deadline => return Err(payload),
+                Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
 }
