@@ -47,4 +47,9 @@ pub struct ClusterInstance {
     pub lease_ms: u64,
     /// Seconds since it claimed the name.
     pub uptime_s: u64,
+    /// The instance draining this one's MQTT session (it stopped or died
+    /// while sharing the fleet's subscriptions); host and pid are then the
+    /// drainer's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drained_by: Option<String>,
 }

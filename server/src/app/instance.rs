@@ -43,7 +43,7 @@ pub struct InstanceClaim {
 
 /// This machine's host name (empty when it cannot be read: then no holder is
 /// ever taken for one on this host).
-fn host_name() -> String {
+pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
         .unwrap_or_default()
@@ -133,12 +133,23 @@ async fn claim_again(pool: &PgPool, claim: InstanceClaim) -> Result<InstanceClai
     }
 }
 
+/// What a graceful stop does with the claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtStop {
+    /// Delete it: the name is free.
+    Release,
+    /// Leave it stale: a survivor drains the MQTT session this process
+    /// leaves behind (`--share-group`), then deletes it.
+    LeaveForDrain,
+}
+
 /// Beats every quarter of the lease until `beats` is cancelled, then gives
-/// the name up. When another process took the name over (this one was
-/// paused past its lease), stops the server through `server`.
+/// the name up as `at_stop` says. When another process took the name over
+/// (this one was paused past its lease), stops the server through `server`.
 pub async fn keep(
     pool: PgPool,
     claim: InstanceClaim,
+    at_stop: AtStop,
     beats: CancellationToken,
     server: CancellationToken,
 ) {
@@ -163,7 +174,13 @@ pub async fn keep(
             }
         }
     }
-    if let Err(e) = instances::release(&pool, &claim.name, claim.claimant.holder).await {
-        tracing::warn!(error = %e, "could not release the instance name; it goes stale after its lease");
+    let given_up = match at_stop {
+        AtStop::Release => instances::release(&pool, &claim.name, claim.claimant.holder).await,
+        AtStop::LeaveForDrain => {
+            instances::mark_stopped(&pool, &claim.name, claim.claimant.holder).await
+        }
+    };
+    if let Err(e) = given_up {
+        tracing::warn!(error = %e, "could not give the instance name up; it goes stale after its lease");
     }
 }

@@ -4,6 +4,7 @@
 //! whole server in-process on port 0.
 
 pub mod instance;
+pub mod session_drains;
 pub mod state;
 
 use std::sync::Arc;
@@ -69,9 +70,14 @@ pub async fn run(
     // session closed), on its own token; it stops the server through
     // `token` if another process took the name over.
     let beats = CancellationToken::new();
+    let at_stop = match config.mqtt.share_group {
+        Some(_) => instance::AtStop::LeaveForDrain,
+        None => instance::AtStop::Release,
+    };
     let keeper = tokio::spawn(instance::keep(
         pool.clone(),
         claim,
+        at_stop,
         beats.clone(),
         token.clone(),
     ));
@@ -259,6 +265,17 @@ impl Workers {
         let mqtt_token = CancellationToken::new();
         let config = &state.config;
         let recheck = crate::engine::recheck::RecheckSignal::new();
+        let drains =
+            config
+                .mqtt
+                .share_group
+                .is_some()
+                .then(|| crate::app::session_drains::SessionDrains {
+                    pool: state.pool.clone(),
+                    config: config.clone(),
+                    intake: intake_tx.another(),
+                    metrics: state.metrics.clone(),
+                });
         let mqtt = tokio::spawn(mqtt::run_event_loop(
             eventloop,
             client.clone(),
@@ -274,6 +291,7 @@ impl Workers {
                     .map(|d| d as Arc<dyn mqtt::ControlResponses>),
                 recheck: recheck.clone(),
                 sys_topics: config.mqtt.sys_topics,
+                share_group: config.mqtt.share_group.clone(),
             },
             mqtt_token.clone(),
         ));
@@ -340,6 +358,10 @@ impl Workers {
                 intake_token.clone(),
             )),
         ];
+        let mut intake = intake;
+        if let Some(drains) = drains {
+            intake.push(tokio::spawn(drains.run(intake_token.clone())));
+        }
         let relay = event_relay(state);
         let relay = tokio::spawn(relay.run(relay_token.clone()));
         Self {

@@ -39,7 +39,9 @@ pub use engine::{EngineArgs, ReconcileSettings};
 pub use events::{EventsArgs, EventsSettings};
 pub use fleet::{FleetArgs, FleetSettings};
 pub use http::{HttpArgs, HttpSettings, SseArgs};
-pub use mqtt::{parse_mqtt_url, BrokerAddr, MqttArgs, MqttCredentials, MqttSettings, MqttUrlError};
+pub use mqtt::{
+    parse_mqtt_url, BrokerAddr, MqttArgs, MqttCredentials, MqttSettings, MqttUrlError, ShareGroup,
+};
 pub use readiness::{ReadinessArgs, ReadinessSettings};
 pub use retention::RetentionArgs;
 pub use security::{BrokerAccounts, SecurityArgs, SecuritySettings};
@@ -183,6 +185,8 @@ pub enum ConfigError {
     MqttKeepAlive(Duration),
     #[error("IDEM_MQTT_INTAKE_BUFFER_BYTES / --mqtt-intake-buffer-bytes must be at least 1048576 (1 MiB; got {0})")]
     MqttIntakeBuffer(usize),
+    #[error("IDEM_SHARE_GROUP / --share-group {0:?}: use 1 to 64 letters, digits, '-' or '_' (the same on every instance that shares the fleet's messages)")]
+    ShareGroup(String),
     #[error("IDEM_BROKER_ACCOUNTS_FILE / --broker-accounts-file {path}: {reason} (a Mosquitto password file: `user:hash` lines, as `mosquitto_passwd` writes them)")]
     BrokerAccountsFile { path: String, reason: String },
     #[error("IDEM_RESERVED_BROKER_USERNAMES / --reserved-broker-usernames holds an empty name: list names separated by commas, without empty entries")]

@@ -71,6 +71,15 @@ pub struct MqttArgs {
     /// access to them.
     #[arg(long, env = "IDEM_BROKER_SYS_TOPICS", default_value_t = true, action = clap::ArgAction::Set)]
     pub broker_sys_topics: bool,
+
+    /// Share the fleet's `reported` and `status` messages with every
+    /// instance started with the same group: each subscribes to
+    /// `$share/{group}/{root}/+/reported` (and `status`) and the broker hands
+    /// each message to one of them. Needed for several instances on one
+    /// broker; letters, digits, `-` and `_`, at most 64. Without it the
+    /// server subscribes to every message itself.
+    #[arg(long, env = "IDEM_SHARE_GROUP")]
+    pub share_group: Option<String>,
 }
 
 /// The MQTT group, validated: what the server's connection needs.
@@ -88,6 +97,39 @@ pub struct MqttSettings {
     /// At least 1 MiB.
     pub intake_buffer_bytes: usize,
     pub sys_topics: bool,
+    /// `--share-group`, checked.
+    pub share_group: Option<ShareGroup>,
+}
+
+/// A shared-subscription group name: 1–64 of `[A-Za-z0-9_-]`, so it can
+/// never hold the `/`, `+` or `#` an MQTT share name must not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareGroup(String);
+
+impl ShareGroup {
+    pub const MAX_LEN: usize = 64;
+
+    pub fn parse(name: &str) -> Result<Self, ConfigError> {
+        let valid = !name.is_empty()
+            && name.len() <= Self::MAX_LEN
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if valid {
+            Ok(Self(name.to_owned()))
+        } else {
+            Err(ConfigError::ShareGroup(name.to_owned()))
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The shared form of `filter`: `$share/{group}/{filter}`.
+    pub fn filter(&self, filter: &str) -> String {
+        format!("$share/{}/{filter}", self.0)
+    }
 }
 
 impl MqttArgs {
@@ -107,6 +149,11 @@ impl MqttArgs {
         }
         let credentials = self.credentials()?;
         let tls = self.tls(&broker)?;
+        let share_group = self
+            .share_group
+            .as_deref()
+            .map(ShareGroup::parse)
+            .transpose()?;
         Ok(MqttSettings {
             url: self.mqtt_url.clone(),
             broker,
@@ -115,6 +162,7 @@ impl MqttArgs {
             keep_alive: self.mqtt_keep_alive,
             intake_buffer_bytes: self.mqtt_intake_buffer_bytes,
             sys_topics: self.broker_sys_topics,
+            share_group,
         })
     }
 
@@ -286,6 +334,23 @@ mod tests {
             change(&mut config.mqtt);
             let err = config.validate().unwrap_err().to_string();
             assert!(err.contains(variable), "{variable}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_share_group_is_a_plain_name_and_makes_shared_filters() {
+        let mut config = Config::defaults();
+        assert_eq!(config.validate().unwrap().mqtt.share_group, None);
+        config.mqtt.share_group = Some("idem-fleet_1".into());
+        let group = config.validate().unwrap().mqtt.share_group.unwrap();
+        assert_eq!(
+            group.filter("idem/v1/+/reported"),
+            "$share/idem-fleet_1/idem/v1/+/reported"
+        );
+        for bad in ["", "a/b", "a+", "#", "with space", &"g".repeat(65)] {
+            config.mqtt.share_group = Some(bad.to_owned());
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains("IDEM_SHARE_GROUP"), "{bad:?}: {err}");
         }
     }
 

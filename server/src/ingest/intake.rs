@@ -5,16 +5,19 @@
 //! age of the oldest) for readiness and metrics.
 //!
 //! It owns the queued messages only; it never decides what to do with them.
-//! One producer (the event loop) and one consumer (the ingest).
+//! Producers: the event loop, and for a while the drain of a dead
+//! instance's session (`crate::mqtt::adopt`); one consumer (the ingest).
+//! Manual acks belong to the connection a message came on: each message
+//! says which ([`AckVia`]).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use rumqttc::Publish;
+use rumqttc::{AsyncClient, Publish};
 
 /// One inbound publish for the ingest. `oversized` is the original payload
 /// length when it was over the report limit; the payload itself was dropped
@@ -23,6 +26,52 @@ use rumqttc::Publish;
 pub struct Received {
     pub publish: Publish,
     pub oversized: Option<usize>,
+    pub ack_via: AckVia,
+}
+
+/// The connection that acknowledges a message once the ingest is done
+/// with it.
+#[derive(Debug, Clone)]
+pub enum AckVia {
+    /// The server's own connection (through its publisher).
+    Server,
+    /// A connection draining another instance's session.
+    Adopted(AdoptedAcks),
+}
+
+/// Acknowledges on a drained session's connection and counts what it
+/// still has to acknowledge (the drain ends only at zero).
+#[derive(Debug, Clone)]
+pub struct AdoptedAcks {
+    client: AsyncClient,
+    unacked: Arc<AtomicUsize>,
+}
+
+impl AdoptedAcks {
+    pub fn new(client: AsyncClient) -> Self {
+        Self {
+            client,
+            unacked: Arc::default(),
+        }
+    }
+
+    /// One more message handed to the ingest.
+    pub fn handed_over(&self) {
+        self.unacked.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Acknowledges `publish` on its own connection.
+    pub fn ack(&self, publish: &Publish) {
+        if let Err(e) = self.client.try_ack(publish) {
+            tracing::warn!(error = %e, "could not acknowledge a message of a drained session; the broker keeps it in that session");
+        }
+        self.unacked.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Messages handed to the ingest and not acknowledged yet.
+    pub fn unacked(&self) -> usize {
+        self.unacked.load(Ordering::Acquire)
+    }
 }
 
 /// What one queued message is counted as besides its topic and payload
@@ -52,7 +101,9 @@ struct Shared {
     /// Wakes the producer when the queue fell below half its budget or the
     /// consumer left.
     drained: Notify,
-    /// The producer left.
+    /// Producers still there; the queue closes when the last one leaves.
+    producers: AtomicUsize,
+    /// Every producer left.
     closed: AtomicBool,
     /// The consumer left (shutdown): nothing will drain the queue again.
     consumer_gone: AtomicBool,
@@ -90,6 +141,7 @@ pub fn intake(budget_bytes: usize) -> (IntakeSender, IntakeReceiver, IntakeGauge
         queue: Mutex::new(Queue::default()),
         arrived: Notify::new(),
         drained: Notify::new(),
+        producers: AtomicUsize::new(1),
         closed: AtomicBool::new(false),
         consumer_gone: AtomicBool::new(false),
         budget_bytes: budget_bytes.max(1),
@@ -110,6 +162,14 @@ fn size_of(received: &Received) -> usize {
 }
 
 impl IntakeSender {
+    /// A second producer on the same queue (it closes once both left).
+    pub fn another(&self) -> Self {
+        self.shared.producers.fetch_add(1, Ordering::AcqRel);
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+
     pub fn budget_bytes(&self) -> usize {
         self.shared.budget_bytes
     }
@@ -147,15 +207,17 @@ impl IntakeSender {
 
 impl Drop for IntakeSender {
     fn drop(&mut self) {
-        self.shared.closed.store(true, Ordering::Release);
-        self.shared.arrived.notify_one();
+        if self.shared.producers.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.shared.closed.store(true, Ordering::Release);
+            self.shared.arrived.notify_one();
+        }
     }
 }
 
 impl Drop for IntakeReceiver {
     fn drop(&mut self) {
         self.shared.consumer_gone.store(true, Ordering::Release);
-        self.shared.drained.notify_one();
+        self.shared.drained.notify_waiters();
     }
 }
 
@@ -174,7 +236,7 @@ impl IntakeReceiver {
                     into.push(received);
                 }
                 if queue.bytes <= self.shared.budget_bytes / 2 {
-                    self.shared.drained.notify_one();
+                    self.shared.drained.notify_waiters();
                 }
                 n
             };
@@ -212,6 +274,7 @@ mod tests {
         Received {
             publish: Publish::new("idem/v1/d/reported", QoS::AtLeastOnce, vec![b'x'; payload]),
             oversized: None,
+            ack_via: AckVia::Server,
         }
     }
 
@@ -252,6 +315,40 @@ mod tests {
             .unwrap();
         drop(tx);
         assert_eq!(rx.recv_many(&mut got, 10).await, 0, "closed and empty");
+    }
+
+    #[tokio::test]
+    async fn the_queue_closes_only_when_its_last_producer_leaves() {
+        let (first, mut rx, _gauge) = intake(1 << 20);
+        let second = first.another();
+        drop(first);
+        assert!(second.push(message(1)));
+        let mut got = Vec::new();
+        assert_eq!(rx.recv_many(&mut got, 10).await, 1, "still open");
+        drop(second);
+        assert_eq!(rx.recv_many(&mut got, 10).await, 0, "closed and empty");
+    }
+
+    #[tokio::test]
+    async fn every_producer_waiting_for_room_hears_that_the_ingest_drained() {
+        let (first, mut rx, _gauge) = intake(1_000);
+        let second = first.another();
+        assert!(!first.push(message(2_000)), "over the budget");
+        let waiters = [first, second].map(|tx| {
+            tokio::spawn(async move {
+                tx.wait_for_room().await;
+                tx
+            })
+        });
+        tokio::task::yield_now().await;
+        let mut got = Vec::new();
+        assert_eq!(rx.recv_many(&mut got, 10).await, 1);
+        for waiter in waiters {
+            tokio::time::timeout(Duration::from_secs(5), waiter)
+                .await
+                .expect("a producer was not told there is room")
+                .unwrap();
+        }
     }
 
     #[tokio::test]

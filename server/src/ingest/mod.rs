@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::EngineCommand;
-use crate::mqtt::{Publisher, Received};
+use crate::mqtt::{AckVia, Publisher, Received};
 use crate::ops::metrics::{Metrics, ReportResult};
 use crate::ops::stall::Stall;
 use crate::reconcile::decide::ReportedState;
@@ -230,7 +230,10 @@ impl Ingest {
         }
         let applied: Vec<DeviceId> = batch.reports.into_keys().collect();
         for received in messages {
-            self.publisher.ack(&received.publish);
+            match &received.ack_via {
+                AckVia::Server => self.publisher.ack(&received.publish),
+                AckVia::Adopted(acks) => acks.ack(&received.publish),
+            }
         }
         if !connectivity.is_empty() {
             self.tell_engine(EngineCommand::Connectivity(connectivity))

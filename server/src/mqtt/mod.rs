@@ -13,6 +13,7 @@
 //! only their length for the ingest to count and acknowledge), and the
 //! publisher refuses to hand the client anything larger than the budget.
 
+pub mod adopt;
 pub mod outbox;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,6 +30,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::ShareGroup;
 use crate::config::ValidConfig;
 use crate::engine::recheck::{RecheckSignal, RecheckTrigger};
 use crate::ingest::intake::IntakeSender;
@@ -46,7 +48,7 @@ const MQTT_MAX_REMAINING_LENGTH: usize = 268_435_455;
 /// `run.completed`) stays in the event log and on SSE only.
 pub const MAX_EVENT_PAYLOAD_BYTES: usize = 1024 * 1024;
 
-pub use crate::ingest::intake::Received;
+pub use crate::ingest::intake::{AckVia, Received};
 
 /// Connection facts shared with readiness checks.
 #[derive(Debug, Default)]
@@ -73,16 +75,34 @@ pub fn server_client_id(instance: &str) -> String {
 /// or TLS (`mqtts://`, the configuration's rustls client config, optionally
 /// with a client certificate), with the configured credentials.
 pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
-    let mut options = MqttOptions::new(
+    let options = options(
+        config,
         server_client_id(&config.fleet.instance),
+        SessionKind::Persistent,
+    );
+    AsyncClient::new(options, REQUEST_CHANNEL_CAPACITY)
+}
+
+/// Whether a connection keeps its session on the broker while it is away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionKind {
+    /// Reports published while the client is briefly away are delivered
+    /// when it returns.
+    Persistent,
+    /// The broker drops the session (and whatever it held) at connect.
+    Clean,
+}
+
+/// The connection options of a server connection with `client_id`.
+pub fn options(config: &ValidConfig, client_id: String, session: SessionKind) -> MqttOptions {
+    let mut options = MqttOptions::new(
+        client_id,
         config.mqtt.broker.host.clone(),
         config.mqtt.broker.port,
     );
     options
         .set_keep_alive(config.mqtt.keep_alive)
-        // Persistent session: reports published while we are briefly away
-        // are delivered when we return.
-        .set_clean_session(false)
+        .set_clean_session(session == SessionKind::Clean)
         .set_manual_acks(true)
         .set_inflight(MAX_INFLIGHT)
         .set_request_channel_capacity(REQUEST_CHANNEL_CAPACITY)
@@ -102,7 +122,7 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
             credentials.password.expose().clone(),
         );
     }
-    AsyncClient::new(options, REQUEST_CHANNEL_CAPACITY)
+    options
 }
 
 /// Marks the connection up (and counts a reconnect).
@@ -152,6 +172,20 @@ pub struct EventLoopHooks {
     pub recheck: Arc<RecheckSignal>,
     /// Subscribe to the broker's `$SYS` counters.
     pub sys_topics: bool,
+    /// Subscribe to the fleet's messages through this shared-subscription group.
+    pub share_group: Option<ShareGroup>,
+}
+
+/// The filters of the fleet's `reported` and `status` messages, shared
+/// through `group` when the server has one.
+pub fn fleet_filters(root: &TopicRoot, group: Option<&ShareGroup>) -> [String; 2] {
+    [Channel::Reported, Channel::Status].map(|channel| {
+        let filter = root.filter(channel);
+        match group {
+            Some(group) => group.filter(&filter),
+            None => filter,
+        }
+    })
 }
 
 /// Reads one `$SYS` counter message: sets its gauge and raises a recheck
@@ -215,12 +249,13 @@ pub async fn run_event_loop(
         control,
         recheck,
         sys_topics,
+        share_group,
     } = hooks;
     let (broker_host, broker_port) = eventloop.mqtt_options.broker_address();
-    let mut filters = vec![
-        SubscribeFilter::new(root.filter(Channel::Reported), QoS::AtLeastOnce),
-        SubscribeFilter::new(root.filter(Channel::Status), QoS::AtLeastOnce),
-    ];
+    let mut filters: Vec<SubscribeFilter> = fleet_filters(&root, share_group.as_ref())
+        .into_iter()
+        .map(|filter| SubscribeFilter::new(filter, QoS::AtLeastOnce))
+        .collect();
     let control_topic = control.as_ref().map(|c| c.topic().to_owned());
     if let Some(topic) = &control_topic {
         filters.push(SubscribeFilter::new(topic.clone(), QoS::AtLeastOnce));
@@ -273,7 +308,11 @@ pub async fn run_event_loop(
                     publish.payload = Bytes::new();
                     len
                 });
-                let received = Received { publish, oversized };
+                let received = Received {
+                    publish,
+                    oversized,
+                    ack_via: AckVia::Server,
+                };
                 if !intake.push(received) {
                     // Past the budget: stop reading until the ingest caught
                     // up (the broker holds the rest meanwhile).

@@ -30,6 +30,8 @@ pub struct Holder {
     /// Seconds since it started.
     pub age_secs: f64,
     pub lease: Duration,
+    /// The instance draining this one's MQTT session, while one does.
+    pub drained_by: Option<String>,
 }
 
 /// Every instance row, for `GET /v1/cluster`.
@@ -56,7 +58,8 @@ pub async fn claim(
         "INSERT INTO instances (name, holder, host, pid, lease_ms) \
          VALUES ($1, $2, $3, $4, $5) \
          ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, host = EXCLUDED.host, \
-             pid = EXCLUDED.pid, lease_ms = EXCLUDED.lease_ms, started_at = now(), heartbeat_at = now() \
+             pid = EXCLUDED.pid, lease_ms = EXCLUDED.lease_ms, started_at = now(), heartbeat_at = now(), \
+             drained_by = NULL \
          WHERE instances.heartbeat_at < now() - make_interval(secs => instances.lease_ms / 1000.0) \
             OR instances.holder = $6 \
          RETURNING holder",
@@ -75,10 +78,10 @@ pub async fn claim(
 
 /// The current holder of `name`, if any.
 pub async fn holder(pool: &PgPool, name: &str) -> Result<Option<Holder>, StoreError> {
-    let row: Option<(Uuid, String, i32, f64, f64, i64)> = sqlx::query_as(
+    let row: Option<HolderColumns> = sqlx::query_as(
         "SELECT holder, host, pid, \
                 EXTRACT(EPOCH FROM now() - heartbeat_at)::float8, \
-                EXTRACT(EPOCH FROM now() - started_at)::float8, lease_ms \
+                EXTRACT(EPOCH FROM now() - started_at)::float8, lease_ms, drained_by \
          FROM instances WHERE name = $1",
     )
     .bind(name)
@@ -88,8 +91,10 @@ pub async fn holder(pool: &PgPool, name: &str) -> Result<Option<Holder>, StoreEr
     Ok(row.map(holder_from))
 }
 
+type HolderColumns = (Uuid, String, i32, f64, f64, i64, Option<String>);
+
 fn holder_from(
-    (holder, host, pid, heartbeat_age_secs, age_secs, lease_ms): (Uuid, String, i32, f64, f64, i64),
+    (holder, host, pid, heartbeat_age_secs, age_secs, lease_ms, drained_by): HolderColumns,
 ) -> Holder {
     Holder {
         holder,
@@ -98,15 +103,16 @@ fn holder_from(
         heartbeat_age_secs,
         age_secs,
         lease: Duration::from_millis(u64::try_from(lease_ms).unwrap_or(1)),
+        drained_by,
     }
 }
 
 /// Every instance row, by name.
 pub async fn all(pool: &PgPool) -> Result<Vec<InstanceRow>, StoreError> {
-    let rows: Vec<(String, Uuid, String, i32, f64, f64, i64)> = sqlx::query_as(
+    let rows: Vec<NamedHolder> = sqlx::query_as(
         "SELECT name, holder, host, pid, \
-                EXTRACT(EPOCH FROM now() - heartbeat_at)::float8, \
-                EXTRACT(EPOCH FROM now() - started_at)::float8, lease_ms \
+                EXTRACT(EPOCH FROM now() - heartbeat_at)::float8 AS heartbeat_age_secs, \
+                EXTRACT(EPOCH FROM now() - started_at)::float8 AS age_secs, lease_ms, drained_by \
          FROM instances ORDER BY name",
     )
     .fetch_all(pool)
@@ -114,11 +120,31 @@ pub async fn all(pool: &PgPool) -> Result<Vec<InstanceRow>, StoreError> {
     .context("listing the instances")?;
     Ok(rows
         .into_iter()
-        .map(|(name, holder, host, pid, beat, age, lease)| InstanceRow {
-            name,
-            holder: holder_from((holder, host, pid, beat, age, lease)),
+        .map(|row| InstanceRow {
+            name: row.name,
+            holder: holder_from((
+                row.holder,
+                row.host,
+                row.pid,
+                row.heartbeat_age_secs,
+                row.age_secs,
+                row.lease_ms,
+                row.drained_by,
+            )),
         })
         .collect())
+}
+
+#[derive(sqlx::FromRow)]
+struct NamedHolder {
+    name: String,
+    holder: Uuid,
+    host: String,
+    pid: i32,
+    heartbeat_age_secs: f64,
+    age_secs: f64,
+    lease_ms: i64,
+    drained_by: Option<String>,
 }
 
 /// Renews the heartbeat of `holder`'s claim. `false` when the claim is no
@@ -143,4 +169,49 @@ pub async fn release(pool: &PgPool, name: &str, holder: Uuid) -> Result<(), Stor
         .await
         .context("releasing the instance name")?;
     Ok(())
+}
+
+/// Ends `holder`'s claim at once without giving the name up (a graceful
+/// stop of an instance sharing the fleet's subscriptions): the row goes
+/// stale now, so a survivor drains the session it leaves on the broker.
+pub async fn mark_stopped(pool: &PgPool, name: &str, holder: Uuid) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE instances \
+         SET heartbeat_at = now() - make_interval(secs => lease_ms / 1000.0) - interval '1 second' \
+         WHERE name = $1 AND holder = $2",
+    )
+    .bind(name)
+    .bind(holder)
+    .execute(pool)
+    .await
+    .context("marking the instance stopped")?;
+    Ok(())
+}
+
+/// Takes the stale claim of one instance other than `drainer` (stopped, or
+/// dead with no heartbeat for its lease) to drain its MQTT session: the row
+/// becomes `claimant`'s, with `drained_by = drainer` and a fresh heartbeat,
+/// so no other survivor takes it while the drain lasts less than that
+/// instance's lease. The name taken, if any.
+pub async fn take_stale_for_drain(
+    pool: &PgPool,
+    drainer: &str,
+    claimant: &Claimant,
+) -> Result<Option<String>, StoreError> {
+    sqlx::query_scalar(
+        "UPDATE instances SET holder = $2, host = $3, pid = $4, heartbeat_at = now(), drained_by = $1 \
+         WHERE name = ( \
+             SELECT name FROM instances \
+             WHERE name <> $1 \
+               AND heartbeat_at < now() - make_interval(secs => lease_ms / 1000.0) \
+             ORDER BY heartbeat_at LIMIT 1 FOR UPDATE SKIP LOCKED) \
+         RETURNING name",
+    )
+    .bind(drainer)
+    .bind(claimant.holder)
+    .bind(&claimant.host)
+    .bind(i32::try_from(claimant.pid).unwrap_or(i32::MAX))
+    .fetch_optional(pool)
+    .await
+    .context("taking a stale instance claim to drain its session")
 }

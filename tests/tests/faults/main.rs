@@ -23,8 +23,9 @@
 //! starting fleets, waiting on what Postgres and the witness saw). By
 //! topic: `server_killed` (the server SIGKILLed mid-run),
 //! `rollout_killed` (SIGKILLed mid-wave), `instance_names` (a name claimed
-//! by a live, a killed or a silent process) and `postgres_stopped` (the
-//! database stopped mid-run).
+//! by a live, a killed or a silent process), `shared_sessions` (an instance
+//! sharing the subscriptions killed and never restarted) and
+//! `postgres_stopped` (the database stopped mid-run).
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -44,6 +45,7 @@ mod instance_names;
 mod postgres_stopped;
 mod rollout_killed;
 mod server_killed;
+mod shared_sessions;
 
 /// The real server command line, built by this package.
 const SERVER_BIN: &str = env!("CARGO_BIN_EXE_idem-server-under-test");

@@ -44,6 +44,7 @@ pub(super) async fn cluster(
                 heartbeat_age_ms,
                 lease_ms,
                 uptime_s: whole(row.holder.age_secs),
+                drained_by: row.holder.drained_by,
             }
         })
         .collect();

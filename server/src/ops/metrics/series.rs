@@ -46,6 +46,14 @@ pub(super) const REPORT_REQUESTS: Family<Counter> = Family::new(
     "idem_report_requests_total",
     "`get` requests sent to devices that had never reported",
 );
+pub(super) const SESSIONS_DRAINED: Family<Counter> = Family::new(
+    "idem_sessions_drained_total",
+    "MQTT sessions of stopped or dead instances this instance drained (shared subscriptions)",
+);
+pub(super) const DRAINED_MESSAGES: Family<Counter> = Family::new(
+    "idem_drained_messages_total",
+    "Messages found waiting in drained sessions of other instances, handed to the ingest",
+);
 pub(super) const RUNS_STARTED: Family<Counter> =
     Family::new("idem_runs_started_total", "Reconciliation runs started");
 pub(super) const RUNS_COMPLETED: Family<Counter> =
