@@ -14,7 +14,7 @@ use sqlx::PgPool;
 
 /// A device writer of its own, as another server process would have.
 fn writer(pool: &PgPool) -> DeviceWriter {
-    DeviceWriter::new(pool.clone(), std::sync::Arc::new(FleetCache::default()))
+    DeviceWriter::new(pool.clone(), std::sync::Arc::new(FleetCache::default()), 0)
 }
 
 /// Returns `task` once it waits on a database lock; fails with `finished`'s

@@ -61,6 +61,8 @@ pub struct ServerSettings {
     /// Reuse this topic root (e.g. a second server over the same fleet).
     pub topic_root: Option<String>,
     pub instance: Option<String>,
+    /// `--share-group`.
+    pub share_group: Option<String>,
     /// A worker whose write has not committed for this long makes `/readyz` fail.
     pub stuck_after: Duration,
     /// `--http-max-connections`.
@@ -131,6 +133,7 @@ impl Default for ServerSettings {
             stale_after: Duration::from_secs(300),
             topic_root: None,
             instance: None,
+            share_group: None,
             stuck_after: Duration::from_secs(30),
             http_max_connections: server.http.http_max_connections,
             http_header_timeout: server.http.http_header_timeout,
@@ -200,6 +203,7 @@ impl TestServer {
         if let Some(root) = settings.topic_root {
             config.fleet.topic_root = root;
         }
+        config.mqtt.share_group = settings.share_group;
         if let Some(instance) = settings.instance {
             config.fleet.instance = instance;
         }

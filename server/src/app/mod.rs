@@ -81,6 +81,9 @@ pub async fn run(
         beats.clone(),
         token.clone(),
     ));
+    // Read before the load: the cache then follows other writers from here
+    // (a row changed in between is read once more, as it is by then).
+    let seen = store::writer::versions_high(&pool).await?;
     let rows = store::devices::load_all(&pool).await?;
     let owned = store::owned::declared_set(&pool).await?;
     let mut resolver = crate::reconcile::owned::OwnedResolver::new(owned.clone());
@@ -104,7 +107,7 @@ pub async fn run(
     let state = Arc::new(shared_state(
         config,
         pool,
-        fleet,
+        (fleet, seen),
         &client,
         (engine_tx, runs_tx, rollouts_tx),
         intake_gauge,
@@ -161,7 +164,7 @@ pub async fn run(
 fn shared_state(
     config: ValidConfig,
     pool: PgPool,
-    fleet: Arc<FleetCache>,
+    (fleet, seen): (Arc<FleetCache>, i64),
     client: &rumqttc::AsyncClient,
     (engine, run_requests, rollout_requests): (
         mpsc::Sender<EngineCommand>,
@@ -189,7 +192,7 @@ fn shared_state(
         tracing::warn!("--insecure-no-auth: the API answers everyone as an admin, without a token");
     }
     let (live_events, _) = broadcast::channel(LIVE_EVENTS_CAPACITY);
-    let writer = Arc::new(DeviceWriter::new(pool.clone(), fleet.clone()));
+    let writer = Arc::new(DeviceWriter::new(pool.clone(), fleet.clone(), seen));
     AppState {
         pool,
         fleet,
@@ -359,6 +362,16 @@ impl Workers {
             )),
         ];
         let mut intake = intake;
+        intake.push(tokio::spawn(crate::store::follow::run(
+            state.writer.clone(),
+            state.pool.clone(),
+            intake_token.clone(),
+        )));
+        intake.push(tokio::spawn(tell_engine_what_others_wrote(
+            &state.writer,
+            state.engine.clone(),
+            intake_token.clone(),
+        )));
         if let Some(drains) = drains {
             intake.push(tokio::spawn(drains.run(intake_token.clone())));
         }
@@ -416,6 +429,48 @@ impl Workers {
             );
             self.mqtt_token.cancel();
             let _ = self.mqtt.await;
+        }
+    }
+}
+
+/// Passes what the cache learnt from other instances' device writes to the
+/// engine as it would have heard it from this instance's own ingest and API:
+/// stored reports, connection changes, deletions. (Desired changes reach it
+/// with the runs that make them.)
+fn tell_engine_what_others_wrote(
+    writer: &DeviceWriter,
+    engine: mpsc::Sender<EngineCommand>,
+    token: CancellationToken,
+) -> impl std::future::Future<Output = ()> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<store::Followed>();
+    writer.on_followed(Box::new(move |followed| {
+        // The receiver is gone only at shutdown.
+        let _ = tx.send(followed);
+    }));
+    async move {
+        loop {
+            let followed = tokio::select! {
+                () = token.cancelled() => return,
+                followed = rx.recv() => match followed {
+                    Some(followed) => followed,
+                    None => return,
+                },
+            };
+            let mut commands = Vec::with_capacity(3);
+            if !followed.reported.is_empty() {
+                commands.push(EngineCommand::ReportsApplied(followed.reported));
+            }
+            if !followed.online.is_empty() {
+                commands.push(EngineCommand::Connectivity(followed.online));
+            }
+            if !followed.removed.is_empty() {
+                commands.push(EngineCommand::DevicesRemoved(followed.removed));
+            }
+            for command in commands {
+                if engine.send(command).await.is_err() {
+                    return;
+                }
+            }
         }
     }
 }

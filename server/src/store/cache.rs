@@ -52,6 +52,9 @@ pub enum FleetChange {
     /// An operator released a quarantined device: `failed`, no failures counted.
     Released(DeviceId),
     Removed(DeviceId),
+    /// The device's row as another writer left it (`DeviceWriter` following
+    /// the table): replaces the entry.
+    Followed(DeviceId, DeviceEntry),
     /// The engine's merged change of one device.
     Engine(DeviceId, DeviceChange),
 }
@@ -259,6 +262,9 @@ impl FleetCache {
                 }
                 FleetChange::Removed(id) => {
                     self.devices.remove(&id);
+                }
+                FleetChange::Followed(id, entry) => {
+                    self.devices.insert(id, entry);
                 }
                 FleetChange::Engine(id, change) => {
                     if let Some(mut entry) = self.devices.get_mut(&id) {

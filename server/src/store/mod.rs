@@ -11,6 +11,7 @@ pub mod copy;
 pub mod devices;
 pub mod events;
 pub mod exemptions;
+pub mod follow;
 pub mod instances;
 pub mod leases;
 pub mod owned;
@@ -23,7 +24,7 @@ use idem_protocol::sql::UnknownName;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
-pub use writer::{DeviceTx, DeviceWriter};
+pub use writer::{DeviceTx, DeviceWriter, Followed};
 
 /// Which devices a cache refresh (`exemptions::refresh`, `owned::refresh`)
 /// brings up to date: every one, or those listed (ids as stored).

@@ -1,0 +1,101 @@
+//! Keeps this process's fleet cache following what other processes write to
+//! `devices`: woken by the table's `NOTIFY idem_devices` (skipping the
+//! notifications of its own writes), and at least every [`CATCH_UP_EVERY`]
+//! so a lost notification (a dropped listener connection) only delays. The
+//! catching up itself is the device writer's (`DeviceWriter::follow`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::PgListener;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::{Context, DeviceWriter, StoreError};
+
+/// The channel the `devices` triggers notify.
+pub const CHANNEL: &str = "idem_devices";
+/// The catch-up scan runs at least this often.
+pub const CATCH_UP_EVERY: Duration = Duration::from_secs(1);
+/// Removals are kept this long for instances that look rarely.
+const KEEP_REMOVALS: &str = "1 day";
+/// Pruning of old removals runs every this many catch-ups.
+const PRUNE_EVERY: u32 = 600;
+
+/// Follows until `token` is cancelled.
+pub async fn run(writer: Arc<DeviceWriter>, pool: PgPool, token: CancellationToken) {
+    let me = writer.id().to_string();
+    let mut listener = match listen(&pool).await {
+        Ok(listener) => Some(listener),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for other instances' device writes; following them every {CATCH_UP_EVERY:?}");
+            None
+        }
+    };
+    let mut ticks = 0u32;
+    let mut timer = tokio::time::interval(CATCH_UP_EVERY);
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let woken_by_other = tokio::select! {
+            () = token.cancelled() => return,
+            _ = timer.tick() => true,
+            notification = next(&mut listener) => match notification {
+                Some(payload) => payload != me,
+                None => {
+                    // The listener failed: drop it and rely on the timer
+                    // until it connects again.
+                    listener = listen(&pool).await.ok();
+                    true
+                }
+            },
+        };
+        if !woken_by_other {
+            continue;
+        }
+        if let Err(e) = writer.follow().await {
+            tracing::debug!(error = %e, "could not follow other instances' device writes; retrying");
+        }
+        ticks += 1;
+        if ticks % PRUNE_EVERY == 0 {
+            if let Err(e) = prune_removals(&pool).await {
+                tracing::debug!(error = %e, "could not prune old device removals");
+            }
+        }
+    }
+}
+
+async fn listen(pool: &PgPool) -> Result<PgListener, StoreError> {
+    let mut listener = PgListener::connect_with(pool)
+        .await
+        .context("connecting the device-writes listener")?;
+    listener
+        .listen(CHANNEL)
+        .await
+        .context("listening for device writes")?;
+    Ok(listener)
+}
+
+/// The next notification's payload; `None` when the listener failed;
+/// pending forever without a listener.
+async fn next(listener: &mut Option<PgListener>) -> Option<String> {
+    match listener {
+        Some(listener) => match listener.recv().await {
+            Ok(notification) => Some(notification.payload().to_owned()),
+            Err(e) => {
+                tracing::debug!(error = %e, "the device-writes listener failed");
+                None
+            }
+        },
+        None => std::future::pending().await,
+    }
+}
+
+async fn prune_removals(pool: &PgPool) -> Result<(), StoreError> {
+    sqlx::query(&format!(
+        "DELETE FROM device_removals WHERE removed_at < now() - interval '{KEEP_REMOVALS}'"
+    ))
+    .execute(pool)
+    .await
+    .context("pruning old device removals")?;
+    Ok(())
+}

@@ -1,0 +1,166 @@
+//! Several instances on one database and one broker, in process: what one
+//! writes, the others' fleet caches follow (the `devices` versions and
+//! `NOTIFY`), so a device registered or changed through one instance is
+//! handled as such by every other.
+
+// Test code: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use idem_device_sim::{DeviceBehaviour, SimDevice};
+use idem_protocol::DeviceId;
+use idem_tests::{PushWitness, Scenario, ServerSettings, TestServer};
+use serde_json::{json, Value};
+
+/// A scenario whose server shares `group`, and a second instance over the
+/// same fleet, database and broker.
+async fn two_instances(group: &str) -> (Scenario, TestServer) {
+    let scenario = Scenario::start(ServerSettings {
+        share_group: Some(group.to_owned()),
+        ..ServerSettings::default()
+    })
+    .await
+    .unwrap();
+    let second = another_instance(&scenario, group).await;
+    (scenario, second)
+}
+
+/// A second instance over the scenario's fleet, database and broker.
+async fn another_instance(scenario: &Scenario, group: &str) -> TestServer {
+    TestServer::start(
+        &scenario.db,
+        &scenario.broker,
+        ServerSettings {
+            topic_root: Some(scenario.server.topic_root.to_string()),
+            share_group: Some(group.to_owned()),
+            ..ServerSettings::default()
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// Waits until `check` holds for the device as `server` answers it.
+async fn wait_device(
+    server: &TestServer,
+    id: &str,
+    what: &str,
+    check: impl Fn(u16, &Value) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (status, body) = server.get(&format!("/v1/devices/{id}")).await.unwrap();
+        if check(status, &body) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: after 5 s the other instance still answers {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_registered_through_one_instance_have_their_reports_stored_by_either() {
+    const DEVICES: usize = 40;
+    let (scenario, second) = two_instances("follow-reports").await;
+    // Registered through the first instance only, after both started.
+    let devices: Vec<SimDevice> = (0..DEVICES)
+        .map(|n| {
+            SimDevice::new(
+                DeviceId::parse(&format!("shared-{n:02}")).unwrap(),
+                json!({"fw": "1"}),
+            )
+        })
+        .collect();
+    scenario
+        .register(&devices, &json!({"fw": "1"}))
+        .await
+        .unwrap();
+    let _fleet = scenario.start_fleet(devices).await.unwrap();
+    // The broker hands each report to one of the two: the second instance
+    // must know the devices to store its share.
+    scenario
+        .wait_reports_stored(DEVICES, Duration::from_secs(15))
+        .await
+        .unwrap();
+    let metrics = second.metrics().await.unwrap();
+    let refused = metrics
+        .lines()
+        .find(|l| l.starts_with("idem_reports_rejected_total{reason=\"unknown_device\"}"))
+        .map(|l| l.rsplit(' ').next().unwrap().to_owned());
+    assert!(
+        refused.is_none() || refused.as_deref() == Some("0"),
+        "the second instance refused reports of devices registered through the first: {refused:?}"
+    );
+    wait_device(
+        &second,
+        "shared-07",
+        "a device registered elsewhere",
+        |status, body| status == 200 && body["reported"]["spec"] == json!({"fw": "1"}),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_on_one_instance_pushes_the_generation_another_instance_committed() {
+    let scenario = Scenario::start(ServerSettings {
+        share_group: Some("follow-desired".to_owned()),
+        ..ServerSettings::default()
+    })
+    .await
+    .unwrap();
+    let root = scenario.server.topic_root.clone();
+    let id = DeviceId::parse("moved-1").unwrap();
+    let device = SimDevice::new(id.clone(), json!({"fw": "0"}))
+        .with_behaviour(DeviceBehaviour::IgnorePushes);
+    scenario
+        .register(std::slice::from_ref(&device), &json!({"fw": "1"}))
+        .await
+        .unwrap();
+    let _fleet = scenario.start_fleet(vec![device]).await.unwrap();
+    scenario
+        .wait_reports_stored(1, Duration::from_secs(10))
+        .await
+        .unwrap();
+    // Started now, it loads the device at generation 1.
+    let second = another_instance(&scenario, "follow-desired").await;
+    // Generation 2 is committed through the first instance (which pushes it;
+    // the device ignores pushes and keeps reporting fw 0).
+    let (status, body) = scenario
+        .server
+        .post(
+            "/v1/desired",
+            &json!({"devices": ["moved-1"], "spec": {"fw": "2"}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let witness = PushWitness::start(&scenario.broker, &root).await.unwrap();
+    // A run through the second instance pushes what its cache holds: it
+    // must hold generation 2 by then.
+    let run_id = second
+        .start_run(&json!({"devices": ["moved-1"]}))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let pushes = loop {
+        let pushes = witness.pushes().unwrap();
+        if !pushes.is_empty() {
+            break pushes;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the run {run_id} pushed nothing in 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let generations: Vec<u64> = pushes.keys().map(|(_, generation)| *generation).collect();
+    assert_eq!(
+        generations,
+        [2],
+        "the second instance pushed a generation other than the one committed (device, generation → pushes): {pushes:?}"
+    );
+}
