@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem_device_sim::{DeviceBehaviour, SimDevice};
+use idem_device_sim::SimDevice;
 use idem_protocol::DeviceId;
 use idem_tests::{PushWitness, Scenario, ServerSettings, TestServer};
 use serde_json::{json, Value};
@@ -104,8 +104,28 @@ async fn devices_registered_through_one_instance_have_their_reports_stored_by_ei
     .await;
 }
 
+/// Waits until `/readyz` of `server` says it owns `lease`.
+async fn wait_owns(server: &TestServer, lease: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, ready) = server.get("/readyz").await.unwrap();
+        if ready["owns"]
+            .as_array()
+            .is_some_and(|owns| owns.iter().any(|o| o == lease))
+        {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{lease} not owned after 10 s: {ready}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_started_on_one_instance_pushes_the_generation_another_instance_committed() {
+async fn a_desired_change_posted_to_an_instance_without_the_engine_is_pushed_with_its_new_generation(
+) {
     let scenario = Scenario::start(ServerSettings {
         share_group: Some("follow-desired".to_owned()),
         ..ServerSettings::default()
@@ -113,9 +133,9 @@ async fn a_run_started_on_one_instance_pushes_the_generation_another_instance_co
     .await
     .unwrap();
     let root = scenario.server.topic_root.clone();
+    wait_owns(&scenario.server, "engine").await;
     let id = DeviceId::parse("moved-1").unwrap();
-    let device = SimDevice::new(id.clone(), json!({"fw": "0"}))
-        .with_behaviour(DeviceBehaviour::IgnorePushes);
+    let device = SimDevice::new(id.clone(), json!({"fw": "1"}));
     scenario
         .register(std::slice::from_ref(&device), &json!({"fw": "1"}))
         .await
@@ -125,12 +145,15 @@ async fn a_run_started_on_one_instance_pushes_the_generation_another_instance_co
         .wait_reports_stored(1, Duration::from_secs(10))
         .await
         .unwrap();
-    // Started now, it loads the device at generation 1.
+    // Started now, it loads the device at generation 1; the first instance
+    // keeps the engine.
     let second = another_instance(&scenario, "follow-desired").await;
-    // Generation 2 is committed through the first instance (which pushes it;
-    // the device ignores pushes and keeps reporting fw 0).
-    let (status, body) = scenario
-        .server
+    let (_, ready) = second.get("/readyz").await.unwrap();
+    assert_eq!(ready["owns"], json!([]), "{ready}");
+    let witness = PushWitness::start(&scenario.broker, &root).await.unwrap();
+    // Generation 2 is committed through the second instance; the engine of
+    // the first takes the run up and pushes what its cache holds by then.
+    let (status, body) = second
         .post(
             "/v1/desired",
             &json!({"devices": ["moved-1"], "spec": {"fw": "2"}}),
@@ -138,29 +161,18 @@ async fn a_run_started_on_one_instance_pushes_the_generation_another_instance_co
         .await
         .unwrap();
     assert_eq!(status, 200, "{body}");
-    let witness = PushWitness::start(&scenario.broker, &root).await.unwrap();
-    // A run through the second instance pushes what its cache holds: it
-    // must hold generation 2 by then.
-    let run_id = second
-        .start_run(&json!({"devices": ["moved-1"]}))
+    let run_id = body["run_id"].as_str().unwrap().to_owned();
+    let run = second
+        .wait_run_completed(&run_id, Duration::from_secs(15))
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let pushes = loop {
-        let pushes = witness.pushes().unwrap();
-        if !pushes.is_empty() {
-            break pushes;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the run {run_id} pushed nothing in 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    let generations: Vec<u64> = pushes.keys().map(|(_, generation)| *generation).collect();
     assert_eq!(
-        generations,
-        [2],
-        "the second instance pushed a generation other than the one committed (device, generation → pushes): {pushes:?}"
+        run["summary"], "0 already converged, 1 provisioned, 0 failed",
+        "{run}"
+    );
+    assert_eq!(
+        witness.pushes().unwrap(),
+        std::collections::HashMap::from([(("moved-1".to_owned(), 2), 1)]),
+        "pushes (device, generation) → count"
     );
 }

@@ -17,8 +17,9 @@ use tokio_util::sync::CancellationToken;
 use crate::app::state::{AppState, Stalls};
 use crate::config::ValidConfig;
 use crate::engine::new_run::Trigger;
+use crate::engine::seat::EngineSeat;
 use crate::engine::{
-    Engine, EngineCommand, EngineContext, EngineInbox, EngineStats, RolloutRequest, RunRequest,
+    EngineCommand, EngineContext, EngineInbox, EngineStats, RolloutRequest, RunRequest,
 };
 use crate::events::relay::EventRelay;
 use crate::http::sse::SseClients;
@@ -27,8 +28,6 @@ use crate::ingest::Ingest;
 use crate::mqtt::{self, MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
 use crate::reconcile::plan::PlanBook;
-use crate::reconcile::rollout::{Rollout, StoredRollout};
-use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::cache::FleetCache;
 use crate::store::{self, DeviceWriter, StoreError};
 
@@ -125,10 +124,8 @@ pub async fn run(
         &token,
     );
 
-    resume_unfinished_runs(&state.pool, &state.engine).await?;
-    // Retained desired messages left behind by an earlier process (it
-    // stopped between a desired change and its refresh) are refreshed now.
-    let _ = state.engine.send(EngineCommand::SyncRetained).await;
+    // Unfinished runs and retained desired messages left behind are taken
+    // up by whichever instance holds the engine lease (`engine::seat`).
     if state.config.engine.startup_reconcile {
         // Nothing to do for an empty fleet; the engine skips it then.
         let _ = state
@@ -202,6 +199,7 @@ fn shared_state(
         live_events,
         events_wake: Arc::new(Notify::new()),
         relay_held: Arc::default(),
+        engine_held: Arc::default(),
         mqtt: Arc::new(MqttStatus::default()),
         publisher,
         engine_stats: Arc::new(EngineStats::default()),
@@ -310,18 +308,27 @@ impl Workers {
             },
             intake_token.clone(),
         ));
-        let engine = Engine::new(EngineContext {
-            fleet: state.fleet.clone(),
-            metrics: state.metrics.clone(),
-            publisher: state.publisher.clone(),
-            events_wake: state.events_wake.clone(),
-            stats: state.engine_stats.clone(),
-            event_source: state.event_source.clone(),
-            settings: config.engine.machine.clone(),
-            writer: state.writer.clone(),
-            stall: state.stalls.engine.clone(),
-        });
-        let engine = tokio::spawn(engine.run(engine_inbox, engine_token.clone()));
+        let seat = EngineSeat {
+            ctx: EngineContext {
+                fleet: state.fleet.clone(),
+                metrics: state.metrics.clone(),
+                publisher: state.publisher.clone(),
+                events_wake: state.events_wake.clone(),
+                stats: state.engine_stats.clone(),
+                event_source: state.event_source.clone(),
+                settings: config.engine.machine.clone(),
+                writer: state.writer.clone(),
+                stall: state.stalls.engine.clone(),
+            },
+            pool: state.pool.clone(),
+            lease: crate::store::leases::LeaseHolder {
+                instance: config.fleet.instance.clone(),
+                id: uuid::Uuid::new_v4(),
+                ttl: config.fleet.instance_lease,
+            },
+            held: state.engine_held.clone(),
+        };
+        let engine = tokio::spawn(seat.run(engine_inbox, engine_token.clone()));
         let ingest = Ingest {
             pool: state.pool.clone(),
             fleet: state.fleet.clone(),
@@ -471,78 +478,6 @@ fn tell_engine_what_others_wrote(
                     return;
                 }
             }
-        }
-    }
-}
-
-/// Runs left `running` by an earlier process continue with their undecided
-/// targets, counting on from their rows' counts.
-async fn resume_unfinished_runs(
-    pool: &PgPool,
-    engine: &mpsc::Sender<EngineCommand>,
-) -> Result<(), ServerError> {
-    for run in store::runs::unfinished(pool).await? {
-        let undecided = store::runs::undecided_waves(pool, run.id).await?;
-        let ids: Vec<String> = undecided.iter().map(|(id, _)| id.clone()).collect();
-        let targets = store::device_ids(&ids, "resuming an unfinished run")?;
-        tracing::info!(run_id = %run.id, undecided = targets.len(), "resuming unfinished run");
-        let mut spec = RunSpec::resumed(run.id, run.trigger, run.force, run.counts(), targets);
-        if let Some(stored) = &run.rollout {
-            let Some(rollout) = restored_rollout(run.id, &stored.0) else {
-                // Nothing of it is pushed, nothing is lost: the run stays
-                // `running` in the database, as it was.
-                continue;
-            };
-            let waves = spec
-                .targets
-                .iter()
-                .zip(&undecided)
-                .filter_map(|(id, (_, wave))| {
-                    wave.and_then(|w| usize::try_from(w).ok())
-                        .map(|w| (id.clone(), w))
-                })
-                .collect();
-            spec = spec.with_rollout(RunRollout {
-                start: RolloutStart::Restored(rollout),
-                waves,
-            });
-        }
-        if u64::try_from(run.target_count).ok() != Some(spec.target_count()) {
-            tracing::warn!(
-                run_id = %run.id,
-                target_count = run.target_count,
-                decided = spec.decided.total(),
-                undecided = spec.targets.len(),
-                "a resumed run's stored counts and undecided targets do not add up to its target count"
-            );
-        }
-        let command = EngineCommand::StartRun(spec);
-        if engine.send(command).await.is_err() {
-            break;
-        }
-    }
-    Ok(())
-}
-
-/// A rollout as its run row stored it, restored; `None` (logged) when the
-/// row does not hold a rollout this server can carry on.
-fn restored_rollout(run_id: uuid::Uuid, stored: &serde_json::Value) -> Option<Rollout> {
-    let restored = serde_json::from_value::<StoredRollout>(stored.clone())
-        .map_err(|e| e.to_string())
-        .and_then(|stored| {
-            Rollout::restore(stored, std::time::Instant::now(), chrono::Utc::now())
-                .map_err(|e| e.to_string())
-        });
-    match restored {
-        Ok(rollout) => Some(rollout),
-        Err(e) => {
-            tracing::error!(
-                run_id = %run_id,
-                error = %e,
-                "not resuming a rollout whose stored state this server cannot read; \
-                 its run stays running and nothing of it is pushed"
-            );
-            None
         }
     }
 }

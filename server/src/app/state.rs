@@ -34,6 +34,8 @@ pub struct AppState {
     pub events_wake: Arc<Notify>,
     /// Set while this instance's relay holds the `relay` lease (`/readyz`).
     pub relay_held: Arc<std::sync::atomic::AtomicBool>,
+    /// This instance holds the `engine` lease (`engine::seat`).
+    pub engine_held: Arc<std::sync::atomic::AtomicBool>,
     pub mqtt: Arc<MqttStatus>,
     /// For clearing a deleted device's retained messages.
     pub publisher: Publisher,

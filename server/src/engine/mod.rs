@@ -8,7 +8,9 @@
 
 pub mod new_run;
 pub mod recheck;
+pub mod seat;
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +31,7 @@ use crate::reconcile::rollout::StoredRollout;
 use crate::reconcile::run::{CompletedRun, Trigger};
 use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::DeviceChangeRow;
+use crate::store::leases::Fence;
 use crate::store::{self, DeviceWriter, StoreError};
 pub use new_run::CommitRunError;
 use new_run::{commit_run, NewRun};
@@ -47,6 +50,7 @@ pub struct EngineStats {
 }
 
 /// What the engine works with, shared with the rest of the server.
+#[derive(Clone)]
 pub struct EngineContext {
     pub fleet: Arc<FleetCache>,
     pub metrics: Arc<Metrics>,
@@ -101,11 +105,35 @@ pub struct EngineInbox {
     pub rollouts: mpsc::Receiver<RolloutRequest>,
 }
 
+/// Runs in the database the engine is to take up (its seat finds them).
+pub type TakeUps = mpsc::Receiver<crate::reconcile::run::RunSpec>;
+
 pub struct Engine {
     ctx: EngineContext,
     machine: Machine,
     /// Cancelled at shutdown; a write retrying against a dead database gives up then.
     shutdown: CancellationToken,
+    /// The engine lease every write of this engine checks (`None`: one
+    /// engine for the database, unfenced — the state machine's tests).
+    fence: Option<Fence>,
+    /// A write found the lease gone: this engine stops without writing more.
+    deposed: bool,
+    /// Every run this engine started or took up: the runs it carries, and
+    /// those it completed whose completion may not be written yet (shared
+    /// with the seat, which takes up only runs not in it).
+    carried: Carried,
+}
+
+/// The ids of the runs an engine started or took up.
+pub type Carried = Arc<std::sync::Mutex<HashSet<Uuid>>>;
+
+/// Why [`Engine::run`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineExit {
+    /// Its token was cancelled (shutdown, or the lease was not renewed).
+    Stopped,
+    /// A write found the engine lease no longer its own.
+    Deposed,
 }
 
 fn now() -> Now {
@@ -116,7 +144,7 @@ fn now() -> Now {
 }
 
 impl Engine {
-    pub fn new(ctx: EngineContext) -> Self {
+    pub fn new(ctx: EngineContext, fence: Option<Fence>, carried: Carried) -> Self {
         let machine = Machine::new(
             ctx.settings.clone(),
             ctx.fleet.clone(),
@@ -127,18 +155,55 @@ impl Engine {
             ctx,
             machine,
             shutdown: CancellationToken::new(),
+            fence,
+            deposed: false,
+            carried,
         }
     }
 
-    /// Runs until `token` is cancelled, then writes what is pending.
-    pub async fn run(mut self, inbox: EngineInbox, token: CancellationToken) {
+    /// Records that this engine carries run `id`; `false` if it already did.
+    fn carry_run(&self, id: Uuid) -> bool {
+        self.carried
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id)
+    }
+
+    /// Takes up a run another process committed or left unfinished, unless
+    /// this engine carries it already.
+    async fn take_up(&mut self, run: crate::reconcile::run::RunSpec) {
+        if self.carried_already(run.id) {
+            return;
+        }
+        tracing::info!(run_id = %run.id, undecided = run.targets.len(), "taking up a run");
+        self.handle(EngineCommand::StartRun(run)).await;
+    }
+
+    fn carried_already(&self, id: Uuid) -> bool {
+        self.carried
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(&id)
+    }
+
+    /// Runs until `token` is cancelled, then writes what is pending; or
+    /// until a write finds the engine lease gone, writing nothing more.
+    pub async fn run(
+        &mut self,
+        inbox: &mut EngineInbox,
+        mut take_ups: TakeUps,
+        token: CancellationToken,
+    ) -> EngineExit {
         let EngineInbox {
-            mut commands,
-            mut runs,
-            mut rollouts,
+            commands,
+            runs,
+            rollouts,
         } = inbox;
         self.shutdown = token.clone();
         loop {
+            if self.deposed {
+                return EngineExit::Deposed;
+            }
             let wake = self.machine.next_wake();
             tokio::select! {
                 biased;
@@ -155,6 +220,7 @@ impl Engine {
                 }
                 Some(request) = runs.recv() => self.create_run(request).await,
                 Some(request) = rollouts.recv() => self.act_on_rollout(request).await,
+                Some(run) = take_ups.recv() => self.take_up(run).await,
                 () = tokio::time::sleep_until(wake.into()) => {}
             }
             let effects = self.machine.on_tick(now());
@@ -164,9 +230,17 @@ impl Engine {
         if let Some(record) = self.machine.take_record(now()) {
             self.write(record).await;
         }
+        if self.deposed {
+            EngineExit::Deposed
+        } else {
+            EngineExit::Stopped
+        }
     }
 
     async fn handle(&mut self, command: EngineCommand) {
+        if let EngineCommand::StartRun(run) = &command {
+            self.carry_run(run.id);
+        }
         self.count_started(&command);
         let effects = self.machine.on_command(command, now());
         self.carry(effects).await;
@@ -206,6 +280,9 @@ impl Engine {
             }
             for (trigger, targets) in runs {
                 let command = self.start_own_run(trigger, targets).await;
+                if let EngineCommand::StartRun(run) = &command {
+                    self.carry_run(run.id);
+                }
                 self.count_started(&command);
                 batches.push_back(self.machine.on_command(command, now()));
             }
@@ -246,9 +323,13 @@ impl Engine {
             }
         }
         let machine = &self.machine;
-        let committed = commit_run(&self.ctx.writer, &self.ctx.event_source, run, &|id| {
-            machine.view(id)
-        })
+        let committed = commit_run(
+            &self.ctx.writer,
+            self.fence.as_ref(),
+            &self.ctx.event_source,
+            run,
+            &|id| machine.view(id),
+        )
         .await;
         match committed {
             Ok(spec) => {
@@ -259,6 +340,7 @@ impl Engine {
                     targets: spec.targets.len() + spec.converged.len(),
                     joined: false,
                 };
+                self.carry_run(spec.id);
                 let command = EngineCommand::StartRun(spec);
                 self.count_started(&command);
                 let effects = self.machine.on_command(command, now());
@@ -268,6 +350,7 @@ impl Engine {
                 self.carry(effects).await;
             }
             Err(e) => {
+                self.deposed |= lease_lost(&e);
                 let _ = reply.send(Err(e));
             }
         }
@@ -294,12 +377,16 @@ impl Engine {
 
     /// Commits a run the engine starts itself; if the commit fails
     /// (database down), the machine tries again a debounce window later.
-    async fn start_own_run(&self, trigger: Trigger, targets: Vec<DeviceId>) -> EngineCommand {
+    async fn start_own_run(&mut self, trigger: Trigger, targets: Vec<DeviceId>) -> EngineCommand {
         let run = NewRun::new(targets.clone(), trigger);
         let machine = &self.machine;
-        let committed = commit_run(&self.ctx.writer, &self.ctx.event_source, run, &|id| {
-            machine.view(id)
-        })
+        let committed = commit_run(
+            &self.ctx.writer,
+            self.fence.as_ref(),
+            &self.ctx.event_source,
+            run,
+            &|id| machine.view(id),
+        )
         .await;
         match committed {
             Ok(run) => {
@@ -309,6 +396,7 @@ impl Engine {
                 EngineCommand::StartRun(run)
             }
             Err(e) => {
+                self.deposed |= lease_lost(&e);
                 tracing::error!(error = %e, trigger = trigger.as_str(), "could not start a run; will retry");
                 EngineCommand::RunNotStarted { trigger, targets }
             }
@@ -357,6 +445,17 @@ impl Engine {
                     self.machine.record_written(Instant::now());
                     return;
                 }
+                Err(WriteError::Store(StoreError::LeaseLost { lease, epoch })) => {
+                    tracing::error!(
+                        lease,
+                        epoch,
+                        outcomes = record.outcomes.len(),
+                        "another instance holds the engine lease now; this engine stops and writes \
+                         nothing more (the new holder decides what this write held)"
+                    );
+                    self.deposed = true;
+                    return;
+                }
                 Err(e) => {
                     let delay = backoff.next_delay();
                     tracing::error!(error = %e, "writing outcomes failed; retrying in {delay:?}");
@@ -376,7 +475,7 @@ impl Engine {
     }
 
     async fn try_write(&self, record: &Record) -> Result<Committed, WriteError> {
-        let mut write = self.ctx.writer.begin().await?;
+        let mut write = self.ctx.writer.begin_fenced(self.fence.as_ref()).await?;
         let devices: Vec<DeviceChangeRow<'_>> = record
             .devices
             .iter()
@@ -460,6 +559,11 @@ impl Engine {
             self.ctx.events_wake.notify_one();
         }
     }
+}
+
+/// The engine lease was gone when a run was to be committed.
+fn lease_lost(e: &CommitRunError) -> bool {
+    matches!(e, CommitRunError::Store(StoreError::LeaseLost { .. }))
 }
 
 struct Committed {

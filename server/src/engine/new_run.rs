@@ -22,6 +22,7 @@ use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::access::AuditRecord;
 use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::DeviceChangeRow;
+use crate::store::leases::Fence;
 use crate::store::runs::ConvergedTarget;
 use crate::store::{self, DeviceTx, DeviceWriter, StoreError};
 
@@ -131,19 +132,22 @@ impl NewRun {
 /// not yet written): the view a new run's targets are judged on.
 pub type DeviceView<'a> = &'a (dyn Fn(&DeviceId) -> Option<DeviceEntry> + Sync);
 
-/// Commits `run`; the engine, which alone calls it, hands the result to its
-/// state machine. Targets already converged (`policy::converged_targets`,
+/// Commits `run` (fenced by the engine lease when the engine calls it;
+/// an instance without the engine commits runs unfenced, and the engine's
+/// holder takes them up from the database); the engine hands the result to
+/// its state machine. Targets already converged (`policy::converged_targets`,
 /// on the machine's `view`) get their outcome, event and any device change
 /// in this same transaction; the machine carries only the rest.
 pub async fn commit_run(
     writer: &DeviceWriter,
+    fence: Option<&Fence>,
     event_source: &str,
     run: NewRun,
     view: DeviceView<'_>,
 ) -> Result<RunSpec, CommitRunError> {
     let run_id = Uuid::now_v7();
     let mut targets = run.targets;
-    let mut write = writer.begin().await?;
+    let mut write = writer.begin_fenced(fence).await?;
     if let Some(from) = &run.plan {
         // What its targeting matches now, read under the writer: nothing
         // registered or relabelled can slip in before the run commits.

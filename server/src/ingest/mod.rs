@@ -212,6 +212,13 @@ impl Ingest {
     }
 
     async fn process(&self, messages: &[Received], token: &CancellationToken) {
+        if self.names_a_device_the_cache_lacks(messages) {
+            // Registered through another instance a moment ago, perhaps:
+            // the cache catches up with the table before any is refused.
+            if let Err(e) = self.writer.follow().await {
+                tracing::debug!(error = %e, "could not catch up with other instances before judging unknown devices");
+            }
+        }
         let mut batch = self.sort(messages);
         // Connection changes, judged before the write mirrors them.
         let connectivity: Vec<(DeviceId, bool)> = batch
@@ -243,6 +250,16 @@ impl Ingest {
             self.tell_engine(EngineCommand::ReportsApplied(applied))
                 .await;
         }
+    }
+
+    /// Whether a message is from a device this cache does not hold.
+    fn names_a_device_the_cache_lacks(&self, messages: &[Received]) -> bool {
+        !self.auto_register
+            && messages.iter().any(|received| {
+                self.root
+                    .parse(&received.publish.topic)
+                    .is_ok_and(|topic| !self.fleet.contains(&topic.device))
+            })
     }
 
     async fn tell_engine(&self, command: EngineCommand) {

@@ -26,6 +26,44 @@ pub struct Held {
     pub epoch: i64,
 }
 
+/// What a write fenced by a lease checks in its own transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence {
+    pub lease: &'static str,
+    pub holder_id: Uuid,
+    pub epoch: i64,
+}
+
+/// Checks, in `tx`, that `fence`'s holder still holds its lease at its
+/// epoch and within its time to live (by the database's clock now, not the
+/// transaction's start), and share-locks the lease row until `tx` ends: a
+/// takeover (which updates the row) waits for this transaction, so a write
+/// that passed the check commits before any new holder's first one, and a
+/// holder that lost the lease commits nothing.
+pub async fn check_fence(
+    tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+    fence: &Fence,
+) -> Result<(), StoreError> {
+    let held: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM leases WHERE name = $1 AND holder_id = $2 AND epoch = $3 \
+           AND renewed_at >= clock_timestamp() - make_interval(secs => ttl_ms / 1000.0) \
+         FOR SHARE",
+    )
+    .bind(fence.lease)
+    .bind(fence.holder_id)
+    .bind(fence.epoch)
+    .fetch_optional(&mut **tx)
+    .await
+    .context("checking the lease of a fenced write")?;
+    match held {
+        Some(_) => Ok(()),
+        None => Err(StoreError::LeaseLost {
+            lease: fence.lease,
+            epoch: fence.epoch,
+        }),
+    }
+}
+
 /// One lease as stored, for `GET /v1/cluster`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseRow {

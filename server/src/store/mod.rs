@@ -64,6 +64,10 @@ pub enum StoreError {
         context: &'static str,
         detail: String,
     },
+    /// A write fenced by a lease found the lease no longer this holder's
+    /// (it expired, or another instance took it): nothing was written.
+    #[error("the {lease:?} lease is no longer held by this instance (epoch {epoch}); the write is refused")]
+    LeaseLost { lease: &'static str, epoch: i64 },
 }
 
 impl StoreError {
@@ -78,7 +82,10 @@ impl StoreError {
             } => e
                 .code()
                 .is_some_and(|code| matches!(code.get(..2), Some("22" | "23" | "54"))),
-            StoreError::Db { .. } | StoreError::Migrate(_) | StoreError::Corrupt { .. } => false,
+            StoreError::Db { .. }
+            | StoreError::Migrate(_)
+            | StoreError::Corrupt { .. }
+            | StoreError::LeaseLost { .. } => false,
         }
     }
 
@@ -99,7 +106,9 @@ impl StoreError {
                 | sqlx::Error::WorkerCrashed => true,
                 _ => false,
             },
-            StoreError::Migrate(_) | StoreError::Corrupt { .. } => false,
+            StoreError::Migrate(_) | StoreError::Corrupt { .. } | StoreError::LeaseLost { .. } => {
+                false
+            }
         }
     }
 }

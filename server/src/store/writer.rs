@@ -115,6 +115,20 @@ impl DeviceWriter {
         let _ = self.hook.set(hook);
     }
 
+    /// [`DeviceWriter::begin`], then [`super::leases::check_fence`]: the
+    /// transaction of a lease holder (the engine's), refused with
+    /// `StoreError::LeaseLost` once the lease is not its own any more.
+    pub async fn begin_fenced(
+        &self,
+        fence: Option<&super::leases::Fence>,
+    ) -> Result<DeviceTx<'_>, StoreError> {
+        let mut write = self.begin().await?;
+        if let Some(fence) = fence {
+            super::leases::check_fence(write.tx(), fence).await?;
+        }
+        Ok(write)
+    }
+
     /// Brings the cache up to date with what other writers committed.
     pub async fn follow(&self) -> Result<(), StoreError> {
         let write = self.begin().await?;

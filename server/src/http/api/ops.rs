@@ -93,11 +93,14 @@ pub(super) async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         database,
         mqtt,
         stuck,
-        owns: if state.relay_held.load(std::sync::atomic::Ordering::Relaxed) {
-            vec![crate::events::relay::RELAY_LEASE.to_owned()]
-        } else {
-            Vec::new()
-        },
+        owns: [
+            (&state.engine_held, crate::engine::seat::ENGINE_LEASE),
+            (&state.relay_held, crate::events::relay::RELAY_LEASE),
+        ]
+        .into_iter()
+        .filter(|(held, _)| held.load(std::sync::atomic::Ordering::Relaxed))
+        .map(|(_, lease)| lease.to_owned())
+        .collect(),
     };
     (status, Json(answer)).into_response()
 }

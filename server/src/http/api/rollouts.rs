@@ -245,6 +245,12 @@ fn refused(run_id: uuid::Uuid, stored: &serde_json::Value, e: RolloutActionError
         RolloutActionError::NotNow(e) => {
             ApiError::new(StatusCode::CONFLICT, ErrorCode::RolloutState, e.to_string())
         }
+        RolloutActionError::CarriedElsewhere => ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::RolloutState,
+            "this instance does not carry reconciliation now: send the action to the instance \
+             that holds the engine lease (GET /v1/cluster lists it under leases)",
+        ),
         RolloutActionError::NotInProgress => {
             let state = serde_json::from_value::<StoredRollout>(stored.clone())
                 .ok()

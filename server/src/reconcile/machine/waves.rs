@@ -76,6 +76,10 @@ pub enum RolloutActionError {
     /// This process carries no unfinished rollout with this run id.
     #[error("no rollout of this run is in progress")]
     NotInProgress,
+    /// This instance does not hold the engine lease: another carries every
+    /// rollout.
+    #[error("this instance does not carry reconciliation now")]
+    CarriedElsewhere,
     #[error(transparent)]
     NotNow(#[from] NotNow),
 }
