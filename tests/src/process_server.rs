@@ -217,6 +217,11 @@ impl ProcessServer {
         format!("http://{}{}", self.addr(), path)
     }
 
+    /// The admin token its API client sends (for SSE streams of its own).
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_deref()
+    }
+
     /// The running child's process id.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)

@@ -176,3 +176,81 @@ async fn a_desired_change_posted_to_an_instance_without_the_engine_is_pushed_wit
         "pushes (device, generation) → count"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_paused_past_its_lease_commits_nothing_once_the_lease_changed_hands() {
+    use idem_server::store::cache::FleetCache;
+    use idem_server::store::devices::{register, Registration};
+    use idem_server::store::leases::{acquire_or_renew, Fence, LeaseHolder};
+    use idem_server::store::{DeviceWriter, StoreError};
+    let db = idem_tests::TestDatabase::create_with(&idem_server::MIGRATOR)
+        .await
+        .unwrap();
+    let pool = db.pool();
+    let holder = |instance: &str| LeaseHolder {
+        instance: instance.to_owned(),
+        id: uuid::Uuid::new_v4(),
+        ttl: Duration::from_secs(10),
+    };
+    let (a, b) = (holder("a"), holder("b"));
+    let writer = |pool: &sqlx::PgPool| {
+        DeviceWriter::new(pool.clone(), std::sync::Arc::new(FleetCache::default()), 0)
+    };
+    let (writer_a, writer_b) = (writer(pool), writer(pool));
+    let fence = |holder: &LeaseHolder, epoch| Fence {
+        lease: "engine",
+        holder_id: holder.id,
+        epoch,
+    };
+    let registering = |id: &str| {
+        vec![Registration {
+            id: id.to_owned(),
+            labels: None,
+        }]
+    };
+    let epoch_a = acquire_or_renew(pool, "engine", &a)
+        .await
+        .unwrap()
+        .unwrap()
+        .epoch;
+    let mut write = writer_a
+        .begin_fenced(Some(&fence(&a, epoch_a)))
+        .await
+        .unwrap();
+    register(&mut write, &registering("by-a")).await.unwrap();
+    write.commit("a's write").await.unwrap();
+
+    // a is paused past its lease: refused even before anyone takes over.
+    sqlx::query("UPDATE leases SET renewed_at = now() - interval '11 seconds'")
+        .execute(pool)
+        .await
+        .unwrap();
+    let refused = writer_a.begin_fenced(Some(&fence(&a, epoch_a))).await;
+    assert!(
+        matches!(refused, Err(StoreError::LeaseLost { .. })),
+        "an engine past its lease began a write: {refused:?}"
+    );
+    // b takes the lease over; a wakes up and tries again: refused; b writes.
+    let epoch_b = acquire_or_renew(pool, "engine", &b)
+        .await
+        .unwrap()
+        .unwrap()
+        .epoch;
+    assert_eq!(epoch_b, epoch_a + 1);
+    let refused = writer_a.begin_fenced(Some(&fence(&a, epoch_a))).await;
+    assert!(
+        matches!(refused, Err(StoreError::LeaseLost { .. })),
+        "two engines committed: the former holder began a write after the lease changed hands: {refused:?}"
+    );
+    let mut write = writer_b
+        .begin_fenced(Some(&fence(&b, epoch_b)))
+        .await
+        .unwrap();
+    register(&mut write, &registering("by-b")).await.unwrap();
+    write.commit("b's write").await.unwrap();
+    let ids: Vec<String> = sqlx::query_scalar("SELECT id FROM devices ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    assert_eq!(ids, ["by-a", "by-b"]);
+}

@@ -24,8 +24,9 @@
 //! topic: `server_killed` (the server SIGKILLed mid-run),
 //! `rollout_killed` (SIGKILLed mid-wave), `instance_names` (a name claimed
 //! by a live, a killed or a silent process), `shared_sessions` (an instance
-//! sharing the subscriptions killed and never restarted) and
-//! `postgres_stopped` (the database stopped mid-run).
+//! sharing the subscriptions killed and never restarted), `instances_killed`
+//! (of three instances, the one carrying a run killed and never restarted)
+//! and `postgres_stopped` (the database stopped mid-run).
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -42,6 +43,7 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 
 mod instance_names;
+mod instances_killed;
 mod postgres_stopped;
 mod rollout_killed;
 mod server_killed;

@@ -58,6 +58,13 @@ struct Cli {
     #[arg(long, value_name = "W", default_value_t = 10)]
     rollout_waves: u32,
 
+    /// Server instances for the "instances" steps (1 to 5): with more than
+    /// one, every instance shares the fleet's subscriptions, the converged
+    /// pass and the full push run again with all of them, and the engine's
+    /// holder is killed at the end to time the takeover.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    instances: usize,
+
     /// Run `perf record -g` during STEP (connect, converged, normal, forced,
     /// full_push, rollout, ingest); data in perf-STEP.data.
     #[arg(long, value_name = "STEP")]
@@ -109,6 +116,8 @@ pub struct Args {
     pub max_connecting: usize,
     /// 1 to 100.
     pub rollout_waves: u32,
+    /// 1 to 5.
+    pub instances: usize,
     pub perf: Option<String>,
     pub edges: Option<usize>,
     pub secure: bool,
@@ -144,6 +153,7 @@ impl Args {
             connect_rate: cli.connect_rate,
             max_connecting: cli.max_connecting,
             rollout_waves: cli.rollout_waves,
+            instances: cli.instances,
             perf: cli.perf,
             edges: cli.edges,
             secure: cli.secure,
@@ -158,6 +168,9 @@ impl Args {
         }
         if !(1..=100).contains(&args.rollout_waves) {
             bail!("--rollout-waves must be 1 to 100");
+        }
+        if !(1..=5).contains(&args.instances) {
+            bail!("--instances must be 1 to 5");
         }
         if args.secure && args.edge_count() > 0 {
             bail!(
@@ -202,6 +215,9 @@ mod tests {
         assert_eq!((a.connect_rate, a.max_connecting), (0, 100));
         assert_eq!(a.rollout_waves, 10);
         assert!(args(&["--server-bin", "s", "--rollout-waves", "0"]).is_err());
+        assert_eq!(a.instances, 1);
+        assert!(args(&["--server-bin", "s", "--instances", "0"]).is_err());
+        assert!(args(&["--server-bin", "s", "--instances", "6"]).is_err());
         assert!(args(&["--server-bin", "s", "--rollout-waves", "101"]).is_err());
         assert_eq!(
             args(&["--server-bin", "s", "--rollout-waves", "1"])

@@ -131,6 +131,10 @@ async fn main() -> Result<()> {
         ("IDEM_RESYNC_INTERVAL".into(), "0".into()),
         ("RUST_LOG".into(), "warn,idem_server=info".into()),
     ];
+    if args.instances > 1 {
+        // Every instance, the first one too, shares the fleet's messages.
+        server_env.push(("IDEM_SHARE_GROUP".into(), "bench".into()));
+    }
     match (&passwords, broker.ca_file()) {
         (Some(passwords), Some(ca)) => {
             server_env.push(("IDEM_MQTT_CA_FILE".into(), ca.display().to_string()));
@@ -196,7 +200,11 @@ async fn main() -> Result<()> {
     };
     // The core broker: the server and the bare subscriber, and the fleet
     // itself when it has no edges.
-    let result = run_steps(&bench, &broker, workers, &root, &server_env, &load_before).await;
+    let result = match run_steps(&bench, &broker, workers, &root, &server_env, &load_before).await {
+        Ok(extras) if extras.is_empty() => Ok(()),
+        Ok(mut extras) => takeover(&mut server, &mut extras).await,
+        Err(e) => Err(e),
+    };
     let log_tail = server.log_tail();
     if let Some(path) = &args.server_log {
         std::fs::write(path, server.log_text())
@@ -212,6 +220,61 @@ async fn main() -> Result<()> {
         Ok(()) if panics.is_empty() => Ok(()),
         Ok(()) => bail!("the server panicked:\n{}", panics.join("\n")),
         Err(e) => Err(e.context(format!("--- server log ---\n{log_tail}"))),
+    }
+}
+
+/// Kills the instance holding the engine lease and times how long until
+/// another one holds it; prints it, then stops the rest.
+async fn takeover(first: &mut ProcessServer, extras: &mut [ProcessServer]) -> Result<()> {
+    let owns_engine = |ready: &serde_json::Value| {
+        ready["owns"]
+            .as_array()
+            .is_some_and(|owns| owns.iter().any(|o| o == "engine"))
+    };
+    let mut instances: Vec<&mut ProcessServer> =
+        std::iter::once(first).chain(extras.iter_mut()).collect();
+    let mut owner = None;
+    for (index, instance) in instances.iter().enumerate() {
+        if instance
+            .readyz()
+            .await
+            .is_ok_and(|(_, ready)| owns_engine(&ready))
+        {
+            owner = Some(index);
+        }
+    }
+    let owner = owner.context("no instance holds the engine lease")?;
+    instances[owner].kill()?;
+    let killed = std::time::Instant::now();
+    let deadline = killed + std::time::Duration::from_secs(60);
+    loop {
+        for (index, instance) in instances.iter().enumerate() {
+            if index != owner
+                && instance
+                    .readyz()
+                    .await
+                    .is_ok_and(|(_, ready)| owns_engine(&ready))
+            {
+                println!(
+                    "  takeover: the engine lease's holder (instance {}) killed; instance {} held it {:.2} s later (--instance-lease {})",
+                    owner + 1,
+                    index + 1,
+                    killed.elapsed().as_secs_f64(),
+                    std::env::var("IDEM_INSTANCE_LEASE").unwrap_or_else(|_| "10s".into())
+                );
+                // The first instance is stopped by the caller.
+                for (index, instance) in instances.iter_mut().enumerate() {
+                    if index != owner && index != 0 {
+                        instance.stop()?;
+                    }
+                }
+                return Ok(());
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            bail!("no instance took the engine lease over within 60 s of the kill");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
 

@@ -14,7 +14,7 @@ use idem_device_sim::{
     check_outcomes, format_count, BrokerAddr, ExpectedOutcome, Fleet, FleetConfig, RunView,
 };
 use idem_protocol::TopicRoot;
-use idem_tests::PrivateMosquitto;
+use idem_tests::{PrivateMosquitto, ProcessServer};
 use serde_json::{json, Value};
 
 use crate::bench::{
@@ -25,6 +25,8 @@ use crate::counter::{Counter, COUNTER_USER};
 use crate::fleet::{bench_plan, BenchFleet};
 use crate::report::{report, Measured};
 
+/// Runs every step and reports; returns the extra server instances of the
+/// instances steps (none with `--instances 1`), still running.
 pub async fn run_steps(
     bench: &Bench,
     core: &PrivateMosquitto,
@@ -32,7 +34,7 @@ pub async fn run_steps(
     root: &TopicRoot,
     server_env: &[(String, String)],
     load_before: &str,
-) -> Result<()> {
+) -> Result<Vec<ProcessServer>> {
     let n = bench.args.devices;
     let k = bench.args.heartbeats;
     let plan = bench_plan(n, bench.args.drifted)?;
@@ -155,6 +157,24 @@ pub async fn run_steps(
         ingest_step(bench, core, root, &mut fleet, &mut record).await?;
     let ingest_ratio = server_rate / sub_rate;
 
+    // Instances: the converged pass and a full push again with every
+    // instance sharing the fleet, against one instance in this same run.
+    let extras = match bench.args.instances {
+        1 => Vec::new(),
+        _ => {
+            instances_steps(
+                bench,
+                core,
+                root,
+                server_env,
+                &mut record,
+                full_wall,
+                &new_spec,
+            )
+            .await?
+        }
+    };
+
     // Memory. The cache gauge is refreshed every 2 s.
     tokio::time::sleep(Duration::from_millis(2_100)).await;
     let cache_bytes = bench.metric("idem_fleet_cache_bytes").await?;
@@ -203,7 +223,74 @@ pub async fn run_steps(
         shutdown_s,
         cache_bytes,
     };
-    report(bench, load_before, server_env, &record, measured)
+    report(bench, load_before, server_env, &record, measured)?;
+    Ok(extras)
+}
+
+/// Starts the extra instances (sharing the fleet's subscriptions, as the
+/// first one does), then times a converged pass with one instance and with
+/// all, and a full push with all against the full push with one
+/// (`full_one`). Prints the ratios (one ÷ all: 1 means no cost).
+async fn instances_steps(
+    bench: &Bench,
+    core: &PrivateMosquitto,
+    root: &TopicRoot,
+    server_env: &[(String, String)],
+    record: &mut Record,
+    full_one: Duration,
+    spec: &Value,
+) -> Result<Vec<ProcessServer>> {
+    let all = json!({"all": true});
+    let (_, converged_one, _) =
+        run_step(bench, record, "converged_one", RunStart::Run(&all)).await?;
+    let env: Vec<(&str, &str)> = server_env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let mut extras = Vec::new();
+    for index in 2..=bench.args.instances {
+        extras.push(
+            ProcessServer::start(
+                &bench.args.server_bin,
+                bench.db.url(),
+                &core.url(),
+                root,
+                &format!("bench-{index}"),
+                &env,
+            )
+            .await
+            .with_context(|| format!("starting instance {index}"))?,
+        );
+    }
+    let n = bench.args.instances;
+    let (converged, converged_all, _) =
+        run_step(bench, record, "converged_instances", RunStart::Run(&all)).await?;
+    let mut next = spec.clone();
+    next["firmware"] = json!("2.7.0");
+    let body = json!({"all": true, "spec": next});
+    let (full, full_all, _) = run_step(
+        bench,
+        record,
+        "full_push_instances",
+        RunStart::Desired(&body),
+    )
+    .await?;
+    if full.counts.provisioned != bench.args.devices as u64 {
+        bail!("full push with {n} instances: {}", full.summary);
+    }
+    let ratio = |one: Duration, all: Duration| one.as_secs_f64() / all.as_secs_f64().max(1e-9);
+    println!(
+        "  instances {n}: converged pass {:.3} s vs {:.3} s with one (ratio {:.2}; {}), \
+         full push {:.3} s vs {:.3} s (ratio {:.2}); target >= 0.8 each",
+        converged_all.as_secs_f64(),
+        converged_one.as_secs_f64(),
+        ratio(converged_one, converged_all),
+        converged.summary,
+        full_all.as_secs_f64(),
+        full_one.as_secs_f64(),
+        ratio(full_one, full_all),
+    );
+    Ok(extras)
 }
 
 /// How a run step starts its run.

@@ -1,0 +1,341 @@
+//! Three instances on one broker and one database, 2,000 devices, a
+//! fleet-wide desired change posted to an instance without the engine; the
+//! instance carrying the run is SIGKILLed while pushes are in flight and
+//! never restarted. Another takes the engine over and completes the run:
+//! one outcome per device, every event on MQTT once, every report the broker
+//! accepted stored, a gap-free SSE stream on a survivor, only the new
+//! generation pushed, no deadlock.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem_device_sim::{DeviceSnapshot, FleetPlan};
+use idem_protocol::TopicRoot;
+use idem_tests::{
+    raise_fd_limit, PrivateMosquitto, ProcessServer, PushWitness, ReportWitness, SseClient,
+    TestDatabase,
+};
+use rumqttc::{AsyncClient, Event, Packet, QoS};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+use crate::{
+    register, run_progress, start_fleet, take_all_offline, unique_tag, wait_decided,
+    wait_stored_equals_published, wait_witness_saw_final, SERIAL, SERVER_BIN,
+};
+
+const DEVICES: usize = 2_000;
+const LEASE: Duration = Duration::from_secs(3);
+const PUSH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Every event the relay publishes to MQTT: sequence → how many times, and the
+/// outcome events' (run id, device) → how many.
+#[derive(Default)]
+struct Published {
+    by_id: BTreeMap<i64, usize>,
+    outcomes: HashMap<(String, String), usize>,
+    /// The witness's connection broke: its counts are worthless.
+    lost: Option<String>,
+}
+
+async fn event_witness(broker: &PrivateMosquitto, root: &TopicRoot) -> Arc<Mutex<Published>> {
+    let mut options =
+        broker.mqtt_options(format!("events-witness-{}", uuid::Uuid::new_v4().simple()));
+    // Events go up to 1 MiB on MQTT (a run's start lists its targets).
+    options.set_max_packet_size(2 << 20, 2 << 20);
+    let (client, mut eventloop) = AsyncClient::new(options, 1_000);
+    client
+        .subscribe(root.events_filter(), QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    let published = Arc::new(Mutex::new(Published::default()));
+    let sink = published.clone();
+    let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
+    let mut subscribed_tx = Some(subscribed_tx);
+    tokio::spawn(async move {
+        let _client = client;
+        loop {
+            let event = match eventloop.poll().await {
+                Ok(event) => event,
+                Err(e) => {
+                    sink.lock().unwrap().lost = Some(e.to_string());
+                    return;
+                }
+            };
+            match event {
+                Event::Incoming(Packet::Publish(p)) => {
+                    let event: Value = serde_json::from_slice(&p.payload).unwrap();
+                    let id = event["sequence"].as_i64().unwrap();
+                    let mut published = sink.lock().unwrap();
+                    *published.by_id.entry(id).or_insert(0) += 1;
+                    let is_outcome = event["type"]
+                        .as_str()
+                        .is_some_and(|t| t.starts_with("io.idem.device."));
+                    if let (true, Some(run), Some(device)) = (
+                        is_outcome,
+                        event["runid"].as_str(),
+                        event["subject"].as_str(),
+                    ) {
+                        *published
+                            .outcomes
+                            .entry((run.to_owned(), device.to_owned()))
+                            .or_insert(0) += 1;
+                    }
+                }
+                Event::Incoming(Packet::SubAck(_)) => {
+                    if let Some(tx) = subscribed_tx.take() {
+                        let _ = tx.send(());
+                    }
+                }
+                Event::Incoming(_) | Event::Outgoing(_) => {}
+            }
+        }
+    });
+    subscribed.await.unwrap();
+    published
+}
+
+/// The index of the instance whose `/readyz` says it owns the engine.
+async fn engine_owner(servers: &[ProcessServer], within: Duration) -> usize {
+    let deadline = Instant::now() + within;
+    loop {
+        for (i, server) in servers.iter().enumerate() {
+            if let Ok((_, ready)) = server.readyz().await {
+                if ready["owns"]
+                    .as_array()
+                    .is_some_and(|owns| owns.contains(&json!("engine")))
+                {
+                    return i;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no instance owns the engine after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn deadlocks(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let began = Instant::now();
+    raise_fd_limit().unwrap();
+    let broker = PrivateMosquitto::start().unwrap();
+    let db = TestDatabase::create_with(&idem_server::MIGRATOR)
+        .await
+        .unwrap();
+    let tag = unique_tag();
+    let root = TopicRoot::new(format!("idem-trio/{tag}")).unwrap();
+    let group = format!("trio{tag}");
+    let lease = format!("{}ms", LEASE.as_millis());
+    let push_timeout = format!("{}s", PUSH_TIMEOUT.as_secs());
+    let env = [
+        ("IDEM_SHARE_GROUP", group.as_str()),
+        ("IDEM_INSTANCE_LEASE", lease.as_str()),
+        ("IDEM_PUSH_TIMEOUT", push_timeout.as_str()),
+    ];
+    let reports = ReportWitness::start(&broker, &root).await.unwrap();
+    let events = event_witness(&broker, &root).await;
+    let mut servers: Vec<ProcessServer> = Vec::new();
+    for name in ["a", "b", "c"] {
+        servers.push(
+            ProcessServer::start(
+                Path::new(SERVER_BIN),
+                db.url(),
+                &broker.url(),
+                &root,
+                &format!("{name}-{tag}"),
+                &env,
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let deadlocks_before = deadlocks(db.pool()).await;
+    // Every device runs v1 and applies a push after 1–3 s, so the run is
+    // in flight when its carrier dies.
+    let plan = FleetPlan::new("trio-", DEVICES)
+        .apply_latency(Duration::from_secs(1), Duration::from_secs(3))
+        .seed(22)
+        .build()
+        .unwrap();
+    register(&servers[0], &plan).await;
+    let fleet = start_fleet(&broker, &root, plan.devices.clone(), None).await;
+    crate::wait_reports_stored(db.pool(), DEVICES, Duration::from_secs(60)).await;
+
+    let owner = engine_owner(&servers, Duration::from_secs(10)).await;
+    let poster = (owner + 1) % 3;
+    let watcher = (owner + 2) % 3;
+    let pushes = PushWitness::start(&broker, &root).await.unwrap();
+    let last_event: i64 = sqlx::query_scalar("SELECT coalesce(max(sequence), 0) FROM events")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    let mut sse = SseClient::connect(
+        &servers[watcher].url("/v1/events"),
+        servers[watcher].token(),
+        Some(last_event),
+    )
+    .await
+    .unwrap();
+    let mut v2 = plan.desired_spec.clone();
+    v2["fleet_change"] = json!("v2");
+    let (status, body) = servers[poster]
+        .post("/v1/desired", &json!({"all": true, "spec": v2}))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let run_id = body["run_id"].as_str().unwrap().to_owned();
+    wait_decided(db.pool(), &run_id, 200, Duration::from_secs(30)).await;
+
+    servers[owner].kill().unwrap();
+    let killed_at = Instant::now();
+    let (decided_at_kill, state_at_kill) = run_progress(db.pool(), &run_id).await;
+    assert_eq!(state_at_kill, "running", "the run ended before the kill");
+    let survivors: Vec<ProcessServer> = servers
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, s)| (i != owner).then_some(s))
+        .collect();
+    let new_owner = engine_owner(&survivors, LEASE * 3).await;
+    let takeover = killed_at.elapsed();
+    let deadline = killed_at + LEASE + PUSH_TIMEOUT + Duration::from_secs(30);
+    let run = loop {
+        let (_, run) = survivors[new_owner]
+            .get(&format!("/v1/runs/{run_id}"))
+            .await
+            .unwrap();
+        if run["state"] == "completed" {
+            break run;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the run is not completed {:?} after the kill: {run}",
+            killed_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let completed_after = killed_at.elapsed();
+
+    // Exactly one outcome per device, and the summary says so.
+    let counts = &run["counts"];
+    let total: u64 = [
+        "already_converged",
+        "provisioned",
+        "failed",
+        "skipped",
+        "superseded",
+    ]
+    .iter()
+    .map(|k| counts[k].as_u64().unwrap())
+    .sum();
+    assert_eq!(total, DEVICES as u64, "{run}");
+    assert_eq!(run["target_count"], DEVICES, "{run}");
+    assert_eq!(counts["failed"], 0, "{run}");
+    let undecided: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM run_targets WHERE run_id = $1::uuid AND outcome IS NULL",
+    )
+    .bind(&run_id)
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(undecided, 0);
+
+    // Every report the broker accepted is stored, those it had queued for
+    // the dead instance included.
+    let finals: Vec<DeviceSnapshot> = take_all_offline(&fleet).await;
+    wait_witness_saw_final(&reports, &finals).await;
+    wait_stored_equals_published(db.pool(), &survivors[0], &finals, Duration::from_secs(30)).await;
+
+    // The survivor's SSE stream: from the change to the run's completion,
+    // every id once and none skipped.
+    let mut sse_ids = Vec::new();
+    loop {
+        let message = sse
+            .next_within(Duration::from_secs(10))
+            .await
+            .unwrap()
+            .expect("the SSE stream ended");
+        let event: Value = serde_json::from_str(&message.data).unwrap();
+        sse_ids.push(message.id.expect("an SSE event without an id"));
+        if event["type"] == "io.idem.run.completed" && event["runid"] == run_id.as_str() {
+            break;
+        }
+    }
+    let expected: Vec<i64> = (last_event + 1..=last_event + sse_ids.len() as i64).collect();
+    assert_eq!(
+        sse_ids, expected,
+        "the survivor's SSE stream has a gap or a repeat"
+    );
+
+    // Every event reached MQTT exactly once (the relay lease moves to a
+    // survivor within its lease); each device's outcome once.
+    let deadline = Instant::now() + LEASE * 3;
+    loop {
+        let missing = {
+            let published = events.lock().unwrap();
+            sse_ids
+                .iter()
+                .filter(|id| !published.by_id.contains_key(id))
+                .count()
+        };
+        if missing == 0 || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Room for a repeat to show.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (by_id, outcomes) = {
+        let published = events.lock().unwrap();
+        assert_eq!(
+            published.lost, None,
+            "the event witness lost its connection"
+        );
+        (published.by_id.clone(), published.outcomes.clone())
+    };
+    let repeated: Vec<_> = by_id.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        repeated.is_empty(),
+        "events on MQTT more than once: {repeated:?}"
+    );
+    for id in &sse_ids {
+        assert!(by_id.contains_key(id), "event {id} never reached MQTT");
+    }
+    let outcomes: Vec<_> = outcomes
+        .iter()
+        .filter(|((run, _), _)| *run == run_id)
+        .collect();
+    assert_eq!(outcomes.len(), DEVICES, "outcome events of the run on MQTT");
+    assert!(outcomes.iter().all(|(_, n)| **n == 1));
+
+    // Only the new generation was pushed, whoever pushed it.
+    let generations: std::collections::BTreeSet<u64> =
+        pushes.pushes().unwrap().keys().map(|(_, g)| *g).collect();
+    assert_eq!(generations, [2].into(), "generations pushed");
+    assert_eq!(deadlocks(db.pool()).await, deadlocks_before, "deadlocks");
+    for survivor in &survivors {
+        assert_eq!(survivor.panics(), Vec::<String>::new());
+    }
+    println!(
+        "three instances, {DEVICES} devices: the carrier was killed with {decided_at_kill} \
+         outcomes decided; the engine was taken over {takeover:?} after the kill (lease {LEASE:?}) \
+         and the run completed {completed_after:?} after it ({}); {} events relayed once each; \
+         test took {:?}",
+        run["summary"],
+        sse_ids.len(),
+        began.elapsed()
+    );
+    fleet.shutdown().await;
+}
