@@ -23,12 +23,14 @@ use sqlx::PgPool;
 
 use crate::{
     register, run_progress, start_fleet, take_all_offline, unique_tag, wait_decided,
-    wait_stored_equals_published, wait_witness_saw_final, SERIAL, SERVER_BIN,
+    wait_each_published_since, wait_stored_equals_published, wait_witness_saw_final, SERIAL,
+    SERVER_BIN,
 };
 
 const DEVICES: usize = 2_000;
 const LEASE: Duration = Duration::from_secs(3);
 const PUSH_TIMEOUT: Duration = Duration::from_secs(10);
+const HEARTBEAT: Duration = Duration::from_millis(250);
 
 /// Every event the relay publishes to MQTT: sequence → how many times, and the
 /// outcome events' (run id, device) → how many.
@@ -171,7 +173,22 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
         .build()
         .unwrap();
     register(&servers[0], &plan).await;
-    let fleet = start_fleet(&broker, &root, plan.devices.clone(), None).await;
+    let mut v2 = plan.desired_spec.clone();
+    v2["fleet_change"] = json!("v2");
+    // A few devices run v2 already (already converged in the run) and
+    // report every 250 ms; right after the kill they report once more and
+    // leave, so a third of their last reports exist only in the dead
+    // instance's session.
+    let (mut leaving, staying): (Vec<_>, Vec<_>) = plan
+        .devices
+        .iter()
+        .cloned()
+        .partition(|d| d.id.as_str() < "trio-00150");
+    for device in &mut leaving {
+        device.spec = v2.clone();
+    }
+    let leaving_fleet = start_fleet(&broker, &root, leaving, Some(HEARTBEAT)).await;
+    let fleet = start_fleet(&broker, &root, staying, None).await;
     crate::wait_reports_stored(db.pool(), DEVICES, Duration::from_secs(60)).await;
 
     let owner = engine_owner(&servers, Duration::from_secs(10)).await;
@@ -189,8 +206,6 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
     )
     .await
     .unwrap();
-    let mut v2 = plan.desired_spec.clone();
-    v2["fleet_change"] = json!("v2");
     let (status, body) = servers[poster]
         .post("/v1/desired", &json!({"all": true, "spec": v2}))
         .await
@@ -201,6 +216,15 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
 
     servers[owner].kill().unwrap();
     let killed_at = Instant::now();
+    let highest_at_kill = reports.highest();
+    wait_each_published_since(&reports, &leaving_fleet, &highest_at_kill, "after the kill").await;
+    let leaving_final = take_all_offline(&leaving_fleet).await;
+    let left_after = killed_at.elapsed();
+    assert!(
+        left_after < LEASE,
+        "the leaving devices took {left_after:?} to report and leave: their last reports may \
+         not have waited in the dead instance's session"
+    );
     let (decided_at_kill, state_at_kill) = run_progress(db.pool(), &run_id).await;
     assert_eq!(state_at_kill, "running", "the run ended before the kill");
     let survivors: Vec<ProcessServer> = servers
@@ -254,7 +278,11 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
 
     // Every report the broker accepted is stored, those it had queued for
     // the dead instance included.
-    let finals: Vec<DeviceSnapshot> = take_all_offline(&fleet).await;
+    let finals: Vec<DeviceSnapshot> = leaving_final
+        .into_iter()
+        .chain(take_all_offline(&fleet).await)
+        .collect();
+    assert_eq!(finals.len(), DEVICES);
     wait_witness_saw_final(&reports, &finals).await;
     wait_stored_equals_published(db.pool(), &survivors[0], &finals, Duration::from_secs(30)).await;
 
@@ -325,17 +353,25 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
         pushes.pushes().unwrap().keys().map(|(_, g)| *g).collect();
     assert_eq!(generations, [2].into(), "generations pushed");
     assert_eq!(deadlocks(db.pool()).await, deadlocks_before, "deadlocks");
+    let mut drained = 0.0;
     for survivor in &survivors {
         assert_eq!(survivor.panics(), Vec::<String>::new());
+        let metrics = survivor.api().metrics().await.unwrap();
+        drained += metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("idem_drained_messages_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
     }
     println!(
         "three instances, {DEVICES} devices: the carrier was killed with {decided_at_kill} \
          outcomes decided; the engine was taken over {takeover:?} after the kill (lease {LEASE:?}) \
          and the run completed {completed_after:?} after it ({}); {} events relayed once each; \
-         test took {:?}",
+         {drained} messages drained from the dead instance's session; test took {:?}",
         run["summary"],
         sse_ids.len(),
         began.elapsed()
     );
     fleet.shutdown().await;
+    leaving_fleet.shutdown().await;
 }
