@@ -59,6 +59,26 @@ pub enum FleetChange {
     Engine(DeviceId, DeviceChange),
 }
 
+impl FleetChange {
+    /// The device it changes (`None`: every device's owned fields).
+    pub fn device(&self) -> Option<&DeviceId> {
+        match self {
+            FleetChange::Registered(id)
+            | FleetChange::Desired(id, _)
+            | FleetChange::Reported { id, .. }
+            | FleetChange::Online(id, _)
+            | FleetChange::Exempt(id, _)
+            | FleetChange::Owned { id, .. }
+            | FleetChange::ReportedCleared(id)
+            | FleetChange::Released(id)
+            | FleetChange::Removed(id)
+            | FleetChange::Followed(id, _)
+            | FleetChange::Engine(id, _) => Some(id),
+            FleetChange::OwnedSet(_) => None,
+        }
+    }
+}
+
 /// The state machine reads the cache through the core's [`FleetRead`].
 impl FleetRead for FleetCache {
     fn get(&self, id: &DeviceId) -> Option<DeviceEntry> {
@@ -286,6 +306,11 @@ impl FleetCache {
     #[cfg(test)]
     pub(crate) fn insert(&self, id: DeviceId, entry: DeviceEntry) {
         self.devices.insert(id, entry);
+    }
+
+    /// Ids of every device.
+    pub fn ids(&self) -> Vec<DeviceId> {
+        self.devices.iter().map(|e| e.key().clone()).collect()
     }
 
     /// Ids of every device an exemption covers.

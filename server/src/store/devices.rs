@@ -141,36 +141,29 @@ pub async fn load_all(pool: &PgPool) -> Result<Vec<DeviceRow>, StoreError> {
         .context("loading all devices")
 }
 
-/// The rows other writers than `me` changed in versions `(after, upto]`,
-/// and the devices they deleted then.
-pub async fn written_by_others(
+/// The rows of `ids` that exist, read in `tx`.
+pub async fn rows_of(
     tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-    after: i64,
-    upto: i64,
-    me: Uuid,
-) -> Result<(Vec<DeviceRow>, Vec<DeviceId>), StoreError> {
-    let rows: Vec<DeviceRow> = sqlx::query_as(&format!(
-        "SELECT {DEVICE_COLUMNS} FROM devices \
-         WHERE version > $1 AND version <= $2 AND written_by IS DISTINCT FROM $3"
+    ids: &[DeviceId],
+) -> Result<Vec<DeviceRow>, StoreError> {
+    let ids: Vec<&str> = ids.iter().map(DeviceId::as_str).collect();
+    sqlx::query_as(&format!(
+        "SELECT {DEVICE_COLUMNS} FROM devices WHERE id = ANY($1)"
     ))
-    .bind(after)
-    .bind(upto)
-    .bind(me)
+    .bind(&ids)
     .fetch_all(&mut **tx)
     .await
-    .context("reading device rows other writers changed")?;
-    let removed: Vec<String> = sqlx::query_scalar(
-        "SELECT id FROM device_removals \
-         WHERE version > $1 AND version <= $2 AND written_by IS DISTINCT FROM $3 ORDER BY version",
-    )
-    .bind(after)
-    .bind(upto)
-    .bind(me)
-    .fetch_all(&mut **tx)
-    .await
-    .context("reading devices other writers deleted")?;
-    let removed = super::device_ids(&removed, "reading devices other writers deleted")?;
-    Ok((rows, removed))
+    .context("reading devices other writers changed")
+}
+
+/// Every row, read in `tx`.
+pub async fn load_all_in(
+    tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+) -> Result<Vec<DeviceRow>, StoreError> {
+    sqlx::query_as(&format!("SELECT {DEVICE_COLUMNS} FROM devices"))
+        .fetch_all(&mut **tx)
+        .await
+        .context("reloading every device")
 }
 
 pub async fn get(pool: &PgPool, id: &str) -> Result<Option<DeviceRow>, StoreError> {

@@ -17,10 +17,11 @@ use super::{Context, DeviceWriter, StoreError};
 pub const CHANNEL: &str = "idem_devices";
 /// The catch-up scan runs at least this often.
 pub const CATCH_UP_EVERY: Duration = Duration::from_secs(1);
-/// Removals are kept this long for instances that look rarely.
-const KEEP_REMOVALS: &str = "1 day";
-/// Pruning of old removals runs every this many catch-ups.
-const PRUNE_EVERY: u32 = 600;
+/// The change log keeps this much (an instance that did not look for
+/// longer reloads every device).
+const KEEP_CHANGES: Duration = Duration::from_secs(600);
+/// Pruning of the change log runs every this many catch-ups.
+const PRUNE_EVERY: u32 = 60;
 
 /// Follows until `token` is cancelled.
 pub async fn run(writer: Arc<DeviceWriter>, pool: PgPool, token: CancellationToken) {
@@ -57,8 +58,8 @@ pub async fn run(writer: Arc<DeviceWriter>, pool: PgPool, token: CancellationTok
         }
         ticks += 1;
         if ticks % PRUNE_EVERY == 0 {
-            if let Err(e) = prune_removals(&pool).await {
-                tracing::debug!(error = %e, "could not prune old device removals");
+            if let Err(e) = super::writer::prune_changes(&pool, KEEP_CHANGES).await {
+                tracing::debug!(error = %e, "could not prune the device change log");
             }
         }
     }
@@ -88,14 +89,4 @@ async fn next(listener: &mut Option<PgListener>) -> Option<String> {
         },
         None => std::future::pending().await,
     }
-}
-
-async fn prune_removals(pool: &PgPool) -> Result<(), StoreError> {
-    sqlx::query(&format!(
-        "DELETE FROM device_removals WHERE removed_at < now() - interval '{KEEP_REMOVALS}'"
-    ))
-    .execute(pool)
-    .await
-    .context("pruning old device removals")?;
-    Ok(())
 }

@@ -6,14 +6,17 @@
 //! rows take a `&mut DeviceTx`, which only [`DeviceWriter::begin`] makes, and
 //! the cache's one mutating method is private to `store`.
 //!
-//! Following other writers: every device row change gets the next version
-//! and the writer's id (triggers of `devices`). Each transaction starts,
-//! under the lock, by reading the highest version; when another process
-//! wrote since this cache last looked, the rows it wrote (and the devices it
-//! deleted) are read and replace their cache entries before anything else
-//! happens in the transaction — so every write, and every decision taken
-//! under the writer, sees the table as it is. [`DeviceWriter::follow`] does
-//! only that (woken by the table's `NOTIFY`, or on a timer).
+//! Following other writers: a transaction whose changes the cache mirrors
+//! appends one entry to `device_changes` (the next version, its writer's
+//! id, the devices it changed, or "every device" for a new declaration of
+//! owned fields) and notifies `idem_devices`. Each transaction starts, under
+//! the lock, by reading the last version; when another process wrote since
+//! this cache last looked, the rows of the devices it named are read and
+//! replace their cache entries (a device without a row any more is dropped)
+//! before anything else happens in the transaction — so every write, and
+//! every decision taken under the writer, sees the table as it is.
+//! [`DeviceWriter::follow`] does only that (woken by the `NOTIFY`, or on a
+//! timer).
 //!
 //! Serialisation: device-writing transactions run one at a time, across
 //! every server process sharing the database. Each takes, first, this
@@ -72,7 +75,7 @@ pub struct DeviceWriter {
     pool: PgPool,
     cache: Arc<FleetCache>,
     queue: Mutex<()>,
-    /// This process's id in `devices.written_by`.
+    /// This process's id in `device_changes.writer`.
     id: Uuid,
     /// The cache holds every device change up to this version (changed
     /// only with `queue` held).
@@ -103,7 +106,7 @@ impl DeviceWriter {
         }
     }
 
-    /// This process's id in `devices.written_by` (and in the `NOTIFY`
+    /// This process's id in `device_changes.writer` (and in the `NOTIFY`
     /// payloads of its writes).
     pub fn id(&self) -> Uuid {
         self.id
@@ -145,9 +148,8 @@ impl DeviceWriter {
     pub async fn begin(&self) -> Result<DeviceTx<'_>, StoreError> {
         let turn = self.queue.lock().await;
         let mut tx = self.pool.begin().await.context("starting a transaction")?;
-        let high: i64 = sqlx::query_scalar("SELECT idem_begin_device_write($1, $2)")
+        let high: i64 = sqlx::query_scalar("SELECT idem_begin_device_write($1)")
             .bind(DEVICE_WRITES_LOCK)
-            .bind(self.id)
             .fetch_one(&mut *tx)
             .await
             .context("taking the device-writes lock")?;
@@ -164,6 +166,8 @@ impl DeviceWriter {
         Ok(DeviceTx {
             cache: &self.cache,
             seen: &self.seen,
+            version: high.max(seen) + 1,
+            writer: self.id,
             _turn: turn,
             tx,
             changes: Vec::new(),
@@ -171,29 +175,58 @@ impl DeviceWriter {
     }
 
     /// Replaces the cache entries of the devices other writers changed in
-    /// versions `(seen, high]`, and drops those they deleted.
+    /// versions `(seen, high]` with their rows, and drops those that are
+    /// gone. Every device when one of those changes said so (a new
+    /// declaration of owned fields), or when the log no longer reaches back
+    /// to `seen` (pruned while this process did not look).
     async fn catch_up(
         &self,
         tx: &mut Transaction<'static, Postgres>,
         seen: i64,
         high: i64,
     ) -> Result<Followed, StoreError> {
-        let (rows, removed) = super::devices::written_by_others(tx, seen, high, self.id).await?;
+        let changed = changed_by_others(tx, seen, high, self.id).await?;
+        let (rows, owned_set) = match &changed {
+            Changed::Some(ids) if ids.is_empty() => return Ok(Followed::default()),
+            Changed::Some(ids) => (super::devices::rows_of(tx, ids).await?, None),
+            Changed::Everything => {
+                let set = super::owned::load(&mut **tx)
+                    .await?
+                    .map(|d| d.set)
+                    .unwrap_or_default();
+                (super::devices::load_all_in(tx).await?, Some(set))
+            }
+        };
+        let found: HashSet<&str> = rows.iter().map(|row| row.id.as_str()).collect();
+        let gone: Vec<DeviceId> = match &changed {
+            Changed::Some(ids) => ids
+                .iter()
+                .filter(|id| !found.contains(id.as_str()) && self.cache.contains(id))
+                .cloned()
+                .collect(),
+            Changed::Everything => self
+                .cache
+                .ids()
+                .into_iter()
+                .filter(|id| !found.contains(id.as_str()))
+                .collect(),
+        };
         let ids: Vec<String> = rows.iter().map(|row| row.id.clone()).collect();
         let exempt: HashSet<String> = super::exemptions::exempt_devices(&mut **tx, Some(&ids))
             .await?
             .into_iter()
             .collect();
-        let mut resolver = OwnedResolver::new((*self.cache.owned_set()).clone());
+        let set = owned_set.unwrap_or_else(|| (*self.cache.owned_set()).clone());
+        let mut resolver = OwnedResolver::new(set.clone());
         let mut entries = super::devices::cache_entries(&rows, &mut resolver)?;
         let mut followed = Followed::default();
-        let mut changes = Vec::with_capacity(entries.len() + removed.len());
-        for id in removed {
-            // Deleted and registered again in the same span: the row wins.
-            if !ids.iter().any(|row| row == id.as_str()) && self.cache.contains(&id) {
-                followed.removed.push(id.clone());
-                changes.push(FleetChange::Removed(id));
-            }
+        let mut changes = Vec::with_capacity(entries.len() + gone.len() + 1);
+        if matches!(changed, Changed::Everything) {
+            changes.push(FleetChange::OwnedSet(Arc::new(set)));
+        }
+        for id in gone {
+            followed.removed.push(id.clone());
+            changes.push(FleetChange::Removed(id));
         }
         for (id, entry) in &mut entries {
             entry.exempt = exempt.contains(id.as_str());
@@ -225,13 +258,74 @@ impl DeviceWriter {
     }
 }
 
-/// The highest device version handed out so far: read before loading the
-/// cache, it is where the cache's following of other writers starts.
+/// What other writers changed since a version.
+enum Changed {
+    /// These devices (each once).
+    Some(Vec<DeviceId>),
+    /// Every device.
+    Everything,
+}
+
+/// The devices other writers than `me` changed in versions `(after, upto]`.
+async fn changed_by_others(
+    tx: &mut Transaction<'static, Postgres>,
+    after: i64,
+    upto: i64,
+    me: Uuid,
+) -> Result<Changed, StoreError> {
+    let oldest: Option<i64> = sqlx::query_scalar("SELECT min(version) FROM device_changes")
+        .fetch_one(&mut **tx)
+        .await
+        .context("reading the device change log")?;
+    if oldest.is_some_and(|oldest| oldest > after + 1) {
+        return Ok(Changed::Everything);
+    }
+    let logged: Vec<Option<Vec<String>>> = sqlx::query_scalar(
+        "SELECT ids FROM device_changes \
+         WHERE version > $1 AND version <= $2 AND writer <> $3 ORDER BY version",
+    )
+    .bind(after)
+    .bind(upto)
+    .bind(me)
+    .fetch_all(&mut **tx)
+    .await
+    .context("reading the device change log")?;
+    let mut ids = Vec::new();
+    let mut seen = HashSet::new();
+    for entry in logged {
+        let Some(entry) = entry else {
+            return Ok(Changed::Everything);
+        };
+        for id in entry {
+            if seen.insert(id.clone()) {
+                ids.push(id);
+            }
+        }
+    }
+    Ok(Changed::Some(super::device_ids(
+        &ids,
+        "reading the device change log",
+    )?))
+}
+
+/// Keeps the device change log to what changed within `keep`: an instance
+/// that looks less often reloads every device instead.
+pub async fn prune_changes(pool: &PgPool, keep: std::time::Duration) -> Result<(), StoreError> {
+    sqlx::query("DELETE FROM device_changes WHERE at < now() - make_interval(secs => $1)")
+        .bind(keep.as_secs_f64())
+        .execute(pool)
+        .await
+        .context("pruning the device change log")?;
+    Ok(())
+}
+
+/// The last device change version: read before loading the cache, it is
+/// where the cache's following of other writers starts.
 pub async fn versions_high(pool: &PgPool) -> Result<i64, StoreError> {
-    sqlx::query_scalar("SELECT idem_device_versions_high()")
+    sqlx::query_scalar("SELECT coalesce(max(version), 0) FROM device_changes")
         .fetch_one(pool)
         .await
-        .context("reading the highest device version")
+        .context("reading the last device change version")
 }
 
 /// One device-writing transaction: the only handle through which device
@@ -239,6 +333,9 @@ pub async fn versions_high(pool: &PgPool) -> Result<i64, StoreError> {
 pub struct DeviceTx<'w> {
     cache: &'w FleetCache,
     seen: &'w AtomicI64,
+    /// The version this transaction's entry in the change log gets.
+    version: i64,
+    writer: Uuid,
     /// Held until the cache mirrors the commit, so the cache sees commits
     /// in their order.
     _turn: MutexGuard<'w, ()>,
@@ -277,18 +374,34 @@ impl DeviceTx<'_> {
         let Self {
             cache,
             seen,
+            version,
+            writer,
             _turn,
             mut tx,
             changes,
         } = self;
-        // With the lock held, every version handed out since this
-        // transaction began is its own: the cache mirrors them below.
-        let high: i64 = sqlx::query_scalar("SELECT idem_device_versions_high()")
-            .fetch_one(&mut *tx)
-            .await
-            .context(what)?;
+        if changes.is_empty() {
+            tx.commit().await.context(what)?;
+            return Ok(());
+        }
+        // One entry in the change log, and a wake-up for the other
+        // instances (its payload names this writer, which skips its own).
+        let ids: Option<Vec<&str>> = changes
+            .iter()
+            .map(|change| change.device().map(DeviceId::as_str))
+            .collect();
+        sqlx::query(
+            "WITH logged AS (INSERT INTO device_changes (version, writer, ids) VALUES ($1, $2, $3)) \
+             SELECT pg_notify('idem_devices', $2::text)",
+        )
+        .bind(version)
+        .bind(writer)
+        .bind(ids)
+        .execute(&mut *tx)
+        .await
+        .context(what)?;
         tx.commit().await.context(what)?;
-        seen.store(high, Ordering::Release);
+        seen.store(version, Ordering::Release);
         cache.apply(changes);
         Ok(())
     }
