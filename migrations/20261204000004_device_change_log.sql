@@ -26,6 +26,9 @@ CREATE TABLE device_changes (
     -- The devices whose rows it changed; NULL: every device (a new
     -- declaration of owned fields).
     ids      text[],
+    -- Only the engine's columns changed (status, attempts, outcome,
+    -- retained generation): a follower reads those alone.
+    engine_only boolean NOT NULL DEFAULT false,
     at       timestamptz NOT NULL DEFAULT now()
 );
 

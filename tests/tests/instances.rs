@@ -254,3 +254,68 @@ async fn an_engine_paused_past_its_lease_commits_nothing_once_the_lease_changed_
         .unwrap();
     assert_eq!(ids, ["by-a", "by-b"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_instance_plans_on_the_status_the_engine_wrote() {
+    let scenario = Scenario::start(ServerSettings {
+        share_group: Some("follow-engine".to_owned()),
+        max_attempts: 1,
+        ..ServerSettings::default()
+    })
+    .await
+    .unwrap();
+    wait_owns(&scenario.server, "engine").await;
+    let second = TestServer::start(
+        &scenario.db,
+        &scenario.broker,
+        ServerSettings {
+            topic_root: Some(scenario.server.topic_root.to_string()),
+            share_group: Some("follow-engine".to_owned()),
+            max_attempts: 1,
+            ..ServerSettings::default()
+        },
+    )
+    .await
+    .unwrap();
+    let device = SimDevice::new(DeviceId::parse("stubborn-1").unwrap(), json!({"fw": "0"}))
+        .with_behaviour(idem_device_sim::DeviceBehaviour::Reject {
+            message: "no".into(),
+        });
+    scenario
+        .register(std::slice::from_ref(&device), &json!({"fw": "1"}))
+        .await
+        .unwrap();
+    let _fleet = scenario.start_fleet(vec![device]).await.unwrap();
+    scenario
+        .wait_reports_stored(1, Duration::from_secs(10))
+        .await
+        .unwrap();
+    // The engine (the first instance's) quarantines it: one attempt only.
+    let (_, run) = scenario.run_all(Duration::from_secs(15)).await.unwrap();
+    assert_eq!(
+        run["summary"], "0 already converged, 0 provisioned, 1 failed",
+        "{run}"
+    );
+    // The second instance's plans are computed on its cache, which must
+    // come to hold the status the engine wrote: the device is quarantined,
+    // not converged on the spec it runs.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (status, plan) = second
+            .post(
+                "/v1/plans",
+                &json!({"devices": ["stubborn-1"], "spec": {"fw": "0"}}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(status, 201, "{plan}");
+        if plan["counts"]["skipped_by_reason"]["quarantined"] == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second instance still plans on a status older than the engine's: {plan}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

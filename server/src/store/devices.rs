@@ -12,6 +12,7 @@ use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
 
 use super::writer::DeviceTx;
 use super::{to_i64, to_u64, Context, StoreError};
+use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::device::{DesiredState, DeviceEntry};
 use crate::reconcile::machine::AttemptRecord;
@@ -154,6 +155,39 @@ pub async fn rows_of(
     .fetch_all(&mut **tx)
     .await
     .context("reading devices other writers changed")
+}
+
+/// The engine's columns of `ids` as the cache holds them (status, failed
+/// attempts, retained generation), as engine changes, read in `tx`.
+pub async fn engine_columns_of(
+    tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+    ids: &[DeviceId],
+) -> Result<Vec<(DeviceId, DeviceChange)>, StoreError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let raw: Vec<&str> = ids.iter().map(DeviceId::as_str).collect();
+    let rows: Vec<(String, DeviceStatus, i32, Option<i64>)> = sqlx::query_as(
+        "SELECT id, status, attempts, retained_generation FROM devices WHERE id = ANY($1)",
+    )
+    .bind(&raw)
+    .fetch_all(&mut **tx)
+    .await
+    .context("reading the engine columns other writers changed")?;
+    rows.into_iter()
+        .map(|(id, status, attempts, retained)| {
+            let id = super::device_id(&id, "reading the engine columns other writers changed")?;
+            Ok((
+                id,
+                DeviceChange {
+                    status: Some(status),
+                    failures: Some((u32::try_from(attempts).unwrap_or(0), None)),
+                    retained: retained.map(to_u64),
+                    ..DeviceChange::default()
+                },
+            ))
+        })
+        .collect()
 }
 
 /// Every row, read in `tx`.

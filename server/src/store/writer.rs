@@ -186,9 +186,19 @@ impl DeviceWriter {
         high: i64,
     ) -> Result<Followed, StoreError> {
         let changed = changed_by_others(tx, seen, high, self.id).await?;
+        let mut changes = Vec::new();
+        if let Changed::Some { engine, .. } = &changed {
+            // The engine's columns alone: no specs to read or parse.
+            for (id, change) in super::devices::engine_columns_of(tx, engine).await? {
+                changes.push(FleetChange::Engine(id, change));
+            }
+        }
         let (rows, owned_set) = match &changed {
-            Changed::Some(ids) if ids.is_empty() => return Ok(Followed::default()),
-            Changed::Some(ids) => (super::devices::rows_of(tx, ids).await?, None),
+            Changed::Some { rows, .. } if rows.is_empty() => {
+                self.cache.apply(changes);
+                return Ok(Followed::default());
+            }
+            Changed::Some { rows, .. } => (super::devices::rows_of(tx, rows).await?, None),
             Changed::Everything => {
                 let set = super::owned::load(&mut **tx)
                     .await?
@@ -199,7 +209,7 @@ impl DeviceWriter {
         };
         let found: HashSet<&str> = rows.iter().map(|row| row.id.as_str()).collect();
         let gone: Vec<DeviceId> = match &changed {
-            Changed::Some(ids) => ids
+            Changed::Some { rows: ids, .. } => ids
                 .iter()
                 .filter(|id| !found.contains(id.as_str()) && self.cache.contains(id))
                 .cloned()
@@ -220,7 +230,7 @@ impl DeviceWriter {
         let mut resolver = OwnedResolver::new(set.clone());
         let mut entries = super::devices::cache_entries(&rows, &mut resolver)?;
         let mut followed = Followed::default();
-        let mut changes = Vec::with_capacity(entries.len() + gone.len() + 1);
+        changes.reserve(entries.len() + gone.len() + 1);
         if matches!(changed, Changed::Everything) {
             changes.push(FleetChange::OwnedSet(Arc::new(set)));
         }
@@ -260,8 +270,12 @@ impl DeviceWriter {
 
 /// What other writers changed since a version.
 enum Changed {
-    /// These devices (each once).
-    Some(Vec<DeviceId>),
+    /// These devices (each once): `rows` whose rows may have changed
+    /// anywhere, `engine` whose engine columns alone did.
+    Some {
+        rows: Vec<DeviceId>,
+        engine: Vec<DeviceId>,
+    },
     /// Every device.
     Everything,
 }
@@ -280,8 +294,8 @@ async fn changed_by_others(
     if oldest.is_some_and(|oldest| oldest > after + 1) {
         return Ok(Changed::Everything);
     }
-    let logged: Vec<Option<Vec<String>>> = sqlx::query_scalar(
-        "SELECT ids FROM device_changes \
+    let logged: Vec<(Option<Vec<String>>, bool)> = sqlx::query_as(
+        "SELECT ids, engine_only FROM device_changes \
          WHERE version > $1 AND version <= $2 AND writer <> $3 ORDER BY version",
     )
     .bind(after)
@@ -290,22 +304,28 @@ async fn changed_by_others(
     .fetch_all(&mut **tx)
     .await
     .context("reading the device change log")?;
-    let mut ids = Vec::new();
-    let mut seen = HashSet::new();
-    for entry in logged {
+    // Each id once: in `rows` if any entry may have changed more than the
+    // engine's columns.
+    let mut whole = HashSet::new();
+    let mut engine = HashSet::new();
+    for (entry, engine_only) in logged {
         let Some(entry) = entry else {
             return Ok(Changed::Everything);
         };
         for id in entry {
-            if seen.insert(id.clone()) {
-                ids.push(id);
+            if engine_only {
+                engine.insert(id);
+            } else {
+                whole.insert(id);
             }
         }
     }
-    Ok(Changed::Some(super::device_ids(
-        &ids,
-        "reading the device change log",
-    )?))
+    engine.retain(|id| !whole.contains(id));
+    let context = "reading the device change log";
+    Ok(Changed::Some {
+        rows: super::device_ids(&whole.into_iter().collect::<Vec<_>>(), context)?,
+        engine: super::device_ids(&engine.into_iter().collect::<Vec<_>>(), context)?,
+    })
 }
 
 /// Keeps the device change log to what changed within `keep`: an instance
@@ -390,13 +410,18 @@ impl DeviceTx<'_> {
             .iter()
             .map(|change| change.device().map(DeviceId::as_str))
             .collect();
+        let engine_only = changes
+            .iter()
+            .all(|change| matches!(change, FleetChange::Engine(..)));
         sqlx::query(
-            "WITH logged AS (INSERT INTO device_changes (version, writer, ids) VALUES ($1, $2, $3)) \
+            "WITH logged AS (INSERT INTO device_changes (version, writer, ids, engine_only) \
+                             VALUES ($1, $2, $3, $4)) \
              SELECT pg_notify('idem_devices', $2::text)",
         )
         .bind(version)
         .bind(writer)
         .bind(ids)
+        .bind(engine_only)
         .execute(&mut *tx)
         .await
         .context(what)?;
