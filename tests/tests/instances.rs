@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use idem_device_sim::SimDevice;
 use idem_protocol::DeviceId;
-use idem_tests::{PushWitness, Scenario, ServerSettings, TestServer};
+use idem_tests::{wait_until, PushWitness, Scenario, ServerSettings, TestServer};
 use serde_json::{json, Value};
 
 /// A scenario whose server shares `group`, and a second instance over the
@@ -28,13 +28,22 @@ async fn two_instances(group: &str) -> (Scenario, TestServer) {
 
 /// A second instance over the scenario's fleet, database and broker.
 async fn another_instance(scenario: &Scenario, group: &str) -> TestServer {
+    another_instance_with(scenario, group, ServerSettings::default()).await
+}
+
+/// [`another_instance`], otherwise as `settings` say.
+async fn another_instance_with(
+    scenario: &Scenario,
+    group: &str,
+    settings: ServerSettings,
+) -> TestServer {
     TestServer::start(
         &scenario.db,
         &scenario.broker,
         ServerSettings {
             topic_root: Some(scenario.server.topic_root.to_string()),
             share_group: Some(group.to_owned()),
-            ..ServerSettings::default()
+            ..settings
         },
     )
     .await
@@ -48,18 +57,13 @@ async fn wait_device(
     what: &str,
     check: impl Fn(u16, &Value) -> bool,
 ) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let (status, body) = server.get(&format!("/v1/devices/{id}")).await.unwrap();
-        if check(status, &body) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: after 5 s the other instance still answers {status} {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let path = format!("/v1/devices/{id}");
+    wait_until(Duration::from_secs(5), what, || async {
+        let (status, body) = server.get(&path).await.unwrap();
+        check(status, &body)
+    })
+    .await
+    .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,21 +110,14 @@ async fn devices_registered_through_one_instance_have_their_reports_stored_by_ei
 
 /// Waits until `/readyz` of `server` says it owns `lease`.
 async fn wait_owns(server: &TestServer, lease: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
+    wait_until(Duration::from_secs(10), lease, || async {
         let (_, ready) = server.get("/readyz").await.unwrap();
-        if ready["owns"]
+        ready["owns"]
             .as_array()
             .is_some_and(|owns| owns.iter().any(|o| o == lease))
-        {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{lease} not owned after 10 s: {ready}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
+    .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -265,18 +262,15 @@ async fn another_instance_plans_on_the_status_the_engine_wrote() {
     .await
     .unwrap();
     wait_owns(&scenario.server, "engine").await;
-    let second = TestServer::start(
-        &scenario.db,
-        &scenario.broker,
+    let second = another_instance_with(
+        &scenario,
+        "follow-engine",
         ServerSettings {
-            topic_root: Some(scenario.server.topic_root.to_string()),
-            share_group: Some("follow-engine".to_owned()),
             max_attempts: 1,
             ..ServerSettings::default()
         },
     )
-    .await
-    .unwrap();
+    .await;
     let device = SimDevice::new(DeviceId::parse("stubborn-1").unwrap(), json!({"fw": "0"}))
         .with_behaviour(idem_device_sim::DeviceBehaviour::Reject {
             message: "no".into(),

@@ -16,7 +16,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::state::{AppState, Stalls};
 use crate::config::ValidConfig;
-use crate::engine::new_run::Trigger;
 use crate::engine::seat::EngineSeat;
 use crate::engine::{
     EngineCommand, EngineContext, EngineInbox, EngineStats, RolloutRequest, RunRequest,
@@ -112,7 +111,7 @@ pub async fn run(
         intake_gauge,
         &token,
     ));
-    let workers = Workers::start(
+    let mut workers = Workers::start(
         &state,
         (client, eventloop),
         (intake_tx, intake_rx),
@@ -124,15 +123,11 @@ pub async fn run(
         &token,
     );
 
-    // Unfinished runs and retained desired messages left behind are taken
-    // up by whichever instance holds the engine lease (`engine::seat`).
-    if state.config.engine.startup_reconcile {
-        // Nothing to do for an empty fleet; the engine skips it then.
-        let _ = state
-            .engine
-            .send(EngineCommand::ReconcileAll(Trigger::Startup))
-            .await;
-    }
+    // Unfinished runs, retained desired messages left behind and the
+    // start-up reconcile are the engine lease holder's (`engine::seat`);
+    // the API opens once the seat knows whether that is this instance and,
+    // if so, has committed what it does at start-up.
+    workers.seat_settled().await;
 
     // Body size is limited (with our own 413) by the HTTP layer, not by
     // axum's 2 MB default.
@@ -238,6 +233,9 @@ fn event_relay(state: &AppState) -> EventRelay {
 
 /// The server's tasks and the tokens that stop them.
 struct Workers {
+    /// Fired once the engine seat made its first try for the lease (and,
+    /// holding it, took up what start-up asks).
+    settled: Option<tokio::sync::oneshot::Receiver<()>>,
     intake_token: CancellationToken,
     engine_token: CancellationToken,
     relay_token: CancellationToken,
@@ -308,6 +306,7 @@ impl Workers {
             },
             intake_token.clone(),
         ));
+        let (settled_tx, settled) = tokio::sync::oneshot::channel();
         let seat = EngineSeat {
             ctx: EngineContext {
                 fleet: state.fleet.clone(),
@@ -327,6 +326,8 @@ impl Workers {
                 ttl: config.fleet.instance_lease,
             },
             held: state.engine_held.clone(),
+            startup_reconcile: config.engine.startup_reconcile,
+            settled: std::sync::Mutex::new(Some(settled_tx)),
         };
         let engine = tokio::spawn(seat.run(engine_inbox, engine_token.clone()));
         let ingest = Ingest {
@@ -385,6 +386,7 @@ impl Workers {
         let relay = event_relay(state);
         let relay = tokio::spawn(relay.run(relay_token.clone()));
         Self {
+            settled: Some(settled),
             intake_token,
             engine_token,
             relay_token,
@@ -393,6 +395,13 @@ impl Workers {
             engine,
             relay,
             mqtt,
+        }
+    }
+
+    /// Waits until the engine seat settled (or ended).
+    async fn seat_settled(&mut self) {
+        if let Some(settled) = self.settled.take() {
+            let _ = settled.await;
         }
     }
 

@@ -51,15 +51,32 @@ pub struct EngineSeat {
     pub lease: LeaseHolder,
     /// Set while this instance holds the lease (`/readyz` says so).
     pub held: Arc<AtomicBool>,
+    /// Reconcile the whole fleet when the lease is ours at start-up.
+    pub startup_reconcile: bool,
+    /// Told once the first try for the lease is done and, if it succeeded,
+    /// what start-up asks of the engine is committed.
+    pub settled: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
 }
 
 impl EngineSeat {
+    fn settle(&self) {
+        let sender = self
+            .settled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(sender) = sender {
+            let _ = sender.send(());
+        }
+    }
+
     /// Waits for the lease and carries the engine while it holds it, until
     /// `token` is cancelled; then the engine writes what it holds and the
     /// lease is released for the next holder.
     pub async fn run(self, mut inbox: EngineInbox, token: CancellationToken) {
         loop {
             let Some(epoch) = self.wait_for_lease(&mut inbox, &token).await else {
+                self.settle();
                 return;
             };
             self.held.store(true, Ordering::Release);
@@ -97,13 +114,14 @@ impl EngineSeat {
         token: &CancellationToken,
     ) -> Option<i64> {
         loop {
-            // Tried before anything queued is served: a start-up finding the
-            // lease free carries what it was asked at start-up.
             match leases::acquire_or_renew(&self.pool, ENGINE_LEASE, &self.lease).await {
                 Ok(Some(held)) => return Some(held.epoch),
                 Ok(None) => {}
                 Err(e) => tracing::debug!(error = %e, "could not try the engine lease"),
             }
+            // Another instance carries the engine (or the database is
+            // away): this one serves the API meanwhile.
+            self.settle();
             let next_try = tokio::time::sleep(TRY_EVERY);
             tokio::pin!(next_try);
             loop {
@@ -168,6 +186,20 @@ impl EngineSeat {
             }
         }
         engine.handle(EngineCommand::SyncRetained).await;
+        let starting = self
+            .settled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some();
+        if starting && self.startup_reconcile {
+            // Nothing to do for an empty fleet; the engine skips it then.
+            engine
+                .handle(EngineCommand::ReconcileAll(
+                    crate::reconcile::run::Trigger::Startup,
+                ))
+                .await;
+        }
+        self.settle();
         let exit = engine.run(inbox, take_ups, holding.clone()).await;
         holding.cancel();
         let _ = renewer.await;
