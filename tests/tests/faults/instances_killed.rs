@@ -13,16 +13,13 @@ use std::time::{Duration, Instant};
 
 use idem_device_sim::{DeviceSnapshot, FleetPlan};
 use idem_protocol::TopicRoot;
-use idem_tests::{
-    raise_fd_limit, PrivateMosquitto, ProcessServer, PushWitness, ReportWitness, SseClient,
-    TestDatabase,
-};
+use idem_tests::{PrivateMosquitto, ProcessServer, PushWitness, ReportWitness, SseClient};
 use rumqttc::{AsyncClient, Event, Packet, QoS};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
 use crate::{
-    register, run_progress, start_fleet, take_all_offline, unique_tag, wait_decided,
+    private_services, register, run_progress, start_fleet, take_all_offline, wait_decided,
     wait_each_published_since, wait_stored_equals_published, wait_witness_saw_final, SERIAL,
     SERVER_BIN,
 };
@@ -132,13 +129,7 @@ async fn deadlocks(pool: &PgPool) -> i64 {
 async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() {
     let _serial = SERIAL.lock().await;
     let began = Instant::now();
-    raise_fd_limit().unwrap();
-    let broker = PrivateMosquitto::start().unwrap();
-    let db = TestDatabase::create_with(&idem_server::MIGRATOR)
-        .await
-        .unwrap();
-    let tag = unique_tag();
-    let root = TopicRoot::new(format!("idem-trio/{tag}")).unwrap();
+    let (broker, db, tag, root) = private_services("idem-trio").await;
     let group = format!("trio{tag}");
     let lease = format!("{}ms", LEASE.as_millis());
     let push_timeout = format!("{}s", PUSH_TIMEOUT.as_secs());

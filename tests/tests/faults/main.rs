@@ -38,7 +38,7 @@ use idem_device_sim::{
     BrokerAddr, DeviceSnapshot, Fleet, FleetConfig, OfflineMode, Plan, SimDevice,
 };
 use idem_protocol::TopicRoot;
-use idem_tests::{PrivateMosquitto, ProcessServer, ReportWitness};
+use idem_tests::{PrivateMosquitto, ProcessServer, ReportWitness, TestDatabase};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
@@ -59,6 +59,20 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// A short unique tag for topic roots and instance names.
 fn unique_tag() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
+}
+
+/// What a test of several instances runs on: a private broker (the open-file
+/// limit raised for it), a fresh database, a unique tag and the topic root
+/// `{prefix}/{tag}`.
+async fn private_services(prefix: &str) -> (PrivateMosquitto, TestDatabase, String, TopicRoot) {
+    idem_tests::raise_fd_limit().unwrap();
+    let broker = PrivateMosquitto::start().unwrap();
+    let db = TestDatabase::create_with(&idem_server::MIGRATOR)
+        .await
+        .unwrap();
+    let tag = unique_tag();
+    let root = TopicRoot::new(format!("{prefix}/{tag}")).unwrap();
+    (broker, db, tag, root)
 }
 
 /// Registers the plan's devices with the plan's desired spec.

@@ -8,11 +8,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use idem_device_sim::{DeviceSnapshot, FleetPlan};
-use idem_protocol::TopicRoot;
-use idem_tests::{raise_fd_limit, PrivateMosquitto, ProcessServer, ReportWitness, TestDatabase};
+use idem_tests::{ProcessServer, ReportWitness};
 
 use crate::{
-    register, start_fleet, take_all_offline, unique_tag, wait_each_published_since,
+    private_services, register, start_fleet, take_all_offline, wait_each_published_since,
     wait_reports_stored, wait_stored_equals_published, wait_witness_saw_final, SERIAL, SERVER_BIN,
 };
 
@@ -32,13 +31,7 @@ async fn reports_queued_for_a_killed_instance_that_never_returns_are_stored_by_t
     const DEVICES: usize = 60;
     const HEARTBEAT: Duration = Duration::from_millis(200);
     let _serial = SERIAL.lock().await;
-    raise_fd_limit().unwrap();
-    let broker = PrivateMosquitto::start().unwrap();
-    let db = TestDatabase::create_with(&idem_server::MIGRATOR)
-        .await
-        .unwrap();
-    let tag = unique_tag();
-    let root = TopicRoot::new(format!("idem-shared/{tag}")).unwrap();
+    let (broker, db, tag, root) = private_services("idem-shared").await;
     let group = format!("g{tag}");
     let env = [
         ("IDEM_SHARE_GROUP", group.as_str()),
