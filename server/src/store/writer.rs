@@ -132,46 +132,10 @@ impl DeviceWriter {
         Ok(write)
     }
 
-    /// Brings the cache up to date with what other writers committed,
-    /// without the device-writes lock (other processes go on writing):
-    /// this process's turn keeps its own writes out, and one snapshot
-    /// (repeatable read) holds the log up to its last version and exactly
-    /// the rows those versions left — versions commit in order, so none
-    /// below the last one visible is missing.
+    /// Brings the cache up to date with what other writers committed.
     pub async fn follow(&self) -> Result<(), StoreError> {
-        let _turn = self.queue.lock().await;
-        let mut tx = self.pool.begin().await.context("starting a transaction")?;
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            .execute(&mut *tx)
-            .await
-            .context("following other writers")?;
-        let high: i64 = sqlx::query_scalar("SELECT coalesce(max(version), 0) FROM device_changes")
-            .fetch_one(&mut *tx)
-            .await
-            .context("following other writers")?;
-        self.catch_up_to(&mut tx, high).await?;
-        tx.commit().await.context("following other writers")
-    }
-
-    /// Catches the cache up to version `high` in `tx` (with this process's
-    /// turn held), telling the hook what it learnt.
-    async fn catch_up_to(
-        &self,
-        tx: &mut Transaction<'static, Postgres>,
-        high: i64,
-    ) -> Result<(), StoreError> {
-        let seen = self.seen.load(Ordering::Acquire);
-        if high <= seen {
-            return Ok(());
-        }
-        let followed = self.catch_up(tx, seen, high).await?;
-        self.seen.store(high, Ordering::Release);
-        if !followed.is_empty() {
-            if let Some(hook) = self.hook.get() {
-                hook(followed);
-            }
-        }
-        Ok(())
+        let write = self.begin().await?;
+        write.commit("following other writers").await
     }
 
     /// The cache this writer keeps, to read.
@@ -189,8 +153,16 @@ impl DeviceWriter {
             .fetch_one(&mut *tx)
             .await
             .context("taking the device-writes lock")?;
-        self.catch_up_to(&mut tx, high).await?;
         let seen = self.seen.load(Ordering::Acquire);
+        if high > seen {
+            let followed = self.catch_up(&mut tx, seen, high).await?;
+            self.seen.store(high, Ordering::Release);
+            if !followed.is_empty() {
+                if let Some(hook) = self.hook.get() {
+                    hook(followed);
+                }
+            }
+        }
         Ok(DeviceTx {
             cache: &self.cache,
             seen: &self.seen,
