@@ -639,6 +639,11 @@ impl Rollout {
             return out;
         };
         counts.add(outcome);
+        if wave < self.current && self.counts[wave].decided() == self.counts[wave].size {
+            // A wave handed over before its last answer came in.
+            self.ended_after_hand_over(wave, &mut out);
+            return out;
+        }
         if let RolloutState::Running { wave: running } = self.state {
             if running == wave {
                 let gates = &self.spec.waves[wave].gates;
@@ -654,6 +659,61 @@ impl Rollout {
             }
         }
         out
+    }
+
+    /// Whether wave `wave`, once its last device is pushed, hands over to
+    /// the next wave without waiting for its answers: its spec has no
+    /// gate, no pause and no approval, so no answer could hold the next
+    /// wave back. (A wave whose gate an operator waived on a resume is
+    /// not one: its rest is watched to its end before the next starts.)
+    pub fn hands_over(&self, wave: usize) -> bool {
+        self.follows_at_once(wave)
+            && self
+                .spec
+                .waves
+                .get(wave)
+                .is_some_and(|spec| spec.gates == Gates::default())
+    }
+
+    /// Every device of the running wave `wave` has been pushed (or has its
+    /// outcome): when it hands over ([`Rollout::hands_over`]), the next
+    /// wave starts now, without waiting for this one's last answers. This
+    /// wave completes when they are in.
+    pub fn hand_over(&mut self, wave: usize, now: Instant) -> Vec<Transition> {
+        let mut out = Vec::new();
+        let running = matches!(self.state, RolloutState::Running { wave: w } if w == wave);
+        if running && self.hands_over(wave) && !self.counts[wave].is_done() {
+            self.next_wave(wave, Some(now), &mut out);
+        }
+        out
+    }
+
+    /// Whether every wave has its outcomes.
+    fn all_done(&self) -> bool {
+        self.counts.iter().all(WaveCounts::is_done)
+    }
+
+    /// Wave `wave`, handed over to the next one, has its last outcome: it
+    /// completes (unless the rollout was aborted), and the rollout with it
+    /// when that was all it waited for.
+    fn ended_after_hand_over(&mut self, wave: usize, out: &mut Vec<Transition>) {
+        match self.state {
+            RolloutState::Running { wave: running } => {
+                out.push(Transition::WaveCompleted {
+                    wave,
+                    counts: self.counts[wave],
+                });
+                if running + 1 == self.counts.len() && self.all_done() {
+                    self.state = RolloutState::Completed;
+                    out.push(Transition::Completed);
+                }
+            }
+            RolloutState::Paused { .. } => out.push(Transition::WaveCompleted {
+                wave,
+                counts: self.counts[wave],
+            }),
+            RolloutState::Completed | RolloutState::Aborted => {}
+        }
     }
 
     /// Time passed: a timed pause that is over starts the next wave.
@@ -763,8 +823,11 @@ impl Rollout {
             counts: self.counts[wave],
         });
         if wave + 1 == self.counts.len() {
-            self.state = RolloutState::Completed;
-            out.push(Transition::Completed);
+            // A wave handed over may still wait for its last answers.
+            if self.all_done() {
+                self.state = RolloutState::Completed;
+                out.push(Transition::Completed);
+            }
             return;
         }
         if self.spec.waves[wave].approve {

@@ -190,7 +190,7 @@ pub(super) const ROLLOUTS: Family<Gauge> = Family::new(
 );
 pub(super) const ROLLOUT_WAVE_DEVICES: Family<Gauge> = Family::new(
     "idem_rollout_wave_devices",
-    "Devices of the current wave of every rollout in progress (progress=size), and those of them with their outcome (progress=decided)",
+    "Devices of the open waves (the current one, and one handed over to it still waiting for answers) of every rollout in progress (progress=size), and those of them with their outcome (progress=decided)",
 );
 pub(super) const ROLLOUT_DEVICES_WAITING: Family<Gauge> = Family::new(
     "idem_rollout_devices_waiting",

@@ -175,7 +175,8 @@ pub struct RolloutStats {
     pub paused_manual: u64,
     pub paused_approval: u64,
     pub paused_timed: u64,
-    /// Devices in the current wave of each rollout, and how many of them
+    /// Devices in the open waves of each rollout (the current one, and one
+    /// handed over to it still waiting for answers), and how many of them
     /// have their outcome.
     pub wave_devices: u64,
     pub wave_decided: u64,

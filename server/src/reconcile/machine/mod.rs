@@ -329,6 +329,11 @@ impl Machine {
         self.settle_rollouts(now, out);
         self.mark_early_pushes();
         self.drain_push_queue(now, out);
+        if self.hand_over_sent_waves(now) {
+            self.settle_rollouts(now, out);
+            self.mark_early_pushes();
+            self.drain_push_queue(now, out);
+        }
         let moved = !self.rollouts_changed.is_empty();
         let due = self.record.outcomes.len() >= FLUSH_SIZE
             || ((!self.record.is_empty() || moved) && now.at >= self.last_write + FLUSH_INTERVAL);
@@ -419,6 +424,7 @@ impl Machine {
             if let Some(phase) = self.pushed_before_restart(run_id, &id, &entry, now.at) {
                 self.set_phase(&id, phase);
                 self.pushed.insert(id.clone());
+                self.sent_for(&[run_id], &id);
                 self.advance(&id, false, now, out);
             } else if let Some(skip) = gate(&entry) {
                 self.finish(&id, Outcome::Skipped(skip), &entry, None, now, out);
@@ -453,8 +459,16 @@ impl Machine {
         if !self.supersede_older_attempt(id, entry, now, out) {
             return false;
         }
+        let mut pushed = false;
         if let Some(flight) = self.in_flight.get_mut(id) {
             flight.runs.push(run_id);
+            pushed = matches!(
+                flight.phase,
+                Phase::Pushed { .. } | Phase::MaybePushed { .. }
+            );
+        }
+        if pushed {
+            self.sent_for(&[run_id], id);
         }
         true
     }
@@ -594,6 +608,10 @@ impl Machine {
             deadline: now + self.settings.push_timeout,
         };
         flight.generation = Some(desired.generation);
+        if !self.rollouts.is_empty() {
+            let runs = flight.runs.clone();
+            self.sent_for(&runs, id);
+        }
         self.pushed.insert(id.clone());
         let change = self.record.device(id);
         change.status = Some(DeviceStatus::Provisioning);

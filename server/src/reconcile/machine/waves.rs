@@ -4,7 +4,7 @@
 //! events and as the stored state its run row keeps, and operators'
 //! actions on a rollout.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use idem_protocol::api::WaveState;
@@ -37,6 +37,22 @@ pub(super) struct RolloutRun {
     pub early_in: Option<u64>,
     /// A wave was let go: the next one's first pushes are to be marked.
     pub mark_due: bool,
+    /// The devices of `waves` not pushed yet in this run (a retry is not a
+    /// first push), and how many of them each wave has: a wave with none
+    /// left may hand over to the next ([`Rollout::hand_over`]).
+    pub unsent: HashSet<DeviceId>,
+    pub unsent_in: Vec<u64>,
+}
+
+impl RolloutRun {
+    /// `id` was pushed (or ended): it no longer holds its wave back.
+    fn sent(&mut self, id: &DeviceId) {
+        if self.unsent.remove(id) {
+            if let Some(count) = self.waves.get(id).and_then(|w| self.unsent_in.get_mut(*w)) {
+                *count = count.saturating_sub(1);
+            }
+        }
+    }
 }
 
 /// What a rollout's step leaves the machine to do once the input that
@@ -103,7 +119,9 @@ impl Machine {
             *count += 1;
             let current = rollout.current_wave();
             for (wave, counts) in rollout.counts().iter().enumerate() {
-                if wave == current {
+                // A wave handed over to the next one is open until its
+                // last answers are in.
+                if wave == current || (wave < current && !counts.is_done()) {
                     stats.wave_devices += counts.size;
                     stats.wave_decided += counts.decided().min(counts.size);
                 } else if wave > current {
@@ -129,6 +147,13 @@ impl Machine {
             }
             RolloutStart::Restored(rollout) => (rollout, Vec::new(), true),
         };
+        let mut unsent_in = vec![0; rollout.counts().len()];
+        for wave in start.waves.values() {
+            if let Some(count) = unsent_in.get_mut(*wave) {
+                *count += 1;
+            }
+        }
+        let unsent = start.waves.keys().cloned().collect();
         self.rollouts.insert(
             run_id,
             RolloutRun {
@@ -137,6 +162,8 @@ impl Machine {
                 restored,
                 early_in: None,
                 mark_due: false,
+                unsent,
+                unsent_in,
             },
         );
         self.rollout_stepped(run_id, steps, now);
@@ -303,12 +330,61 @@ impl Machine {
         let Some(run) = self.rollouts.get_mut(&run_id) else {
             return;
         };
+        run.sent(id);
         let Some(wave) = run.waves.remove(id) else {
             return;
         };
         let steps = run.rollout.record(wave, kind, now.at);
         self.rollout_stepped(run_id, steps, now);
         self.rollouts_changed.insert(run_id);
+    }
+
+    /// `id` was pushed for every rollout run its attempt serves (or `run_id`
+    /// joined an attempt already pushed): none of their waves waits for it
+    /// to be sent any more.
+    pub(super) fn sent_for(&mut self, runs: &[Uuid], id: &DeviceId) {
+        for run_id in runs {
+            if let Some(run) = self.rollouts.get_mut(run_id) {
+                run.sent(id);
+            }
+        }
+    }
+
+    /// Hands each running wave that has nothing left to send over to the
+    /// next wave, when no answer of it could hold that one back
+    /// ([`Rollout::hands_over`]): the pipeline of pushes never drains at
+    /// such a wave's end. True when a wave started.
+    pub(super) fn hand_over_sent_waves(&mut self, now: Now) -> bool {
+        let mut due: Vec<(Uuid, usize)> = self
+            .rollouts
+            .iter()
+            .filter_map(|(run_id, run)| match run.rollout.state() {
+                RolloutState::Running { wave }
+                    if run.unsent_in.get(wave) == Some(&0) && run.rollout.hands_over(wave) =>
+                {
+                    Some((*run_id, wave))
+                }
+                RolloutState::Running { .. }
+                | RolloutState::Paused { .. }
+                | RolloutState::Completed
+                | RolloutState::Aborted => None,
+            })
+            .collect();
+        due.sort_unstable();
+        let mut started = false;
+        for (run_id, wave) in due {
+            let Some(run) = self.rollouts.get_mut(&run_id) else {
+                continue;
+            };
+            let steps = run.rollout.hand_over(wave, now.at);
+            if steps.is_empty() {
+                continue;
+            }
+            started = true;
+            self.rollout_stepped(run_id, steps, now);
+            self.rollouts_changed.insert(run_id);
+        }
+        started
     }
 
     /// Time passed: timed pauses that are over start their next wave.

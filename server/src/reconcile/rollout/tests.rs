@@ -381,8 +381,12 @@ mod property {
 
     #[derive(Debug, Clone)]
     enum Op {
-        /// The next pushable device not yet decided ends this way.
-        Record(OutcomeKind),
+        /// A device that may have been pushed by now and is not yet
+        /// decided (the `n`th of them, wrapping) ends this way: answers
+        /// come in any order, also while the rollout is paused.
+        Record(OutcomeKind, usize),
+        /// Every device of the running wave has been pushed.
+        HandOver,
         Tick(u64),
         Resume,
         Approve,
@@ -396,7 +400,8 @@ mod property {
                 Just(OutcomeKind::Failed),
                 Just(OutcomeKind::Skipped)
             ]
-            .prop_map(Op::Record),
+            .prop_flat_map(|kind| (0usize..200).prop_map(move |n| Op::Record(kind, n))),
+            2 => Just(Op::HandOver),
             1 => (0u64..900).prop_map(Op::Tick),
             1 => Just(Op::Resume),
             1 => Just(Op::Approve),
@@ -409,13 +414,17 @@ mod property {
     type Drawn = (u8, u8, Option<u8>, Option<u8>, bool);
 
     fn wave_spec() -> impl Strategy<Value = Drawn> {
-        (
-            1u8..60,
-            0u8..3,
-            proptest::option::of(0u8..=100),
-            proptest::option::of(0u8..5),
-            any::<bool>(),
-        )
+        prop_oneof![
+            // Free: nothing after it (it hands over once all are pushed).
+            1 => (1u8..60).prop_map(|step| (step, 0, None, None, false)),
+            2 => (
+                1u8..60,
+                0u8..3,
+                proptest::option::of(0u8..=100),
+                proptest::option::of(0u8..5),
+                any::<bool>(),
+            ),
+        ]
     }
 
     fn rollout_spec(parts: Vec<Drawn>) -> RolloutSpec {
@@ -482,6 +491,18 @@ mod property {
         }
     }
 
+    fn completed_wave(transition: &Transition) -> Option<usize> {
+        match transition {
+            Transition::WaveCompleted { wave, .. } => Some(*wave),
+            Transition::WaveStarted { .. }
+            | Transition::Paused { .. }
+            | Transition::Resumed { .. }
+            | Transition::Approved { .. }
+            | Transition::Completed
+            | Transition::Aborted => None,
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
 
@@ -496,18 +517,32 @@ mod property {
             let (mut rollout, started) = Rollout::start(spec, needing, Some("alice".into()));
             let mut now = Instant::now();
             let mut decided = 0u64;
+            let mut recorded = std::collections::BTreeSet::new();
             let mut started_waves: Vec<usize> = started.iter().filter_map(started_wave).collect();
+            let mut completed_waves: Vec<usize> = started.iter().filter_map(completed_wave).collect();
             let mut reach = rollout.pushable().end;
+            // Devices that may have been pushed at some point.
+            let mut ever_pushable = reach;
             for op in ops {
                 let out = match op {
-                    Op::Record(outcome) => {
-                        if decided >= rollout.pushable().end {
+                    Op::Record(outcome, n) => {
+                        let open: Vec<u64> =
+                            (0..ever_pushable).filter(|i| !recorded.contains(i)).collect();
+                        if open.is_empty() {
                             continue;
                         }
-                        let wave = rollout.wave_of(decided);
+                        let index = open[n % open.len()];
+                        recorded.insert(index);
+                        let wave = rollout.wave_of(index);
                         decided += 1;
                         rollout.record(wave, outcome, now)
                     }
+                    Op::HandOver => match rollout.state() {
+                        RolloutState::Running { wave } => rollout.hand_over(wave, now),
+                        RolloutState::Paused { .. }
+                        | RolloutState::Completed
+                        | RolloutState::Aborted => continue,
+                    },
                     Op::Tick(secs) => {
                         now += Duration::from_secs(secs);
                         rollout.tick(now)
@@ -517,6 +552,8 @@ mod property {
                     Op::Abort => rollout.abort().unwrap_or_default(),
                 };
                 started_waves.extend(out.iter().filter_map(started_wave));
+                completed_waves.extend(out.iter().filter_map(completed_wave));
+                ever_pushable = ever_pushable.max(rollout.pushable().end);
                 match rollout.state() {
                     RolloutState::Running { wave } => {
                         prop_assert!(wave < waves);
@@ -537,7 +574,7 @@ mod property {
                         prop_assert_eq!(rollout.pushable(), 0..0);
                     }
                     RolloutState::Completed => {
-                        prop_assert!(rollout.counts()[waves - 1].is_done());
+                        prop_assert!(rollout.counts().iter().all(WaveCounts::is_done));
                         prop_assert_eq!(rollout.pushable(), 0..0);
                     }
                     RolloutState::Aborted => prop_assert_eq!(rollout.pushable(), 0..0),
@@ -548,6 +585,33 @@ mod property {
             sorted.dedup();
             prop_assert_eq!(&sorted, &started_waves);
             prop_assert!(started_waves.windows(2).all(|w| w[0] < w[1]));
+            // Each wave completed at most once, only once started and done.
+            let mut once = completed_waves.clone();
+            once.sort_unstable();
+            once.dedup();
+            prop_assert_eq!(once.len(), completed_waves.len());
+            for wave in &completed_waves {
+                prop_assert!(started_waves.contains(wave));
+                prop_assert!(rollout.counts()[*wave].is_done());
+            }
+            // A wave is open only while it waits for answers: every started
+            // wave that is done was said to be completed, unless the
+            // rollout was aborted first or is paused on that wave's gate
+            // (it completes on the resume).
+            let paused_on_gate = match rollout.state() {
+                RolloutState::Paused { wave, reason: PauseReason::Gate(_) } => Some(wave),
+                RolloutState::Paused { .. }
+                | RolloutState::Running { .. }
+                | RolloutState::Completed
+                | RolloutState::Aborted => None,
+            };
+            if rollout.state() != RolloutState::Aborted {
+                for wave in &started_waves {
+                    if rollout.counts()[*wave].is_done() && paused_on_gate != Some(*wave) {
+                        prop_assert!(completed_waves.contains(wave), "wave {} done, never completed", wave);
+                    }
+                }
+            }
             // Every recorded outcome is counted once, in its wave.
             let counted: u64 = rollout.counts().iter().map(WaveCounts::decided).sum();
             prop_assert_eq!(counted, decided);

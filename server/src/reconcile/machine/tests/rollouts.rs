@@ -7,6 +7,7 @@ use super::*;
 use crate::reconcile::rollout::{
     FailureLimit, Gates, Pause, RolloutSpec, StoredState, WaveSize, WaveSpec,
 };
+use idem_protocol::api::WaveState;
 
 fn wave(size: WaveSize) -> WaveSpec {
     WaveSpec::sized(size)
@@ -414,22 +415,58 @@ fn second_wave() -> Vec<String> {
     (10..20).map(|i| format!("d-{i:05}")).collect()
 }
 
-#[test]
-fn a_wave_nothing_can_stop_sends_its_first_pushes_the_moment_it_starts_marked_in_a_write_before() {
-    let mut world = World::new(settings());
-    let targets = fleet(&mut world);
-    let run = world.create_rollout(targets, two_free_waves(), "alice");
+/// Waves `50%, 100%`: the first gated at no failure, the second free.
+fn gated_then_free() -> RolloutSpec {
+    let gated = WaveSpec {
+        gates: Gates {
+            max_failures: Some(FailureLimit::Count(0)),
+            ..Gates::default()
+        },
+        ..wave(pct(50.0))
+    };
+    RolloutSpec::new(vec![gated, wave(pct(100.0))]).unwrap()
+}
+
+/// A rollout of [`gated_then_free`] over `fleet` (one attempt per push)
+/// whose first wave paused on `d-00000`'s refusal; its first wave's
+/// pushes. A resume waives the gate: then nothing but the wave's
+/// answers stands between it and the second wave.
+fn paused_on_its_first_wave(world: &mut World) -> (Uuid, Vec<DeviceId>) {
+    let targets = fleet(world);
+    let run = world.create_rollout(targets, gated_then_free(), "alice");
     world.settle();
-    // Written with the rollout while the first wave runs: the second
-    // wave's pushes, marked as possibly sent ahead of their wave.
+    assert_eq!(
+        world.rollouts[&run].early, None,
+        "a gated wave marks nothing"
+    );
+    world.rejects(&id("d-00000"), 2, 1);
+    world.settle();
+    let first = world.pushed();
+    assert_eq!(first.len(), 10);
+    (run, first)
+}
+
+#[test]
+fn a_wave_resumed_past_its_gate_sends_the_next_waves_first_pushes_the_moment_it_ends_marked_in_a_write_before(
+) {
+    let mut world = World::new(no_retries());
+    let (run, first) = paused_on_its_first_wave(&mut world);
+    act(&mut world, run, RolloutAction::Resume).unwrap();
+    // Written with the rollout while the first wave's rest is answered:
+    // the second wave's pushes, marked as possibly sent ahead of their
+    // wave.
     let early = world.rollouts[&run].early.clone().unwrap();
     assert_eq!((early.wave, early.last.as_str()), (1, "d-00019"));
     assert_ne!(world.status(&id("d-00010")), DeviceStatus::Provisioning);
-    let first = world.pushed();
-    for device in &first[..9] {
+    for device in &first[1..9] {
         world.reports(device, 2, Some(2));
     }
     world.settle();
+    assert_eq!(
+        world.pushed().len(),
+        10,
+        "the waived wave is watched to its end"
+    );
     // The first wave's last answer starts the second wave, whose pushes
     // leave before anything is written.
     let effects = confirmation_effects(&mut world, &first[9]);
@@ -442,7 +479,7 @@ fn a_wave_nothing_can_stop_sends_its_first_pushes_the_moment_it_starts_marked_in
     let mut answered = 10;
     confirm_all(&mut world, &mut answered);
     assert!(world.is_completed(run));
-    assert_eq!(world.counts(run), counts(80, 20, 0));
+    assert_eq!(world.counts(run), counts(80, 19, 1));
     assert_eq!(world.pushed().len(), 20, "each device pushed once");
 }
 
@@ -468,14 +505,12 @@ fn a_gated_wave_is_never_pushed_ahead_and_its_pushes_wait_for_their_own_write() 
 
 #[test]
 fn a_mark_whose_write_has_not_committed_lets_no_push_skip_its_own_write() {
-    let mut world = World::new(settings());
-    let targets = fleet(&mut world);
-    // Every write from the rollout's start on is still in flight.
+    let mut world = World::new(no_retries());
+    let (run, first) = paused_on_its_first_wave(&mut world);
+    // Every write from the resume on is still in flight.
     world.hold_writes();
-    let run = world.create_rollout(targets, two_free_waves(), "alice");
-    let first = world.pushed();
-    assert_eq!(first.len(), 10);
-    for device in &first[..9] {
+    act(&mut world, run, RolloutAction::Resume).unwrap();
+    for device in &first[1..9] {
         world.reports(device, 2, Some(2));
     }
     let effects = confirmation_effects(&mut world, &first[9]);
@@ -486,18 +521,16 @@ fn a_mark_whose_write_has_not_committed_lets_no_push_skip_its_own_write() {
     world.settle();
     let mut answered = 10;
     confirm_all(&mut world, &mut answered);
-    assert_eq!(world.counts(run), counts(80, 20, 0));
+    assert_eq!(world.counts(run), counts(80, 19, 1));
 }
 
 #[test]
 fn after_a_restart_a_push_marked_ahead_is_awaited_not_repeated_and_one_never_sent_goes_once_without_a_failure(
 ) {
     let mut world = World::new(no_retries());
-    let targets = fleet(&mut world);
-    let run = world.create_rollout(targets, two_free_waves(), "alice");
-    world.settle();
-    let first = world.pushed();
-    for device in &first[..9] {
+    let (run, first) = paused_on_its_first_wave(&mut world);
+    act(&mut world, run, RolloutAction::Resume).unwrap();
+    for device in &first[1..9] {
         world.reports(device, 2, Some(2));
     }
     world.settle();
@@ -532,7 +565,97 @@ fn after_a_restart_a_push_marked_ahead_is_awaited_not_repeated_and_one_never_sen
     assert!(world.is_completed(run));
     assert_eq!(
         world.counts(run),
-        counts(80, 20, 0),
+        counts(80, 19, 1),
         "no failure for an unsent push"
     );
+}
+
+#[test]
+fn a_wave_nothing_can_stop_hands_over_once_its_last_push_is_out_and_completes_when_its_last_answer_is_in(
+) {
+    let mut world = World::new(settings());
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, two_free_waves(), "alice");
+    world.settle();
+    assert_eq!(
+        world.pushed().len(),
+        20,
+        "the second wave went while the first one's pushes were still out"
+    );
+    assert_eq!(event_types(&world), ["wave_started", "wave_started"]);
+    let view = world.rollouts[&run].view();
+    assert_eq!(view.wave, 1);
+    assert_eq!(
+        (view.waves[0].state, view.waves[1].state),
+        (WaveState::Running, WaveState::Running),
+        "the first wave is open until its answers are in"
+    );
+    // The second wave is answered first: it completes, the rollout waits.
+    let pushed = world.pushed();
+    for device in &pushed[10..] {
+        world.reports(device, 2, Some(2));
+    }
+    world.settle();
+    assert_eq!(
+        event_types(&world),
+        ["wave_started", "wave_started", "wave_completed"]
+    );
+    assert!(!world.is_completed(run));
+    assert_eq!(world.rollouts[&run].state, StoredState::Running);
+    for device in &pushed[..10] {
+        world.reports(device, 2, Some(2));
+    }
+    world.settle();
+    assert_eq!(
+        event_types(&world),
+        [
+            "wave_started",
+            "wave_started",
+            "wave_completed",
+            "wave_completed"
+        ]
+    );
+    assert!(world.is_completed(run));
+    assert_eq!(world.rollouts[&run].state, StoredState::Completed);
+    let view = world.rollouts[&run].view();
+    assert_eq!(view.waves[0].provisioned, 10);
+    assert_eq!(view.waves[1].provisioned, 10);
+    assert_eq!(world.counts(run), counts(80, 20, 0));
+    assert_eq!(world.pushed().len(), 20, "each device pushed once");
+}
+
+#[test]
+fn a_wave_hands_over_only_once_its_last_device_is_pushed() {
+    let mut settings = settings();
+    settings.max_in_flight = 4;
+    let mut world = World::new(settings);
+    let targets = fleet(&mut world);
+    let run = world.create_rollout(targets, two_free_waves(), "alice");
+    world.settle();
+    assert_eq!(world.pushed().len(), 4, "the cap holds the rest queued");
+    let mut answered = 0;
+    confirm_all(&mut world, &mut answered);
+    assert_eq!(world.pushed().len(), 8);
+    assert_eq!(
+        world.rollouts[&run].current, 0,
+        "two of the wave wait to be sent"
+    );
+    confirm_all(&mut world, &mut answered);
+    // The wave's last two went, then the next wave took the free slots.
+    let pushed = names(&world.pushed());
+    assert_eq!(pushed.len(), 12);
+    let first_wave: Vec<String> = (0..10).map(|i| format!("d-{i:05}")).collect();
+    let mut sent_first = pushed[..10].to_vec();
+    sent_first.sort();
+    assert_eq!(
+        sent_first, first_wave,
+        "no device of the next wave before the last of this one"
+    );
+    assert_eq!(world.rollouts[&run].current, 1);
+    while world.pushed().len() > answered {
+        confirm_all(&mut world, &mut answered);
+    }
+    assert!(world.is_completed(run));
+    assert_eq!(world.counts(run), counts(80, 20, 0));
+    assert_eq!(world.pushed().len(), 20);
 }
