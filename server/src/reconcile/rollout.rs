@@ -485,11 +485,13 @@ pub struct Rollout {
     early: Option<EarlyPushes>,
 }
 
-/// The first pushes of the wave after the running one, marked as possibly
-/// sent before that wave starts: the devices of wave `wave` with ids up to
-/// `last` (in id order). Stored with the rollout, so that a restart waits
-/// for their answers instead of pushing them again; the mark lets them go
-/// out at their wave's start without a write of their own.
+/// The pushes marked as possibly sent before their own write: every
+/// device of a wave before `wave`, and those of wave `wave` with ids up to
+/// `last` (the order a wave's pushes go in). The mark runs a little ahead
+/// of the pushes (the running wave's, and the next wave's when nothing can
+/// stop it), only ever grows, and is stored with the rollout: a restart
+/// waits for a marked device's answer instead of pushing it again, and a
+/// marked push leaves without a write of its own once the mark is written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EarlyPushes {
     pub wave: usize,
@@ -499,7 +501,7 @@ pub struct EarlyPushes {
 impl EarlyPushes {
     /// Whether the device `id` of wave `wave` is marked.
     pub fn covers(&self, wave: usize, id: &str) -> bool {
-        self.wave == wave && id <= self.last.as_str()
+        wave < self.wave || (wave == self.wave && id <= self.last.as_str())
     }
 }
 
@@ -553,13 +555,13 @@ impl Rollout {
         &self.approvals
     }
 
-    /// The pushes marked as possibly sent ahead of their wave, if any.
+    /// The pushes marked as possibly sent before their own write, if any.
     pub fn early(&self) -> Option<&EarlyPushes> {
         self.early.as_ref()
     }
 
-    /// Marks (or, with `None`, unmarks) pushes as possibly sent ahead of
-    /// their wave.
+    /// Marks (or, with `None`, unmarks) pushes as possibly sent before
+    /// their own write.
     pub fn mark_early(&mut self, early: Option<EarlyPushes>) {
         self.early = early;
     }

@@ -106,6 +106,9 @@ pub struct Machine {
     /// (in order: the caller writes one at a time).
     records_handed_out: u64,
     records_written: u64,
+    /// A rollout's mark of early pushes grew: the next record goes at once,
+    /// so that the pushes it covers need no write of their own.
+    marks_to_write: bool,
 }
 
 impl Machine {
@@ -144,6 +147,7 @@ impl Machine {
             write_ahead: Vec::new(),
             records_handed_out: 0,
             records_written: 0,
+            marks_to_write: false,
         }
     }
 
@@ -337,7 +341,7 @@ impl Machine {
         let moved = !self.rollouts_changed.is_empty();
         let due = self.record.outcomes.len() >= FLUSH_SIZE
             || ((!self.record.is_empty() || moved) && now.at >= self.last_write + FLUSH_INTERVAL);
-        if due || !self.write_ahead.is_empty() {
+        if due || self.marks_to_write || !self.write_ahead.is_empty() {
             let record = self.hand_out_record(now);
             out.push(Effect::Record(record));
         }

@@ -35,7 +35,15 @@ pub(super) struct RolloutRun {
     /// ([`Rollout::early`]), once handed out: the marked pushes may skip
     /// their own write once it is written.
     pub early_in: Option<u64>,
-    /// A wave was let go: the next one's first pushes are to be marked.
+    /// The mark before the current one, written: until the current one is,
+    /// the pushes this one covers still skip their own write (a mark only
+    /// grows).
+    pub early_written: Option<EarlyPushes>,
+    /// Devices of `unsent` the current mark covers: the mark's lead over
+    /// the pushes.
+    pub early_ahead: usize,
+    /// The mark is to grow: a wave was let go, or the pushes caught up with
+    /// it.
     pub mark_due: bool,
     /// The devices of `waves` not pushed yet in this run (a retry is not a
     /// first push), and how many of them each wave has: a wave with none
@@ -45,13 +53,73 @@ pub(super) struct RolloutRun {
 }
 
 impl RolloutRun {
-    /// `id` was pushed (or ended): it no longer holds its wave back.
+    /// `id` was pushed (or ended): it no longer holds its wave back. When
+    /// the pushes come within a chunk of the mark, it is to grow.
     fn sent(&mut self, id: &DeviceId) {
-        if self.unsent.remove(id) {
-            if let Some(count) = self.waves.get(id).and_then(|w| self.unsent_in.get_mut(*w)) {
-                *count = count.saturating_sub(1);
+        if !self.unsent.remove(id) {
+            return;
+        }
+        let Some(wave) = self.waves.get(id).copied() else {
+            return;
+        };
+        if let Some(count) = self.unsent_in.get_mut(wave) {
+            *count = count.saturating_sub(1);
+        }
+        let covered = self
+            .rollout
+            .early()
+            .is_some_and(|early| early.covers(wave, id.as_str()));
+        if covered {
+            self.early_ahead = self.early_ahead.saturating_sub(1);
+            if self.early_ahead + 1 == super::WRITE_AHEAD_CHUNK {
+                self.mark_due = true;
             }
         }
+    }
+
+    /// The mark of early pushes known to be written, if any.
+    fn written_mark(&self, records_written: u64) -> Option<&EarlyPushes> {
+        match self.early_in {
+            Some(record) if record <= records_written => self.rollout.early(),
+            Some(_) | None => self.early_written.as_ref(),
+        }
+    }
+
+    /// Replaces the mark (`None`: unmarks, at once), to be written with
+    /// the next record.
+    fn remark(&mut self, mark: Option<EarlyPushes>, records_written: u64) {
+        self.early_written = match &mark {
+            Some(_) => self.written_mark(records_written).cloned(),
+            None => None,
+        };
+        self.rollout.mark_early(mark);
+        self.early_in = None;
+    }
+
+    /// The next mark: the current one moved on over the devices not yet
+    /// pushed of waves up to `last_wave`, in the order they go, until it
+    /// leads the pushes by two chunks; with the number of devices it adds.
+    /// `None` when it would add none.
+    fn grown_mark(&self, last_wave: usize) -> Option<(EarlyPushes, usize)> {
+        let wanted = (2 * super::WRITE_AHEAD_CHUNK).checked_sub(self.early_ahead)?;
+        let current = self.rollout.early();
+        let mut beyond: Vec<(usize, &DeviceId)> = self
+            .unsent
+            .iter()
+            .filter_map(|id| {
+                let wave = *self.waves.get(id)?;
+                let covered = current.is_some_and(|early| early.covers(wave, id.as_str()));
+                (wave <= last_wave && !covered).then_some((wave, id))
+            })
+            .collect();
+        let added = wanted.min(beyond.len());
+        let index = added.checked_sub(1)?;
+        let (_, (wave, last), _) = beyond.select_nth_unstable(index);
+        let mark = EarlyPushes {
+            wave: *wave,
+            last: last.as_str().to_owned(),
+        };
+        Some((mark, added))
     }
 }
 
@@ -153,7 +221,16 @@ impl Machine {
                 *count += 1;
             }
         }
-        let unsent = start.waves.keys().cloned().collect();
+        let unsent: HashSet<DeviceId> = start.waves.keys().cloned().collect();
+        // A restored mark was written by the earlier process.
+        let early_written = rollout.early().cloned();
+        let early_ahead = early_written.as_ref().map_or(0, |early| {
+            start
+                .waves
+                .iter()
+                .filter(|(id, wave)| early.covers(**wave, id.as_str()))
+                .count()
+        });
         self.rollouts.insert(
             run_id,
             RolloutRun {
@@ -161,7 +238,9 @@ impl Machine {
                 waves: start.waves,
                 restored,
                 early_in: None,
-                mark_due: false,
+                early_written,
+                early_ahead,
+                mark_due: true,
                 unsent,
                 unsent_in,
             },
@@ -249,12 +328,10 @@ impl Machine {
             let Some(wave) = run.waves.get(id) else {
                 continue;
             };
-            let written = run.early_in.is_some_and(|n| n <= self.records_written);
             let covered = run
-                .rollout
-                .early()
+                .written_mark(self.records_written)
                 .is_some_and(|e| e.covers(*wave, id.as_str()));
-            if !(written && covered) {
+            if !covered {
                 return false;
             }
             marked = true;
@@ -262,51 +339,40 @@ impl Machine {
         marked
     }
 
-    /// Marks, for each rollout that let a wave go, the next wave's first
-    /// pushes (one write-ahead chunk of its held devices, in id order) as
-    /// pushed ahead of their wave, when nothing can stop that wave from
-    /// starting once this one completes. The mark is written with the
-    /// rollout; once written, those pushes go out the moment their wave
-    /// starts, without waiting for a write of their own.
+    /// Grows, for each rollout whose mark is due, the mark of early
+    /// pushes ([`EarlyPushes`]) over its devices not yet pushed, in the
+    /// order they go: those of the running wave, and those of the next one
+    /// when nothing can stop it from starting once this one is done. The
+    /// mark is written with the next record (handed out at once); from
+    /// then on, the pushes it covers leave without a write of their own,
+    /// and a restart awaits their answers instead of pushing them again.
+    /// It leads the pushes by one to two chunks, so a restart waits a push
+    /// timeout for at most that many devices never sent.
     pub(super) fn mark_early_pushes(&mut self) {
         let Self {
             rollouts,
-            in_flight,
             rollouts_changed,
+            records_written,
+            marks_to_write,
             ..
         } = self;
         for (run_id, run) in rollouts.iter_mut() {
             if !std::mem::take(&mut run.mark_due) {
                 continue;
             }
-            let mark = match run.rollout.state() {
-                RolloutState::Running { wave } if run.rollout.follows_at_once(wave) => {
-                    let next = wave + 1;
-                    let mut held: Vec<&DeviceId> = run
-                        .waves
-                        .iter()
-                        .filter(|(id, w)| {
-                            **w == next
-                                && matches!(in_flight.get(*id).map(|f| &f.phase), Some(Phase::Held))
-                        })
-                        .map(|(id, _)| id)
-                        .collect();
-                    held.sort_unstable();
-                    held.truncate(super::WRITE_AHEAD_CHUNK);
-                    held.last().map(|last| EarlyPushes {
-                        wave: next,
-                        last: last.as_str().to_owned(),
-                    })
+            let last_wave = match run.rollout.state() {
+                RolloutState::Running { wave } if run.rollout.follows_at_once(wave) => wave + 1,
+                RolloutState::Running { wave } => wave,
+                // Paused: nothing is pushed, the mark stays as written.
+                RolloutState::Paused { .. } | RolloutState::Completed | RolloutState::Aborted => {
+                    continue
                 }
-                RolloutState::Running { .. }
-                | RolloutState::Paused { .. }
-                | RolloutState::Completed
-                | RolloutState::Aborted => None,
             };
-            if run.rollout.early() != mark.as_ref() {
-                run.rollout.mark_early(mark);
-                run.early_in = None;
+            if let Some((mark, added)) = run.grown_mark(last_wave) {
+                run.remark(Some(mark), *records_written);
+                run.early_ahead += added;
                 rollouts_changed.insert(*run_id);
+                *marks_to_write = true;
             }
         }
     }
@@ -445,6 +511,7 @@ impl Machine {
     pub(super) fn store_changed_rollouts(&mut self, now: Now) {
         // The number of the record these go into.
         let record = self.records_handed_out + 1;
+        self.marks_to_write = false;
         for run_id in std::mem::take(&mut self.rollouts_changed) {
             if let Some(run) = self.rollouts.get_mut(&run_id) {
                 let stored = run.rollout.stored(now.at, now.wall);
@@ -546,8 +613,8 @@ impl Machine {
                     FollowUp::Release => run.mark_due = true,
                     FollowUp::EndUnpushed => {
                         if run.rollout.early().is_some() {
-                            run.rollout.mark_early(None);
-                            run.early_in = None;
+                            run.remark(None, self.records_written);
+                            run.early_ahead = 0;
                             self.rollouts_changed.insert(run_id);
                         }
                     }

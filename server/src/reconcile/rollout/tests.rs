@@ -662,14 +662,15 @@ fn a_waived_gate_no_longer_stands_between_its_wave_and_the_next() {
 }
 
 #[test]
-fn pushes_marked_ahead_of_their_wave_are_stored_and_come_back_with_the_rollout() {
+fn pushes_marked_before_their_own_write_are_stored_and_come_back_with_the_rollout() {
     let (mut rollout, _) = Rollout::start(spec(vec![wave(pct(50.0)), wave(pct(100.0))]), 10, None);
     let mark = EarlyPushes {
         wave: 1,
         last: "d-00007".into(),
     };
     assert!(mark.covers(1, "d-00005") && mark.covers(1, "d-00007"));
-    assert!(!mark.covers(1, "d-00008") && !mark.covers(0, "d-00005"));
+    assert!(mark.covers(0, "d-00009"), "every device of an earlier wave");
+    assert!(!mark.covers(1, "d-00008") && !mark.covers(2, "d-00000"));
     rollout.mark_early(Some(mark.clone()));
     let now = Instant::now();
     let wall = Utc::now();

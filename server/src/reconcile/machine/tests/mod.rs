@@ -96,6 +96,18 @@ struct World {
     waves: BTreeMap<Uuid, std::collections::HashMap<DeviceId, usize>>,
     /// Every committed `io.idem.rollout.*` event: type and data.
     rollout_events: Vec<(EventType, Value)>,
+    /// Every push to a device of a rollout, as it left.
+    rollout_sends: Vec<RolloutSend>,
+}
+
+/// A push to a device of a rollout as it left: whether a committed write
+/// already said it went out (status `provisioning` at its generation), and
+/// whether the rollout's committed mark of early pushes covered it.
+#[derive(Debug, Clone)]
+struct RolloutSend {
+    device: DeviceId,
+    written: bool,
+    marked: bool,
 }
 
 /// What the machine's counts must be: a tally of outcome rows.
@@ -132,7 +144,34 @@ impl World {
             rollouts: BTreeMap::new(),
             waves: BTreeMap::new(),
             rollout_events: Vec::new(),
+            rollout_sends: Vec::new(),
         }
+    }
+
+    /// Notes a push to `device` if it belongs to a rollout run's waves.
+    fn note_rollout_send(&mut self, device: &DeviceId, generation: u64) {
+        let mut in_rollout = false;
+        let mut marked = false;
+        for (run, waves) in &self.waves {
+            let Some(wave) = waves.get(device) else {
+                continue;
+            };
+            in_rollout = true;
+            let early = self.rollouts.get(run).and_then(|r| r.early.as_ref());
+            marked |= early.is_some_and(|e| e.covers(*wave, device.as_str()));
+        }
+        if !in_rollout {
+            return;
+        }
+        let written = self.fleet.get(device).is_some_and(|entry| {
+            entry.status == DeviceStatus::Provisioning
+                && entry.retained_generation == Some(generation)
+        });
+        self.rollout_sends.push(RolloutSend {
+            device: device.clone(),
+            written,
+            marked,
+        });
     }
 
     fn now(&self) -> Now {
@@ -194,7 +233,12 @@ impl World {
                     generation,
                     reason,
                     ..
-                } => self.published.push((device, generation, reason)),
+                } => {
+                    if reason == PublishReason::Attempt {
+                        self.note_rollout_send(&device, generation);
+                    }
+                    self.published.push((device, generation, reason));
+                }
                 Effect::AskForReport { device, .. } => self.asked.push(device),
                 Effect::StartRun { trigger, targets } => asked_for.push((trigger, targets)),
                 Effect::Record(record) => match &mut self.held {

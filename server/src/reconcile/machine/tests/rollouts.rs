@@ -364,6 +364,43 @@ fn a_large_wave_is_written_ahead_and_pushed_in_chunks_each_written_before_it_is_
     assert_eq!(distinct, fleet, "each device pushed once");
 }
 
+#[test]
+fn past_its_first_chunk_a_large_rollout_pushes_under_a_written_mark_without_a_write_of_its_own() {
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(3_000, 3_000);
+    let spec = RolloutSpec::new(vec![wave(pct(50.0)), wave(pct(100.0))]).unwrap();
+    let run = world.create_rollout(fleet.clone(), spec, "alice");
+    let mut answered = 0;
+    while !world.is_completed(run) && answered < 3_000 {
+        confirm_all(&mut world, &mut answered);
+    }
+    assert!(world.is_completed(run));
+    assert_eq!(world.counts(run).provisioned, 3_000);
+    let sends = &world.rollout_sends;
+    let mut distinct: Vec<&DeviceId> = sends.iter().map(|send| &send.device).collect();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(
+        (sends.len(), distinct.len()),
+        (3_000, 3_000),
+        "each pushed once"
+    );
+    let unrecorded: Vec<&RolloutSend> = sends.iter().filter(|s| !s.written && !s.marked).collect();
+    assert!(
+        unrecorded.is_empty(),
+        "sent with nothing written: {unrecorded:?}"
+    );
+    let chunk = crate::reconcile::machine::WRITE_AHEAD_CHUNK;
+    let waited: Vec<usize> = (0..sends.len()).filter(|i| sends[*i].written).collect();
+    assert_eq!(
+        waited,
+        (0..chunk).collect::<Vec<_>>(),
+        "only the first chunk waits for a write of its own"
+    );
+    let mark = world.rollouts[&run].early.clone().unwrap();
+    assert_eq!((mark.wave, mark.last.as_str()), (1, "d-02999"));
+}
+
 /// Waves `50%, 100%` with nothing between them, over `fleet` (20 need a
 /// push: `d-00000`…`d-00009` in the first wave, `d-00010`…`d-00019` in
 /// the second).
@@ -473,9 +510,10 @@ fn a_wave_resumed_past_its_gate_sends_the_next_waves_first_pushes_the_moment_it_
     assert_eq!(sent_before_any_write(&effects), second_wave());
     world.carry(effects);
     world.settle();
-    // The record after them marks them pushed; the last wave marks nothing.
+    // The record after them marks them pushed; the mark has nothing more
+    // to cover.
     assert_eq!(world.status(&id("d-00010")), DeviceStatus::Provisioning);
-    assert_eq!(world.rollouts[&run].early, None);
+    assert_eq!(world.rollouts[&run].early, Some(early));
     let mut answered = 10;
     confirm_all(&mut world, &mut answered);
     assert!(world.is_completed(run));
