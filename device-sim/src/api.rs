@@ -356,20 +356,95 @@ impl ServerClient {
 }
 
 /// The value of `series` (name plus exact label set) in Prometheus text.
+/// The `instance` label every series of a server carries (its
+/// `--instance` name) is left out of the comparison, so one series reads
+/// the same from any instance.
 pub fn metric_value(text: &str, series: &str) -> Result<Option<f64>, ApiError> {
+    let wanted = without_instance_label(series);
     for line in text.lines() {
-        if let Some(value) = line
-            .strip_prefix(series)
-            .and_then(|rest| rest.strip_prefix(' '))
-        {
-            let value = value.trim();
-            return value.parse().map(Some).map_err(|_| ApiError::MetricValue {
-                series: series.to_owned(),
-                value: value.to_owned(),
-            });
+        if line.starts_with('#') {
+            continue;
         }
+        let Some((name_and_labels, value)) = split_sample(line) else {
+            continue;
+        };
+        if without_instance_label(name_and_labels) != wanted {
+            continue;
+        }
+        let value = value.trim();
+        return value.parse().map(Some).map_err(|_| ApiError::MetricValue {
+            series: series.to_owned(),
+            value: value.to_owned(),
+        });
     }
     Ok(None)
+}
+
+/// A sample line split into its series (name and labels) and its value.
+fn split_sample(line: &str) -> Option<(&str, &str)> {
+    let end = match line.find('{') {
+        Some(open) => open + closing_brace(&line[open..])? + 1,
+        None => line.find(' ')?,
+    };
+    let (series, rest) = line.split_at(end);
+    Some((series, rest.strip_prefix(' ')?))
+}
+
+/// The offset of the `}` that closes the label set `labels` starts (at its
+/// `{`), quoted values skipped.
+fn closing_brace(labels: &str) -> Option<usize> {
+    let mut quoted = false;
+    let mut escaped = false;
+    for (at, c) in labels.char_indices() {
+        match (quoted, escaped, c) {
+            (true, true, _) => escaped = false,
+            (true, false, '\\') => escaped = true,
+            (_, false, '"') => quoted = !quoted,
+            (false, _, '}') => return Some(at),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// `series` (`name` or `name{labels}`) without its `instance` label.
+fn without_instance_label(series: &str) -> String {
+    let Some(open) = series.find('{') else {
+        return series.to_owned();
+    };
+    let name = &series[..open];
+    let labels = &series[open + 1..];
+    let mut rest = labels.strip_suffix('}').unwrap_or(labels);
+    let mut kept = Vec::new();
+    while let Some(eq) = rest.find('=') {
+        let key = rest[..eq].trim_start_matches(',').trim();
+        let after = &rest[eq + 1..];
+        let len = quoted_len(after).unwrap_or(after.len());
+        if key != "instance" {
+            kept.push(format!("{key}={}", &after[..len]));
+        }
+        rest = &after[len..];
+    }
+    if kept.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{name}{{{}}}", kept.join(","))
+    }
+}
+
+/// The length of the quoted label value `text` starts with, its quotes
+/// included.
+fn quoted_len(text: &str) -> Option<usize> {
+    let mut escaped = false;
+    for (at, c) in text.char_indices().skip(1) {
+        match (escaped, c) {
+            (true, _) => escaped = false,
+            (false, '\\') => escaped = true,
+            (false, '"') => return Some(at + 1),
+            (false, _) => {}
+        }
+    }
+    None
 }
 
 /// Percent-encodes what may not appear raw in a query value.
@@ -407,6 +482,26 @@ mod tests {
         assert_eq!(metric_value(text, "idem_pushes_total").unwrap(), Some(4.0));
         assert_eq!(metric_value(text, "idem_pushes").unwrap(), None);
         assert!(metric_value("idem_x NaNx\n", "idem_x").is_err());
+    }
+
+    #[test]
+    fn a_series_is_found_whatever_instance_label_the_server_adds() {
+        let text = "idem_reports_total{result=\"applied\",instance=\"a\"} 7\n\
+                    idem_pushes_total{instance=\"a \\\"b\\\"\"} 4\n\
+                    idem_reports_total{instance=\"a\",result=\"stale\"} 3\n";
+        assert_eq!(
+            metric_value(text, "idem_reports_total{result=\"applied\"}").unwrap(),
+            Some(7.0)
+        );
+        assert_eq!(
+            metric_value(text, "idem_reports_total{result=\"stale\"}").unwrap(),
+            Some(3.0)
+        );
+        assert_eq!(metric_value(text, "idem_pushes_total").unwrap(), Some(4.0));
+        assert_eq!(
+            metric_value(text, "idem_reports_total{result=\"x\"}").unwrap(),
+            None
+        );
     }
 
     #[test]

@@ -193,21 +193,15 @@ impl ApiClient {
         response.text().await.context("reading /metrics")
     }
 
-    /// The value of one exposed series, e.g. `idem_reports_total{result="stale"}`.
+    /// The value of one exposed series, e.g. `idem_reports_total{result="stale"}`
+    /// (the server's `instance` label left out).
     pub async fn metric(&self, series: &str) -> Result<f64> {
         let text = self.metrics().await?;
-        for line in text.lines() {
-            if let Some(value) = line
-                .strip_prefix(series)
-                .and_then(|rest| rest.strip_prefix(' '))
-            {
-                return value
-                    .trim()
-                    .parse()
-                    .with_context(|| format!("parsing {series} value {value:?}"));
-            }
+        match idem_device_sim::api::metric_value(&text, series) {
+            Ok(Some(value)) => Ok(value),
+            Ok(None) => bail!("series {series} not found in /metrics"),
+            Err(e) => Err(e).context("reading /metrics"),
         }
-        bail!("series {series} not found in /metrics")
     }
 
     /// `POST /v1/runs` with `body` (a `TargetedRequest` or its JSON);

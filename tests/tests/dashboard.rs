@@ -271,6 +271,18 @@ async fn every_dashboard_panel_query_returns_data_from_a_real_prometheus_after_a
         [1.0],
         "expected Prometheus to see exactly the test's run completed: {runs:?}"
     );
+    // The shipped job keeps the server's own `instance` label (its
+    // `--instance` name), not the scraped address.
+    let QueryResult::Vector(samples) = &runs else {
+        panic!("idem_runs_completed_total is not a vector: {runs:?}")
+    };
+    let instances: Vec<Option<&String>> =
+        samples.iter().map(|s| s.labels.get("instance")).collect();
+    assert_eq!(
+        instances,
+        [Some(&scenario.server.instance)],
+        "Prometheus does not keep the server's instance label: {runs:?}"
+    );
     let exposed = prometheus::exposed_metric_names(&scenario.server.metrics().await.unwrap());
 
     let mut failures = Vec::new();

@@ -91,12 +91,13 @@ async fn devices_registered_through_one_instance_have_their_reports_stored_by_ei
         .await
         .unwrap();
     let metrics = second.metrics().await.unwrap();
-    let refused = metrics
-        .lines()
-        .find(|l| l.starts_with("idem_reports_rejected_total{reason=\"unknown_device\"}"))
-        .map(|l| l.rsplit(' ').next().unwrap().to_owned());
+    let refused = idem_device_sim::api::metric_value(
+        &metrics,
+        "idem_reports_rejected_total{reason=\"unknown_device\"}",
+    )
+    .unwrap();
     assert!(
-        refused.is_none() || refused.as_deref() == Some("0"),
+        refused.is_none() || refused == Some(0.0),
         "the second instance refused reports of devices registered through the first: {refused:?}"
     );
     wait_device(

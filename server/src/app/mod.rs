@@ -166,7 +166,7 @@ fn shared_state(
     intake: IntakeGauge,
     token: &CancellationToken,
 ) -> AppState {
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::for_instance(&config.fleet.instance));
     let publisher = Publisher::new(
         client.clone(),
         config.fleet.topic_root.clone(),

@@ -348,10 +348,8 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
     for survivor in &survivors {
         assert_eq!(survivor.panics(), Vec::<String>::new());
         let metrics = survivor.api().metrics().await.unwrap();
-        drained += metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("idem_drained_messages_total "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
+        drained += idem_device_sim::api::metric_value(&metrics, "idem_drained_messages_total")
+            .unwrap()
             .unwrap_or(0.0);
     }
     println!(

@@ -17,12 +17,8 @@ use crate::{
 
 /// The value of an unlabelled counter in a Prometheus text exposition.
 fn counter(exposition: &str, name: &str) -> f64 {
-    exposition
-        .lines()
-        .find_map(|line| {
-            let (series, value) = line.split_once(' ')?;
-            (series == name).then(|| value.trim().parse().ok())?
-        })
+    idem_device_sim::api::metric_value(exposition, name)
+        .unwrap()
         .unwrap_or_else(|| panic!("{name} is not in the exposition"))
 }
 

@@ -120,8 +120,19 @@ const DB_BUCKETS: [f64; 12] = [
 ];
 
 impl Metrics {
+    /// The series without an `instance` label (for tests of one process).
     pub fn new() -> Self {
-        let builder = PrometheusBuilder::new();
+        Self::with_builder(PrometheusBuilder::new())
+    }
+
+    /// The series of the instance named `instance`: each carries it as its
+    /// `instance` label, so the series of several instances behind one
+    /// scrape job stay apart (Prometheus keeps it with `honor_labels`).
+    pub fn for_instance(instance: &str) -> Self {
+        Self::with_builder(PrometheusBuilder::new().add_global_label("instance", instance))
+    }
+
+    fn with_builder(builder: PrometheusBuilder) -> Self {
         // Bucket lists are non-empty constants, so these cannot fail.
         let builder = builder
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)

@@ -90,3 +90,28 @@ fn a_refused_status_message_is_not_counted_as_a_report() {
         "{text}"
     );
 }
+
+#[test]
+fn every_series_of_an_instance_carries_its_name_as_the_instance_label() {
+    let metrics = Metrics::for_instance("edge-2");
+    metrics.pushes.increment(3);
+    metrics.run_duration.record(0.2);
+    let text = metrics.render();
+    let samples: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .collect();
+    assert!(samples.len() > 100, "{text}");
+    for line in &samples {
+        assert!(
+            line.contains("instance=\"edge-2\""),
+            "no instance label: {line}"
+        );
+    }
+    assert!(
+        samples
+            .iter()
+            .any(|l| l.starts_with("idem_pushes_total{") && l.ends_with(" 3")),
+        "{text}"
+    );
+}
