@@ -56,6 +56,8 @@ pub struct RunSpec {
     pub converged: Vec<DeviceId>,
     /// Its waves, for a staged rollout (boxed: most runs have none).
     pub rollout: Option<Box<RunRollout>>,
+    /// Carried on from an earlier process (after a restart or a takeover).
+    pub resumed: bool,
 }
 
 impl RunSpec {
@@ -79,6 +81,7 @@ impl RunSpec {
             },
             converged,
             rollout: None,
+            resumed: false,
         }
     }
 
@@ -105,6 +108,7 @@ impl RunSpec {
             decided,
             converged: Vec::new(),
             rollout: None,
+            resumed: true,
         }
     }
 

@@ -258,6 +258,13 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
     assert_eq!(total, DEVICES as u64, "{run}");
     assert_eq!(run["target_count"], DEVICES, "{run}");
     assert_eq!(counts["failed"], 0, "{run}");
+    // Honest outcomes across the takeover: the 150 devices that ran v2 before
+    // the change are the only ones already converged; one the dead instance
+    // pushed, and which applied the push before the survivor looked, counts
+    // provisioned.
+    let ran_v2_before = DEVICES as u64 - fleet.len() as u64;
+    assert_eq!(counts["already_converged"], ran_v2_before, "{run}");
+    assert_eq!(counts["provisioned"], fleet.len() as u64, "{run}");
     let undecided: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM run_targets WHERE run_id = $1::uuid AND outcome IS NULL",
     )

@@ -174,6 +174,7 @@ impl Machine {
     /// ([`super::Record::completed`]). What follows the end of a run starts
     /// here.
     pub(super) fn run_ended(&mut self, run: RunProgress, now: Now) {
+        self.resumed_runs.remove(&run.id);
         self.rollout_ended(run.id, now);
         self.record.completed.push(run.complete(now.at));
     }

@@ -73,6 +73,9 @@ pub struct Machine {
     starting: VecDeque<(Uuid, bool, DeviceId)>,
     /// Devices in [`Phase::Pushed`] (bounded by `max_in_flight`).
     pushed: HashSet<DeviceId>,
+    /// The runs carried on from an earlier process, until they end: a
+    /// target the earlier process pushed is awaited, not pushed again.
+    resumed_runs: HashSet<Uuid>,
     push_queue: VecDeque<DeviceId>,
     pacer: PushPacer,
     debounced: HashMap<Trigger, Debounced>,
@@ -129,6 +132,7 @@ impl Machine {
             in_flight: HashMap::new(),
             starting: VecDeque::new(),
             pushed: HashSet::new(),
+            resumed_runs: HashSet::new(),
             push_queue: VecDeque::new(),
             pacer,
             debounced: HashMap::new(),
@@ -391,6 +395,9 @@ impl Machine {
         }
         for id in &spec.converged {
             self.converged_at_creation(id, now, out);
+        }
+        if spec.resumed {
+            self.resumed_runs.insert(spec.id);
         }
         if let Some(rollout) = spec.rollout {
             self.start_rollout(spec.id, *rollout, spec.targets.len() as u64, now);

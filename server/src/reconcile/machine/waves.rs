@@ -276,12 +276,16 @@ impl Machine {
         hold
     }
 
-    /// A device of a rollout carried on from an earlier process that was
-    /// pushed its current generation there (its push is written before it
-    /// is sent): it waits for that push's answer, as if this process had
-    /// sent it at `now`, and is not pushed again. One the earlier process
-    /// marked as pushed ahead of its wave may or may not have been sent:
-    /// it waits for an answer as long, then starts afresh.
+    /// A target of a run carried on from an earlier process (a restart or
+    /// a takeover) that the earlier process pushed its current generation:
+    /// it waits for that push's answer, as if this process had sent it at
+    /// `now`, and is not pushed again. A rollout's push is written before
+    /// it is sent, so its answer is awaited as a push's (unanswered, it
+    /// fails); one marked as pushed early ([`EarlyPushes`]), and a plain
+    /// run's push (written after it was sent, so the record says it went
+    /// out), may be what it answers: awaited as long, it starts afresh
+    /// without one, with no failure counted. Either way a matching answer
+    /// counts `provisioned`, even when it came in before this process.
     pub(super) fn pushed_before_restart(
         &self,
         run_id: Uuid,
@@ -289,12 +293,18 @@ impl Machine {
         entry: &DeviceEntry,
         now: Instant,
     ) -> Option<Phase> {
-        let run = self.rollouts.get(&run_id)?;
         let desired = entry.desired.as_ref()?;
-        let wave = run.waves.get(id).filter(|_| run.restored)?;
         let deadline = now + self.settings.push_timeout;
         let pushed = entry.status == DeviceStatus::Provisioning
             && entry.retained_generation == Some(desired.generation);
+        let maybe = Phase::MaybePushed {
+            generation: desired.generation,
+            deadline,
+        };
+        let Some(run) = self.rollouts.get(&run_id) else {
+            return (pushed && self.resumed_runs.contains(&run_id)).then_some(maybe);
+        };
+        let wave = run.waves.get(id).filter(|_| run.restored)?;
         if pushed {
             return Some(Phase::Pushed {
                 generation: desired.generation,
@@ -307,10 +317,7 @@ impl Machine {
             .rollout
             .early()
             .is_some_and(|early| early.covers(*wave, id.as_str()));
-        marked.then_some(Phase::MaybePushed {
-            generation: desired.generation,
-            deadline,
-        })
+        marked.then_some(maybe)
     }
 
     /// Whether `id` may be pushed without a write of its own: every

@@ -211,10 +211,11 @@ fn a_resumed_run_counts_on_from_its_stored_counts() {
     world.reports(&fleet[0], 2, Some(2));
     world.settle();
     assert_eq!(world.stored[&run], counts(2, 1, 0));
-    // fleet[1] is still pushed when the process dies; the new one pushes
-    // it again and counts on from the row's counts.
+    // fleet[1] is still pushed when the process dies; the new one awaits
+    // that push's answer instead of pushing it again, and counts on from
+    // the row's counts.
     world.restart();
-    assert_eq!(world.pushed(), [&fleet[..2], &fleet[1..2]].concat());
+    assert_eq!(world.pushed(), &fleet[..2]);
     world.reports(&fleet[1], 2, Some(2));
     world.settle();
     let ended = world
@@ -222,4 +223,40 @@ fn a_resumed_run_counts_on_from_its_stored_counts() {
         .map(|ended| (ended.target_count, ended.counts));
     assert_eq!(ended, Some((4, counts(2, 2, 0))));
     assert_eq!(world.counts(run), counts(2, 2, 0));
+}
+
+#[test]
+fn a_resumed_run_pushes_again_without_a_failure_a_device_that_never_answered_the_earlier_push() {
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(3, 1);
+    let run = world.create(fleet.clone(), false);
+    world.settle();
+    world.restart();
+    assert_eq!(world.pushed(), &fleet[..1]);
+    // The earlier push may never have reached the device: once its answer
+    // is overdue the attempt starts afresh, with nothing counted failed.
+    world.wait(PUSH_TIMEOUT + SCAN_INTERVAL);
+    assert_eq!(world.pushed(), [&fleet[..1], &fleet[..1]].concat());
+    assert_eq!(world.counts(run), counts(2, 0, 0));
+    world.reports(&fleet[0], 2, Some(2));
+    world.settle();
+    assert_eq!(world.counts(run), counts(2, 1, 0));
+    assert!(world.completion(run).is_some());
+}
+
+#[test]
+fn a_device_that_answered_a_push_just_before_a_restart_counts_provisioned_not_already_converged() {
+    let mut world = World::new(settings());
+    let fleet = world.fleet_of(3, 1);
+    let run = world.create(fleet.clone(), false);
+    world.settle();
+    // The report is stored, but the process dies before the outcome it
+    // decided commits.
+    world.hold_writes();
+    world.reports(&fleet[0], 2, Some(2));
+    world.restart();
+    world.settle();
+    assert_eq!(world.pushed(), &fleet[..1]);
+    assert_eq!(world.counts(run), counts(2, 1, 0));
+    assert!(world.completion(run).is_some());
 }
