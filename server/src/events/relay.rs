@@ -2,7 +2,9 @@
 //! each event to the MQTT event topics and to live SSE streams. Also prunes
 //! relayed events past the retention limits.
 //!
-//! Every instance follows the log for its own SSE streams; only the holder of
+//! Every instance follows the log for its own SSE streams (an instance
+//! without the lease and without a stream reads only the log's tail, not
+//! its events); only the holder of
 //! the `relay` lease (`store::leases`) publishes to MQTT, saves the shared
 //! cursor and prunes, so an event leaves over MQTT once however many
 //! instances run. The cursor is saved fenced by the lease's epoch: a holder
@@ -202,6 +204,21 @@ impl EventRelay {
         &self,
         cursors: Cursors,
     ) -> Result<Option<Cursors>, crate::store::StoreError> {
+        if cursors.held.is_none() && self.live.receiver_count() == 0 {
+            // Not publishing, and no stream to hand events to: nothing to
+            // read. The committed tail is read *before* looking for streams
+            // again, so a stream that subscribes after that look starts at
+            // or after it (its start reads the tail later), and one that
+            // subscribed before it keeps the events coming.
+            let committed = events::last_sequence(&self.pool).await?;
+            if self.live.receiver_count() == 0 {
+                self.metrics.event_log_lag.set(0.0);
+                return Ok((committed > cursors.live).then_some(Cursors {
+                    live: committed,
+                    held: None,
+                }));
+            }
+        }
         let from = match cursors.held {
             Some((_, published)) => published.min(cursors.live),
             None => cursors.live,

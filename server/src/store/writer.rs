@@ -47,18 +47,13 @@ pub struct Followed {
     pub reported: Vec<DeviceId>,
     /// Devices whose connection state changed.
     pub online: Vec<(DeviceId, bool)>,
-    /// Devices whose desired generation changed.
-    pub desired: Vec<DeviceId>,
     /// Devices another writer deleted.
     pub removed: Vec<DeviceId>,
 }
 
 impl Followed {
     pub fn is_empty(&self) -> bool {
-        self.reported.is_empty()
-            && self.online.is_empty()
-            && self.desired.is_empty()
-            && self.removed.is_empty()
+        self.reported.is_empty() && self.online.is_empty() && self.removed.is_empty()
     }
 }
 
@@ -243,9 +238,6 @@ impl DeviceWriter {
             let before = self.cache.get(id);
             let seq =
                 |e: &crate::reconcile::device::DeviceEntry| e.reported.as_ref().map(|r| r.seq);
-            let generation = |e: &crate::reconcile::device::DeviceEntry| {
-                e.desired.as_ref().map(|d| d.generation)
-            };
             if before.as_ref().and_then(seq) != seq(entry) && entry.reported.is_some() {
                 followed.reported.push(id.clone());
             }
@@ -253,9 +245,6 @@ impl DeviceWriter {
                 if before.as_ref().and_then(|b| b.online) != Some(online) {
                     followed.online.push((id.clone(), online));
                 }
-            }
-            if before.as_ref().and_then(generation) != generation(entry) {
-                followed.desired.push(id.clone());
             }
         }
         changes.extend(
