@@ -57,6 +57,20 @@ pub enum FleetChange {
     Followed(DeviceId, DeviceEntry),
     /// The engine's merged change of one device.
     Engine(DeviceId, DeviceChange),
+    /// The reported columns and connection state of a device's row as
+    /// another writer's reports left them (`DeviceWriter` following the
+    /// table): replaces those parts of an entry the cache holds.
+    FollowedReport(DeviceId, FollowedReport),
+}
+
+/// A device's reported state as its row holds it (`DeviceWriter`
+/// following another writer's reports).
+#[derive(Debug, Clone)]
+pub struct FollowedReport {
+    pub reported: Option<ReportedState>,
+    pub reported_at: Option<DateTime<Utc>>,
+    pub health: Option<Health>,
+    pub online: Option<bool>,
 }
 
 impl FleetChange {
@@ -73,7 +87,8 @@ impl FleetChange {
             | FleetChange::Released(id)
             | FleetChange::Removed(id)
             | FleetChange::Followed(id, _)
-            | FleetChange::Engine(id, _) => Some(id),
+            | FleetChange::Engine(id, _)
+            | FleetChange::FollowedReport(id, _) => Some(id),
             FleetChange::OwnedSet(_) => None,
         }
     }
@@ -235,6 +250,14 @@ impl FleetCache {
                     health,
                 } => self.set_reported(&id, reported, health),
                 FleetChange::Online(id, online) => self.set_online(&id, online),
+                FleetChange::FollowedReport(id, report) => {
+                    if let Some(mut entry) = self.devices.get_mut(&id) {
+                        entry.reported = report.reported;
+                        entry.reported_at = report.reported_at;
+                        entry.health = report.health;
+                        entry.online = report.online;
+                    }
+                }
                 FleetChange::OwnedSet(set) => {
                     *self
                         .owned_set

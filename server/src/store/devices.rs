@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
 
+use super::cache::FollowedReport;
 use super::writer::DeviceTx;
 use super::{to_i64, to_u64, Context, StoreError};
 use crate::reconcile::change::DeviceChange;
@@ -188,6 +189,78 @@ pub async fn engine_columns_of(
             ))
         })
         .collect()
+}
+
+/// The reported columns of a row (`reported_columns_of`).
+#[derive(sqlx::FromRow)]
+struct ReportedColumns {
+    id: String,
+    reported_digest: Option<String>,
+    reported_seq: Option<i64>,
+    reported_generation: Option<i64>,
+    reported_error_generation: Option<i64>,
+    reported_error: Option<String>,
+    reported_health: Option<Health>,
+    reported_at: Option<DateTime<Utc>>,
+    online: Option<bool>,
+}
+
+/// The reported columns and connection state of `ids` as the cache holds
+/// them, for devices that own no fields (their convergence digest is the
+/// stored digest), read in `tx`; the second list names the rows whose
+/// stored digest is not one (a hand edit), to be read whole.
+pub async fn reported_columns_of(
+    tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+    ids: &[DeviceId],
+) -> Result<(Vec<(DeviceId, FollowedReport)>, Vec<DeviceId>), StoreError> {
+    if ids.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let context = "reading the reports other writers stored";
+    let raw: Vec<&str> = ids.iter().map(DeviceId::as_str).collect();
+    let rows: Vec<ReportedColumns> = sqlx::query_as(
+        "SELECT id, reported_digest, reported_seq, reported_generation, \
+             reported_error_generation, reported_error, reported_health, reported_at, online \
+         FROM devices WHERE id = ANY($1)",
+    )
+    .bind(&raw)
+    .fetch_all(&mut **tx)
+    .await
+    .context(context)?;
+    let mut followed = Vec::with_capacity(rows.len());
+    let mut whole = Vec::new();
+    for row in rows {
+        let id = super::device_id(&row.id, context)?;
+        let reported = match (&row.reported_digest, row.reported_seq) {
+            (Some(stored), Some(seq)) => {
+                let Ok(digest) = SpecDigest::parse(stored) else {
+                    whole.push(id);
+                    continue;
+                };
+                Some(ReportedState {
+                    seq: to_u64(seq),
+                    digest,
+                    generation: row.reported_generation.map(to_u64),
+                    rejection: match (row.reported_error_generation, row.reported_error) {
+                        (Some(g), Some(msg)) => Some((to_u64(g), msg)),
+                        _ => None,
+                    },
+                    drift: None,
+                })
+            }
+            _ => None,
+        };
+        followed.push((
+            id,
+            FollowedReport {
+                reported,
+                reported_at: row.reported_at,
+                health: row.reported_health,
+                online: row.online,
+            },
+        ));
+    }
+    Ok((followed, whole))
 }
 
 /// Every row, read in `tx`.

@@ -38,6 +38,7 @@ use uuid::Uuid;
 
 use super::cache::{FleetCache, FleetChange};
 use super::{Context, StoreError};
+use crate::reconcile::decide::ReportedState;
 use crate::reconcile::owned::OwnedResolver;
 
 /// What the cache learnt from other writers in one look, for the engine.
@@ -180,18 +181,40 @@ impl DeviceWriter {
         seen: i64,
         high: i64,
     ) -> Result<Followed, StoreError> {
-        let changed = changed_by_others(tx, seen, high, self.id).await?;
+        let mut changed = changed_by_others(tx, seen, high, self.id).await?;
         let mut changes = Vec::new();
-        if let Changed::Some { engine, .. } = &changed {
+        let mut followed = Followed::default();
+        if let Changed::Some {
+            rows,
+            engine,
+            reports,
+        } = &mut changed
+        {
             // The engine's columns alone: no specs to read or parse.
             for (id, change) in super::devices::engine_columns_of(tx, engine).await? {
                 changes.push(FleetChange::Engine(id, change));
+            }
+            // The reported columns alone, of devices this cache holds and
+            // that own no fields (their convergence digest is the stored
+            // one); any other is read whole.
+            let (known, unknown): (Vec<DeviceId>, Vec<DeviceId>) =
+                std::mem::take(reports).into_iter().partition(|id| {
+                    self.cache
+                        .owned_if_known(id)
+                        .is_some_and(|owned| owned.is_none_or(|owned| owned.is_empty()))
+                });
+            rows.extend(unknown);
+            let (reported, unparsed) = super::devices::reported_columns_of(tx, &known).await?;
+            rows.extend(unparsed);
+            for (id, report) in reported {
+                self.noticed(&id, report.reported.as_ref(), report.online, &mut followed);
+                changes.push(FleetChange::FollowedReport(id, report));
             }
         }
         let (rows, owned_set) = match &changed {
             Changed::Some { rows, .. } if rows.is_empty() => {
                 self.cache.apply(changes);
-                return Ok(Followed::default());
+                return Ok(followed);
             }
             Changed::Some { rows, .. } => (super::devices::rows_of(tx, rows).await?, None),
             Changed::Everything => {
@@ -224,7 +247,6 @@ impl DeviceWriter {
         let set = owned_set.unwrap_or_else(|| (*self.cache.owned_set()).clone());
         let mut resolver = OwnedResolver::new(set.clone());
         let mut entries = super::devices::cache_entries(&rows, &mut resolver)?;
-        let mut followed = Followed::default();
         changes.reserve(entries.len() + gone.len() + 1);
         if matches!(changed, Changed::Everything) {
             changes.push(FleetChange::OwnedSet(Arc::new(set)));
@@ -235,17 +257,7 @@ impl DeviceWriter {
         }
         for (id, entry) in &mut entries {
             entry.exempt = exempt.contains(id.as_str());
-            let before = self.cache.get(id);
-            let seq =
-                |e: &crate::reconcile::device::DeviceEntry| e.reported.as_ref().map(|r| r.seq);
-            if before.as_ref().and_then(seq) != seq(entry) && entry.reported.is_some() {
-                followed.reported.push(id.clone());
-            }
-            if let Some(online) = entry.online {
-                if before.as_ref().and_then(|b| b.online) != Some(online) {
-                    followed.online.push((id.clone(), online));
-                }
-            }
+            self.noticed(id, entry.reported.as_ref(), entry.online, &mut followed);
         }
         changes.extend(
             entries
@@ -255,15 +267,42 @@ impl DeviceWriter {
         self.cache.apply(changes);
         Ok(followed)
     }
+
+    /// Notes for the engine what a followed row tells that the cache did
+    /// not hold: a newer report, a changed connection state.
+    fn noticed(
+        &self,
+        id: &DeviceId,
+        reported: Option<&ReportedState>,
+        online: Option<bool>,
+        followed: &mut Followed,
+    ) {
+        let before = self.cache.get(id);
+        let seq_before = before
+            .as_ref()
+            .and_then(|b| b.reported.as_ref().map(|r| r.seq));
+        if let Some(reported) = reported {
+            if seq_before != Some(reported.seq) {
+                followed.reported.push(id.clone());
+            }
+        }
+        if let Some(online) = online {
+            if before.as_ref().and_then(|b| b.online) != Some(online) {
+                followed.online.push((id.clone(), online));
+            }
+        }
+    }
 }
 
 /// What other writers changed since a version.
 enum Changed {
     /// These devices (each once): `rows` whose rows may have changed
-    /// anywhere, `engine` whose engine columns alone did.
+    /// anywhere, `engine` whose engine columns alone did, `reports` whose
+    /// reported columns and connection state alone did.
     Some {
         rows: Vec<DeviceId>,
         engine: Vec<DeviceId>,
+        reports: Vec<DeviceId>,
     },
     /// Every device.
     Everything,
@@ -283,8 +322,8 @@ async fn changed_by_others(
     if oldest.is_some_and(|oldest| oldest > after + 1) {
         return Ok(Changed::Everything);
     }
-    let logged: Vec<(Option<Vec<String>>, bool)> = sqlx::query_as(
-        "SELECT ids, engine_only FROM device_changes \
+    let logged: Vec<(Option<Vec<String>>, bool, bool)> = sqlx::query_as(
+        "SELECT ids, engine_only, reports_only FROM device_changes \
          WHERE version > $1 AND version <= $2 AND writer <> $3 ORDER BY version",
     )
     .bind(after)
@@ -294,26 +333,33 @@ async fn changed_by_others(
     .await
     .context("reading the device change log")?;
     // Each id once: in `rows` if any entry may have changed more than the
-    // engine's columns.
+    // engine's columns or the reported ones, or if entries changed both.
     let mut whole = HashSet::new();
     let mut engine = HashSet::new();
-    for (entry, engine_only) in logged {
+    let mut reports = HashSet::new();
+    for (entry, engine_only, reports_only) in logged {
         let Some(entry) = entry else {
             return Ok(Changed::Everything);
         };
-        for id in entry {
-            if engine_only {
-                engine.insert(id);
-            } else {
-                whole.insert(id);
-            }
-        }
+        let class = if engine_only {
+            &mut engine
+        } else if reports_only {
+            &mut reports
+        } else {
+            &mut whole
+        };
+        class.extend(entry);
     }
+    whole.extend(engine.intersection(&reports).cloned().collect::<Vec<_>>());
     engine.retain(|id| !whole.contains(id));
+    reports.retain(|id| !whole.contains(id));
     let context = "reading the device change log";
+    let ids =
+        |set: HashSet<String>| super::device_ids(&set.into_iter().collect::<Vec<_>>(), context);
     Ok(Changed::Some {
-        rows: super::device_ids(&whole.into_iter().collect::<Vec<_>>(), context)?,
-        engine: super::device_ids(&engine.into_iter().collect::<Vec<_>>(), context)?,
+        rows: ids(whole)?,
+        engine: ids(engine)?,
+        reports: ids(reports)?,
     })
 }
 
@@ -402,15 +448,23 @@ impl DeviceTx<'_> {
         let engine_only = changes
             .iter()
             .all(|change| matches!(change, FleetChange::Engine(..)));
+        let reports_only = changes.iter().all(|change| {
+            matches!(
+                change,
+                FleetChange::Reported { .. } | FleetChange::Online(..)
+            )
+        });
         sqlx::query(
-            "WITH logged AS (INSERT INTO device_changes (version, writer, ids, engine_only) \
-                             VALUES ($1, $2, $3, $4)) \
+            "WITH logged AS (INSERT INTO device_changes \
+                                 (version, writer, ids, engine_only, reports_only) \
+                             VALUES ($1, $2, $3, $4, $5)) \
              SELECT pg_notify('idem_devices', $2::text)",
         )
         .bind(version)
         .bind(writer)
         .bind(ids)
         .bind(engine_only)
+        .bind(reports_only)
         .execute(&mut *tx)
         .await
         .context(what)?;
