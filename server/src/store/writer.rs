@@ -332,8 +332,10 @@ async fn changed_by_others(
     .fetch_all(&mut **tx)
     .await
     .context("reading the device change log")?;
-    // Each id once: in `rows` if any entry may have changed more than the
-    // engine's columns or the reported ones, or if entries changed both.
+    // Each id once per class: in `rows` alone if any entry may have changed
+    // more than the engine's columns or the reported ones (a device whose
+    // engine columns and reported columns both changed is read as both:
+    // they are disjoint).
     let mut whole = HashSet::new();
     let mut engine = HashSet::new();
     let mut reports = HashSet::new();
@@ -350,7 +352,6 @@ async fn changed_by_others(
         };
         class.extend(entry);
     }
-    whole.extend(engine.intersection(&reports).cloned().collect::<Vec<_>>());
     engine.retain(|id| !whole.contains(id));
     reports.retain(|id| !whole.contains(id));
     let context = "reading the device change log";
