@@ -54,6 +54,15 @@ pub enum SimError {
         wanted: usize,
         connected: usize,
     },
+    #[error(
+        "{running} of {devices} device tasks were still running {limit:?} after the fleet was \
+         told to shut down (each disconnects within about 2 s)"
+    )]
+    ShutdownTimeout {
+        limit: Duration,
+        devices: usize,
+        running: usize,
+    },
     #[error("TLS settings for {}: {reason}", path.display())]
     Tls { path: PathBuf, reason: String },
     #[error("TLS settings were given but the broker {0} is not mqtts://: use an mqtts:// broker URL or drop --ca-file / --client-cert")]

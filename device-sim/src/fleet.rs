@@ -69,6 +69,10 @@ struct DeviceHandle {
     commands: mpsc::UnboundedSender<Command>,
 }
 
+/// How long [`Fleet::shutdown`] waits for every device task to end: each
+/// bounds its own clean disconnect to about 2 s, and they run in parallel.
+pub const SHUTDOWN_LIMIT: Duration = Duration::from_secs(30);
+
 /// A running simulated fleet. Dropping it cancels every device (without
 /// waiting); [`Fleet::shutdown`] disconnects them cleanly and waits.
 pub struct Fleet {
@@ -303,12 +307,28 @@ impl Fleet {
     }
 
     /// Disconnects every device cleanly (retained `offline`, then DISCONNECT,
-    /// at most ~2 s per device, all in parallel), waits for all tasks and
-    /// returns the final counters.
-    pub async fn shutdown(self) -> FleetStats {
+    /// at most ~2 s per device, all in parallel), waits for all tasks (at
+    /// most [`SHUTDOWN_LIMIT`]) and returns the final counters.
+    pub async fn shutdown(self) -> Result<FleetStats, SimError> {
+        self.shutdown_within(SHUTDOWN_LIMIT).await
+    }
+
+    /// [`Fleet::shutdown`], waiting at most `limit` for the device tasks;
+    /// past it the error says how many still run (they stay cancelled and
+    /// end with the runtime).
+    pub async fn shutdown_within(self, limit: Duration) -> Result<FleetStats, SimError> {
         self.token.cancel();
-        self.tracker.wait().await;
-        self.stats()
+        if tokio::time::timeout(limit, self.tracker.wait())
+            .await
+            .is_err()
+        {
+            return Err(SimError::ShutdownTimeout {
+                limit,
+                devices: self.devices.len(),
+                running: self.tracker.len(),
+            });
+        }
+        Ok(self.stats())
     }
 
     fn handle(&self, id: &DeviceId) -> Result<&DeviceHandle, SimError> {

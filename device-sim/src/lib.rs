@@ -27,7 +27,7 @@
 //! let fleet = Fleet::start(config)?;
 //! fleet.wait_connected(50, Duration::from_secs(10)).await?;
 //! // … drive the server, compare its outcomes with `plan.expected` …
-//! fleet.shutdown().await;
+//! fleet.shutdown().await?;
 //! # Ok(()) }
 //! ```
 

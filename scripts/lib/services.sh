@@ -7,6 +7,7 @@
 #   ensure_mosquitto   the mosquitto binary (tests start private brokers)
 #   ensure_postgres    server binaries + a reachable cluster at DATABASE_URL
 #   ensure_prometheus  promtool/prometheus installed (never started here)
+#   ensure_nextest     cargo-nextest, the test runner, at its pinned version
 #
 # Every function is idempotent: on a machine that already has everything it
 # only checks and prints one line per service.
@@ -228,4 +229,34 @@ ensure_prometheus() {
   [ "$status" -eq 0 ] || svc_die "installing prometheus failed"
   command -v promtool >/dev/null 2>&1 || svc_die "promtool is still missing after installing prometheus"
   svc_log "prometheus: $(command -v prometheus)"
+}
+
+# --- cargo-nextest ----------------------------------------------------------
+
+# The test runner scripts/test uses (one process per test, a wall-clock
+# limit per test: .config/nextest.toml), pinned: a newer runner could read
+# the profile differently.
+IDEM_NEXTEST_VERSION="0.9.151"
+
+# Installs cargo-nextest $IDEM_NEXTEST_VERSION with `cargo install --locked`
+# (built from crates.io, without its self-update feature) unless that exact
+# version is already installed.
+ensure_nextest() {
+  local have=""
+  have="$(cargo nextest --version 2>/dev/null | head -n 1 || true)"
+  case "$have" in
+    "cargo-nextest $IDEM_NEXTEST_VERSION"*)
+      svc_log "cargo-nextest: $IDEM_NEXTEST_VERSION"
+      return 0
+      ;;
+  esac
+  svc_log "cargo install cargo-nextest --version $IDEM_NEXTEST_VERSION --locked (found: ${have:-none}; a few minutes, once)"
+  cargo install cargo-nextest --version "$IDEM_NEXTEST_VERSION" --locked \
+    --no-default-features --features default-no-update ||
+    svc_die "installing cargo-nextest $IDEM_NEXTEST_VERSION failed (it needs crates.io and a Rust toolchain of 1.91 or newer)"
+  have="$(cargo nextest --version 2>/dev/null | head -n 1 || true)"
+  case "$have" in
+    "cargo-nextest $IDEM_NEXTEST_VERSION"*) svc_log "cargo-nextest: $IDEM_NEXTEST_VERSION" ;;
+    *) svc_die "cargo nextest --version says '${have:-nothing}' after installing $IDEM_NEXTEST_VERSION: is ~/.cargo/bin on PATH?" ;;
+  esac
 }

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use idem_protocol::api::RunStarted;
@@ -15,6 +15,13 @@ use idem_protocol::OutcomeKind;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
+
+use crate::deadline::Deadline;
+
+/// How long connecting to a server may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one request may take, answer body included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The `outcome` of an outcome row (`GET /v1/runs/{id}/outcomes`) as the
 /// enum; `None` while the device is undecided.
@@ -35,7 +42,8 @@ pub struct ApiClient {
 impl ApiClient {
     pub fn new(addr: SocketAddr) -> Result<Self> {
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(30))
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(REQUEST_TIMEOUT)
             .build()
             .context("building the HTTP client")?;
         Ok(Self {
@@ -51,7 +59,8 @@ impl ApiClient {
             .with_context(|| format!("reading the CA file {}", ca_file.display()))?;
         let ca = reqwest::Certificate::from_pem(&pem).context("parsing the CA certificate")?;
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(30))
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(REQUEST_TIMEOUT)
             .tls_built_in_root_certs(false)
             .add_root_certificate(ca)
             .build()
@@ -216,17 +225,26 @@ impl ApiClient {
         Ok(started.run_id.to_string())
     }
 
-    /// Polls `GET /v1/runs/{id}` until the run is completed.
+    /// Polls `GET /v1/runs/{id}` until the run is completed, all within
+    /// `timeout` (a request that hangs counts against it too).
     pub async fn wait_run_completed(&self, run_id: &str, timeout: Duration) -> Result<Value> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
+        let path = format!("/v1/runs/{run_id}");
+        let mut last = Value::Null;
         loop {
-            let (status, run) = self.get(&format!("/v1/runs/{run_id}")).await?;
+            let (status, run) = deadline
+                .run(
+                    format!("run {run_id} completed (last answer: {last})"),
+                    self.get(&path),
+                )
+                .await??;
             if status == 200 && run["state"] == "completed" {
                 return Ok(run);
             }
-            if Instant::now() > deadline {
+            if deadline.has_passed() {
                 bail!("run {run_id} not completed after {timeout:?}: {run}");
             }
+            last = run;
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }

@@ -13,12 +13,17 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, Executor, PgConnection};
 
+use crate::deadline::within;
+
 /// The shared PostgreSQL used when `DATABASE_URL` is not set.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
 /// Connections in each test database's pool: enough for a test's own
 /// queries, small enough for many tests in parallel.
 const POOL_SIZE: u32 = 5;
+/// How long each step of making a test database (connecting, creating,
+/// migrating) and each wait for a pooled connection may take.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `Drop` waits for the server to drop the database.
 const DROP_TIMEOUT: Duration = Duration::from_secs(30);
 /// `CREATE DATABASE` can fail with `object_in_use` (SQLSTATE 55006) when
@@ -62,15 +67,24 @@ impl TestDatabase {
         let name = format!("idem_test_{}", uuid::Uuid::new_v4().simple());
         let admin_options = PgConnectOptions::from_str(admin_url)
             .with_context(|| format!("DATABASE_URL {admin_url:?} is not a PostgreSQL URL"))?;
-        let mut admin = PgConnection::connect_with(&admin_options)
-            .await
-            .with_context(|| {
-                format!(
-                    "PostgreSQL is not reachable at {admin_url}: start it or run \
-                     scripts/test, which installs and starts it"
-                )
-            })?;
-        create_database(&mut admin, &name).await?;
+        let mut admin = within(
+            SETUP_TIMEOUT,
+            format!("connecting to PostgreSQL at {admin_url}"),
+            PgConnection::connect_with(&admin_options),
+        )
+        .await?
+        .with_context(|| {
+            format!(
+                "PostgreSQL is not reachable at {admin_url}: start it or run \
+                 scripts/test, which installs and starts it"
+            )
+        })?;
+        within(
+            SETUP_TIMEOUT,
+            format!("creating test database {name}"),
+            create_database(&mut admin, &name),
+        )
+        .await??;
         if let Err(e) = admin.close().await {
             eprintln!("idem-tests: closing the admin connection failed: {e}");
         }
@@ -79,6 +93,7 @@ impl TestDatabase {
         let url = options.to_url_lossy().to_string();
         let db = match PgPoolOptions::new()
             .max_connections(POOL_SIZE)
+            .acquire_timeout(SETUP_TIMEOUT)
             .connect_with(options)
             .await
         {
@@ -94,10 +109,10 @@ impl TestDatabase {
             }
         };
         if let Some(migrator) = migrator {
-            migrator
-                .run(&db.pool)
-                .await
-                .with_context(|| format!("running migrations on test database {}", db.name))?;
+            let what = format!("running migrations on test database {}", db.name);
+            within(SETUP_TIMEOUT, &what, migrator.run(&db.pool))
+                .await?
+                .context(what)?;
         }
         Ok(db)
     }

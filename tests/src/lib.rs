@@ -6,12 +6,14 @@
 //! It holds no product logic and mocks nothing idem sells. Every fixture is
 //! safe to use from many tests running in parallel in one test binary: ports
 //! are picked free at run time and names are unique. A missing service is an
-//! error that says what to install, never a silent skip.
+//! error that says what to install, never a silent skip. Every wait has a
+//! deadline (`deadline`) and, when it passes, says what it waited for.
 
 pub mod api_client;
 pub mod broker;
 pub mod certs;
 pub mod database;
+pub mod deadline;
 pub mod grafana;
 pub mod postgres;
 pub mod process_server;
@@ -30,11 +32,12 @@ pub use api_client::{outcome_of, ApiClient};
 pub use broker::{raise_fd_limit, BridgeToCore, MosquittoBuilder, PrivateMosquitto};
 pub use certs::{CertFiles, TestCa};
 pub use database::{admin_database_url, TestDatabase, DEFAULT_DATABASE_URL};
+pub use deadline::{wait_until, within, Deadline};
 pub use postgres::PrivatePostgres;
 pub use process_server::ProcessServer;
 pub use prometheus::PrivatePrometheus;
 pub use push_witness::PushWitness;
-pub use scenario::{wait_until, Scenario};
+pub use scenario::Scenario;
 pub use server::{DesiredWatcher, ServerSettings, TestServer};
 pub use sse_client::{SseClient, SseMessage, StalledSseClient};
 pub use witness::ReportWitness;

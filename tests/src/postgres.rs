@@ -21,7 +21,8 @@ use tempfile::TempDir;
 
 use crate::certs::TestCa;
 use crate::support::{
-    accepts_tcp, find_binary, free_port, is_executable, loopback_addr, tail, LOOPBACK,
+    accepts_tcp, find_binary, free_port, is_executable, loopback_addr, output_within, tail,
+    COMMAND_LIMIT, LOOPBACK,
 };
 
 /// Seconds `pg_ctl` waits for start-up or shutdown.
@@ -232,7 +233,7 @@ impl PrivatePostgres {
             self.give_to_cluster_user(&pwfile)?;
             command.arg(format!("--pwfile={}", pwfile.display()));
         }
-        let output = command.output().context("running initdb")?;
+        let output = output_within(&mut command, None, COMMAND_LIMIT, "initdb")?;
         check(&output, "initdb")
     }
 
@@ -324,15 +325,14 @@ impl PrivatePostgres {
     }
 
     fn pg_ctl_start(&mut self) -> Result<()> {
-        let output = self
-            .command("pg_ctl")
+        let mut command = self.command("pg_ctl");
+        command
             .arg("-D")
             .arg(&self.data)
             .arg("-l")
             .arg(&self.log)
-            .args(["-w", "-t", PG_CTL_TIMEOUT_SECS, "start"])
-            .output()
-            .context("running pg_ctl start")?;
+            .args(["-w", "-t", PG_CTL_TIMEOUT_SECS, "start"]);
+        let output = output_within(&mut command, None, COMMAND_LIMIT, "pg_ctl start")?;
         if let Err(e) = check(&output, "pg_ctl start") {
             // A postmaster that failed half-way must not linger.
             let _ = self.pg_ctl("immediate");
@@ -364,13 +364,17 @@ impl PrivatePostgres {
     }
 
     fn pg_ctl(&self, mode: &str) -> Result<()> {
-        let output = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(&self.data)
-            .args(["-m", mode, "-w", "-t", PG_CTL_TIMEOUT_SECS, "stop"])
-            .output()
-            .with_context(|| format!("running pg_ctl stop -m {mode}"))?;
+        let mut command = self.command("pg_ctl");
+        command.arg("-D").arg(&self.data).args([
+            "-m",
+            mode,
+            "-w",
+            "-t",
+            PG_CTL_TIMEOUT_SECS,
+            "stop",
+        ]);
+        let what = format!("pg_ctl stop -m {mode}");
+        let output = output_within(&mut command, None, COMMAND_LIMIT, &what)?;
         check(&output, &format!("pg_ctl stop -m {mode}"))
     }
 

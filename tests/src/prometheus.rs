@@ -8,7 +8,6 @@
 //! directory. A missing binary is an error that says what to install.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -18,7 +17,9 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 use tempfile::TempDir;
 
-use crate::support::{find_binary, free_port, kill_and_reap, tail, LOOPBACK};
+use crate::support::{
+    find_binary, free_port, kill_and_reap, output_within, tail, COMMAND_LIMIT, LOOPBACK,
+};
 
 /// How long Prometheus gets to answer `/-/ready` after it is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -64,24 +65,12 @@ impl PromtoolReport {
 /// without `_total`, non-base units, ...); both count as not passing.
 pub fn promtool_check_metrics(exposition: &str) -> Result<PromtoolReport> {
     let promtool = promtool_binary()?;
-    let mut child = Command::new(&promtool)
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("spawning {} check metrics", promtool.display()))?;
-    let mut stdin = child
-        .stdin
-        .take()
-        .context("promtool's stdin was not captured")?;
-    let written = stdin.write_all(exposition.as_bytes());
-    // Closing stdin lets promtool see the end of its input.
-    drop(stdin);
-    let output = child
-        .wait_with_output()
-        .context("waiting for promtool check metrics")?;
-    written.context("writing the exposition to promtool's stdin")?;
+    let output = output_within(
+        Command::new(&promtool).args(["check", "metrics"]),
+        Some(exposition.as_bytes()),
+        COMMAND_LIMIT,
+        &format!("{} check metrics", promtool.display()),
+    )?;
     Ok(report(output))
 }
 
@@ -98,18 +87,12 @@ pub fn promtool_check_rules(rules: &Path) -> Result<PromtoolReport> {
 /// `promtool check WHAT FILE`.
 fn promtool_check(what: &str, file: &Path) -> Result<PromtoolReport> {
     let promtool = promtool_binary()?;
-    let output = Command::new(&promtool)
-        .args(["check", what])
-        .arg(file)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| {
-            format!(
-                "running {} check {what} {}",
-                promtool.display(),
-                file.display()
-            )
-        })?;
+    let output = output_within(
+        Command::new(&promtool).args(["check", what]).arg(file),
+        None,
+        COMMAND_LIMIT,
+        &format!("{} check {what} {}", promtool.display(), file.display()),
+    )?;
     Ok(report(output))
 }
 

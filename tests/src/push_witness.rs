@@ -8,14 +8,13 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use idem_protocol::{Channel, Desired, SpecBudget, TopicRoot};
-use rumqttc::{AsyncClient, Event, Packet, QoS};
+use rumqttc::{AsyncClient, Event, Packet};
 use tokio::task::JoinHandle;
 
-use crate::broker::PrivateMosquitto;
+use crate::broker::{subscribe_acknowledged, PrivateMosquitto};
 
 #[derive(Debug, Default)]
 struct Pushes {
@@ -40,20 +39,13 @@ impl PushWitness {
             broker.mqtt_options(format!("push-witness-{}", uuid::Uuid::new_v4().simple()));
         options.set_max_packet_size(1 << 20, 1 << 20);
         let (client, mut eventloop) = AsyncClient::new(options, 100);
-        client
-            .subscribe(root.filter(Channel::Desired), QoS::AtLeastOnce)
-            .await
-            .context("queueing the push witness's subscription")?;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let event = tokio::time::timeout_at(deadline.into(), eventloop.poll())
-                .await
-                .context("no SUBACK for the push witness within 5 s")?
-                .context("push witness connection")?;
-            if let Event::Incoming(Packet::SubAck(_)) = event {
-                break;
-            }
-        }
+        subscribe_acknowledged(
+            &client,
+            &mut eventloop,
+            &[root.filter(Channel::Desired)],
+            "the push witness",
+        )
+        .await?;
         let pushes = Arc::new(Mutex::new(Pushes::default()));
         let sink = Arc::clone(&pushes);
         let root = root.clone();

@@ -2,7 +2,7 @@
 //! and a simulated fleet registered with the server. Fixtures are builders;
 //! dropping a scenario stops everything it started.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use idem_device_sim::{BrokerAddr, Fleet, FleetConfig, Plan, SimDevice, SimTls};
@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 
 use crate::broker::{raise_fd_limit, PrivateMosquitto};
 use crate::database::TestDatabase;
+use crate::deadline::Deadline;
 use crate::server::{ServerSettings, TestServer};
 
 pub struct Scenario {
@@ -102,20 +103,31 @@ impl Scenario {
         Ok(fleet)
     }
 
-    /// Waits until at least `n` devices have a stored report.
+    /// Waits until at least `n` devices have a stored report (a count that
+    /// hangs counts against `timeout` too).
     pub async fn wait_reports_stored(&self, n: usize, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
+        let mut stored = None;
         loop {
-            let stored: i64 =
-                sqlx::query_scalar("SELECT count(*) FROM devices WHERE reported_seq IS NOT NULL")
-                    .fetch_one(self.db.pool())
-                    .await
-                    .context("counting stored reports")?;
-            if usize::try_from(stored).unwrap_or(0) >= n {
+            let counted = deadline
+                .run(
+                    format!(
+                        "{n} devices with a stored report (last count: {})",
+                        stored.map_or_else(|| "none yet".to_owned(), |s: i64| s.to_string())
+                    ),
+                    sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM devices WHERE reported_seq IS NOT NULL",
+                    )
+                    .fetch_one(self.db.pool()),
+                )
+                .await?
+                .context("counting stored reports")?;
+            if usize::try_from(counted).unwrap_or(0) >= n {
                 return Ok(());
             }
-            if Instant::now() > deadline {
-                bail!("only {stored} of {n} devices have a stored report after {timeout:?}");
+            stored = Some(counted);
+            if deadline.has_passed() {
+                bail!("only {counted} of {n} devices have a stored report after {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -218,21 +230,4 @@ impl Scenario {
         }
         Ok(view)
     }
-}
-
-/// Waits until `done` holds, checking every 50 ms; an error naming `what`
-/// after `timeout`.
-pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut done: F) -> Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !done().await {
-        if Instant::now() >= deadline {
-            bail!("{what}: not within {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(())
 }

@@ -13,14 +13,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use idem_protocol::{Channel, TopicRoot};
-use rumqttc::{AsyncClient, Event, Packet, QoS};
+use rumqttc::{AsyncClient, Event, Packet};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::api_client::ApiClient;
-use crate::broker::PrivateMosquitto;
+use crate::broker::{subscribe_acknowledged, PrivateMosquitto};
 use crate::certs::CertFiles;
 use crate::database::TestDatabase;
+use crate::deadline::{within, Deadline};
+
+/// How long [`TestServer::stop`] waits for a graceful stop: the server's
+/// own bounds (HTTP grace, flushing batches) end well inside it.
+pub const STOP_LIMIT: Duration = Duration::from_secs(30);
 
 /// A running server; its API client is reached through `Deref`
 /// (`server.get("/v1/fleet")`).
@@ -262,25 +267,43 @@ impl TestServer {
     }
 
     async fn wait_ready(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Deadline::after(timeout);
+        let mut last = String::from("no answer yet");
         loop {
-            if let Ok((200, _)) = self.api.get("/readyz").await {
-                return Ok(());
+            let answer = deadline
+                .run(
+                    format!("idem server at {} ready ({last})", self.addr),
+                    self.api.get("/readyz"),
+                )
+                .await?;
+            match answer {
+                Ok((200, _)) => return Ok(()),
+                Ok((status, body)) => last = format!("last answer: {status} {body}"),
+                Err(e) => last = format!("last error: {e:#}"),
             }
-            if Instant::now() > deadline {
-                bail!("idem server at {} not ready after {timeout:?}", self.addr);
+            if deadline.has_passed() {
+                bail!(
+                    "idem server at {} not ready after {timeout:?} ({last})",
+                    self.addr
+                );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
-    /// Stops the server gracefully and returns how it ended.
+    /// Stops the server gracefully and returns how it ended; fails when it
+    /// has not ended within [`STOP_LIMIT`].
     pub async fn stop(mut self) -> Result<()> {
         self.token.cancel();
         if let Some(task) = self.task.take() {
-            task.await
-                .context("server task panicked")?
-                .context("server returned an error")?;
+            within(
+                STOP_LIMIT,
+                format!("the server at {} stopping after it was told to", self.addr),
+                task,
+            )
+            .await?
+            .context("server task panicked")?
+            .context("server returned an error")?;
         }
         Ok(())
     }
@@ -369,26 +392,16 @@ impl DesiredWatcher {
         let (client, mut eventloop) = AsyncClient::new(options, 100);
         // `{root}/events/io.idem.run.completed/`, followed by the run id.
         let completed_prefix = root.event_topic("io.idem.run.completed", "");
-        for filter in [
-            root.filter(Channel::Desired),
-            format!("{completed_prefix}+"),
-        ] {
-            client
-                .subscribe(filter, QoS::AtLeastOnce)
-                .await
-                .context("subscribing")?;
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut subacks = 0;
-        while subacks < 2 {
-            let event = tokio::time::timeout_at(deadline.into(), eventloop.poll())
-                .await
-                .context("no SUBACK from the broker within 5 s")?
-                .context("desired watcher connection")?;
-            if let Event::Incoming(Packet::SubAck(_)) = event {
-                subacks += 1;
-            }
-        }
+        subscribe_acknowledged(
+            &client,
+            &mut eventloop,
+            &[
+                root.filter(Channel::Desired),
+                format!("{completed_prefix}+"),
+            ],
+            "the desired watcher",
+        )
+        .await?;
         let seen = Arc::new(Mutex::new(HashMap::new()));
         let sink = seen.clone();
         let arrivals = Arc::new(Mutex::new(Vec::new()));

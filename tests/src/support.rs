@@ -9,6 +9,7 @@ use std::fs;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -110,6 +111,64 @@ pub(crate) fn wait_for_tcp(
             bail!("{addr} did not accept TCP connections within {timeout:?}");
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// How long a helper command of a fixture (`initdb`, `pg_ctl`,
+/// `mosquitto_passwd`, `promtool`, …) may run before it is killed.
+pub(crate) const COMMAND_LIMIT: Duration = Duration::from_secs(120);
+
+/// Runs `command` to its end with stdin closed and its output captured,
+/// like `Command::output`, but kills it (by its own handle's pid, so only
+/// that process) when it has not ended within `limit`; the error names
+/// `what`. `input`, when given, is written to its stdin first.
+pub(crate) fn output_within(
+    command: &mut Command,
+    input: Option<&[u8]>,
+    limit: Duration,
+    what: &str,
+) -> Result<Output> {
+    let mut child = command
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("spawning {what}"))?;
+    let pid = child.id();
+    if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
+        let input = input.to_vec();
+        // A thread of its own: a child that reads slowly must not block
+        // the deadline. Dropping stdin at its end closes the pipe.
+        std::thread::spawn(move || {
+            use std::io::Write;
+            if let Err(e) = stdin.write_all(&input) {
+                eprintln!("idem-tests: writing to the stdin of pid {pid}: {e}");
+            }
+        });
+    }
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // The receiver may be gone after a timeout: nothing to tell then.
+        let _ = sender.send(child.wait_with_output());
+    });
+    match receiver.recv_timeout(limit) {
+        Ok(output) => output.with_context(|| format!("waiting for {what}")),
+        Err(_) => {
+            // Not reaped yet (the waiting thread still holds it), so the pid
+            // is still this child's.
+            if let Ok(raw) = i32::try_from(pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(raw),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            let _ = receiver.recv_timeout(Duration::from_secs(5));
+            bail!("{what} (pid {pid}) did not finish within {limit:?} and was killed")
+        }
     }
 }
 

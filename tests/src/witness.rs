@@ -7,14 +7,13 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use idem_protocol::{Channel, Reported, SpecBudget, TopicRoot};
-use rumqttc::{AsyncClient, Event, Packet, QoS};
+use rumqttc::{AsyncClient, Event, Packet};
 use tokio::task::JoinHandle;
 
-use crate::broker::PrivateMosquitto;
+use crate::broker::{subscribe_acknowledged, PrivateMosquitto};
 
 /// What the witness has seen so far.
 #[derive(Debug, Default)]
@@ -45,20 +44,13 @@ impl ReportWitness {
             broker.mqtt_options(format!("report-witness-{}", uuid::Uuid::new_v4().simple()));
         options.set_max_packet_size(1 << 20, 1 << 20);
         let (client, mut eventloop) = AsyncClient::new(options, 100);
-        client
-            .subscribe(root.filter(Channel::Reported), QoS::AtLeastOnce)
-            .await
-            .context("queueing the witness's subscription")?;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let event = tokio::time::timeout_at(deadline.into(), eventloop.poll())
-                .await
-                .context("no SUBACK for the report witness within 5 s")?
-                .context("report witness connection")?;
-            if let Event::Incoming(Packet::SubAck(_)) = event {
-                break;
-            }
-        }
+        subscribe_acknowledged(
+            &client,
+            &mut eventloop,
+            &[root.filter(Channel::Reported)],
+            "the report witness",
+        )
+        .await?;
         let seen = Arc::new(Mutex::new(Seen::default()));
         let sink = Arc::clone(&seen);
         let root = root.clone();

@@ -176,8 +176,8 @@ async fn a_fleet_behind_two_edge_brokers_is_reconciled_exactly_as_on_one_broker(
         let state = west_fleet.state(&id).or_else(|| east_fleet.state(&id));
         assert_eq!(state.unwrap().spec, plan.desired_spec, "{id}");
     }
-    west_fleet.shutdown().await;
-    east_fleet.shutdown().await;
+    west_fleet.shutdown().await.unwrap();
+    east_fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,7 +205,7 @@ async fn the_retained_desired_message_reaches_edges_up_at_the_push_and_edges_sta
         || async { scenario.server.get(path).await.unwrap().1["online"] == false },
     )
     .await;
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
     let (status, answer) = scenario
         .server
         .put(
@@ -236,7 +236,7 @@ async fn the_retained_desired_message_reaches_edges_up_at_the_push_and_edges_sta
         fleet.state(&device.id).unwrap().spec == json!({"fw": "2.0"})
     })
     .await;
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,5 +280,5 @@ async fn reports_cross_at_qos_1_and_a_device_losing_power_on_an_edge_goes_offlin
         || async { online().await == false },
     )
     .await;
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

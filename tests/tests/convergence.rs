@@ -128,7 +128,7 @@ async fn a_device_that_rejects_twice_is_provisioned_on_the_third_attempt() {
     assert_eq!(view["status"], "converged");
     let outcomes = scenario.server.run_outcomes(&run_id).await.unwrap();
     assert_eq!(outcomes.len(), 1);
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -192,7 +192,7 @@ async fn a_device_that_keeps_rejecting_is_quarantined_once_and_released_by_an_op
         (status, body["error"]["code"].as_str()),
         (409, Some("not_quarantined"))
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -233,7 +233,7 @@ async fn a_converged_device_that_drifts_is_reprovisioned_without_an_operator() {
         .await
         .unwrap();
     assert_eq!(view["status"], "converged");
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -297,7 +297,7 @@ async fn offline_devices_are_skipped_and_reconciled_when_they_reconnect() {
         "{reconnect}"
     );
     assert_eq!(fleet.state(&away).unwrap().spec, json!({"firmware": "2.0"}));
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -370,7 +370,7 @@ async fn a_desired_change_during_a_push_supersedes_it_and_a_late_ack_does_not_co
         .unwrap();
     assert_eq!(view["reported"]["generation"], 3);
     assert_eq!(view["status"], "converged");
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -439,7 +439,7 @@ async fn a_run_that_targets_a_device_being_pushed_shares_the_push_and_both_runs_
         Some(&2),
         "one outcome event per run"
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -507,7 +507,7 @@ async fn pushes_to_a_thousand_devices_never_exceed_the_rate_limit_in_any_second(
     // sizeable share of the limit even on a loaded machine; how close to
     // the limit it gets is a benchmark's question, not a test's.
     assert!(peak >= 50, "pacing far below the limit: {peak}/s");
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -555,7 +555,7 @@ async fn reported_health_is_recorded_with_outcomes_and_unhealthy_devices_are_lis
         .map(|d| d["id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, vec![sick.as_str()]);
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -585,7 +585,7 @@ async fn the_periodic_resync_rechecks_every_device_and_asks_stale_ones_to_report
         || async { fleet.states().iter().all(|d| d.get_received >= 1) },
     )
     .await;
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -626,5 +626,5 @@ async fn a_restarted_server_reconciles_the_whole_fleet_at_start_up() {
         startup["summary"],
         "8 already converged, 0 provisioned, 0 failed"
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

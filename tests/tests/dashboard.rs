@@ -210,7 +210,7 @@ async fn promtool_check_metrics_accepts_the_servers_exposition_before_and_after_
         report.status,
         report.output
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -335,7 +335,7 @@ async fn every_dashboard_panel_query_returns_data_from_a_real_prometheus_after_a
         "{evaluated} panel queries returned data; whole test took {:?}",
         started.elapsed()
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 /// `{labels} value, ...`, compactly, for the test's output.

@@ -74,7 +74,7 @@ async fn the_demo_over_500_devices_reports_exact_counts_and_matches_the_ground_t
     }
     // Convergence was measured on the simulator for the five pushed devices.
     assert_eq!(report.timings.convergence.unwrap().samples, 5);
-    demo.fleet.shutdown().await;
+    demo.fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -89,7 +89,7 @@ async fn a_second_demo_with_the_same_devices_is_refused_because_their_state_is_k
         .await
         .unwrap();
     assert!(first.report.passed(), "{:#?}", first.report);
-    first.fleet.shutdown().await;
+    first.fleet.shutdown().await.unwrap();
 
     let err = run_demo(settings_for(&scenario, plan), &())
         .await
@@ -106,7 +106,7 @@ async fn a_demo_on_a_server_with_other_devices_runs_only_its_own_fleet() {
     let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
     let first = FleetPlan::new("first-", 10).seed(1).build().unwrap();
     let earlier = run_demo(settings_for(&scenario, first), &()).await.unwrap();
-    earlier.fleet.shutdown().await;
+    earlier.fleet.shutdown().await.unwrap();
 
     // The first fleet is now offline on the server; a run over "all" would
     // report it skipped. The demo targets its own label instead.
@@ -122,7 +122,7 @@ async fn a_demo_on_a_server_with_other_devices_runs_only_its_own_fleet() {
         "27 already converged, 3 provisioned, 0 failed"
     );
     assert!(demo.report.passed(), "{:#?}", demo.report.check);
-    demo.fleet.shutdown().await;
+    demo.fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,5 +160,5 @@ async fn a_demo_rollout_stops_on_its_gate_says_why_and_every_device_matches_the_
     }
     assert!(report.counts.skipped > 0, "{report:#?}");
     assert!(report.passed(), "{:#?}", report.check.mismatches);
-    demo.fleet.shutdown().await;
+    demo.fleet.shutdown().await.unwrap();
 }

@@ -39,6 +39,12 @@ impl SseClient {
     }
 }
 
+/// Whether `message` is the `io.idem.run.completed` event of `run_id`.
+fn completes_run(message: &SseMessage, run_id: &str) -> bool {
+    let event: Value = serde_json::from_str(&message.data).unwrap();
+    event["type"] == "io.idem.run.completed" && event["runid"] == run_id
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sse_client_that_reconnects_with_last_event_id_misses_nothing_and_sees_nothing_twice() {
     let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
@@ -66,20 +72,22 @@ async fn an_sse_client_that_reconnects_with_last_event_id_misses_nothing_and_see
     let k = *ids.last().unwrap();
 
     let mut second = SseClient::connect(&scenario, &url, Some(k)).await;
-    loop {
-        let message = second.next().await;
-        ids.push(message.id.unwrap());
-        let event: Value = serde_json::from_str(&message.data).unwrap();
-        if event["type"] == "io.idem.run.completed" && event["runid"] == run_id.as_str() {
-            break;
-        }
-    }
+    let rest = second
+        .0
+        .read_until(
+            Duration::from_secs(30),
+            &format!("the run.completed event of run {run_id}"),
+            |message| completes_run(message, &run_id),
+        )
+        .await
+        .unwrap();
+    ids.extend(rest.iter().map(|message| message.id.unwrap()));
     // run.started + 200 outcomes + run.completed, consecutive, each once.
     assert_eq!(ids.len(), 202, "{ids:?}");
     let first_id = ids[0];
     let expected: Vec<i64> = (first_id..first_id + 202).collect();
     assert_eq!(ids, expected);
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,7 +109,7 @@ async fn a_cursor_older_than_the_retained_log_gets_a_reset_event_first() {
     let body: Value = serde_json::from_str(&reset.data).unwrap();
     assert_eq!(body["resuming_from"], 4);
     assert_eq!(client.next().await.id, Some(4));
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,7 +213,7 @@ async fn an_mqtt_subscriber_gets_one_valid_cloudevent_per_device_and_metrics_mat
     assert_eq!(m("idem_pushes_total").await, 6.0);
     let _ = run_id;
     pump.abort();
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,7 +259,7 @@ async fn sse_filters_by_type_device_and_run() {
         assert_eq!(event["type"], "io.idem.device.already_converged");
         assert_eq!(event["runid"], second_run.as_str());
     }
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -370,7 +378,7 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
         Some(OutcomeKind::Skipped),
     );
     assert_eq!(reported, vec![expected; 5]);
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 /// Subscribes to every event topic of `root` and collects CloudEvent ids

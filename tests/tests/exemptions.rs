@@ -156,7 +156,7 @@ async fn an_exempt_device_that_drifts_is_evented_as_exempt_and_not_pushed_until_
         (&device["status"], &device["exempt"]),
         (&json!("converged"), &json!(false))
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -227,7 +227,7 @@ async fn follow_the_recipe(mode: &str) {
         0.0,
         "the server had to reconnect"
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 
     // Every file that holds a secret is its owner's only.
     let broker_uid = machine.broker_user.uid();

@@ -116,7 +116,9 @@ async fn wait_every_last_report_stored(scenario: &Scenario, fleet: &Fleet, resum
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_reports_and_statuses_dropped_while_writes_are_held_are_all_stored_after() {
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "overload tests")
+        .await
+        .unwrap();
     let (scenario, devices) = dropping_setup().await;
     let hold = hold_device_writes(&scenario).await;
     let fleet = scenario.start_fleet(devices).await.unwrap();
@@ -147,12 +149,14 @@ async fn first_reports_and_statuses_dropped_while_writes_are_held_are_all_stored
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn newer_reports_dropped_while_writes_are_held_are_all_stored_after() {
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "overload tests")
+        .await
+        .unwrap();
     let (scenario, devices) = dropping_setup().await;
     let ids: Vec<DeviceId> = devices.iter().map(|d| d.id.clone()).collect();
     let fleet = scenario.start_fleet(devices).await.unwrap();
@@ -173,5 +177,5 @@ async fn newer_reports_dropped_while_writes_are_held_are_all_stored_after() {
         .await
         .unwrap();
     assert!(asked >= 1.0, "no device was asked by a recheck");
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

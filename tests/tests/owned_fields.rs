@@ -217,7 +217,7 @@ async fn a_report_changing_only_an_owned_field_causes_no_push_no_drift_and_no_dr
             "{retained}"
         );
     }
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -405,7 +405,7 @@ async fn declaring_owned_fields_converges_devices_that_differed_only_there_witho
     assert_eq!(after["generation"], before["generation"], "{after}");
 
     // Stored: a restarted server owns the same fields.
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
     let Scenario { server, db, broker } = scenario;
     let settings = ServerSettings {
         topic_root: Some(server.topic_root.to_string()),
@@ -470,5 +470,5 @@ async fn a_device_its_first_report_registers_owns_the_server_wide_fields() {
         "already_converged",
         "{outcomes:?}"
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

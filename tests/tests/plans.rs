@@ -319,7 +319,7 @@ async fn a_plan_over_two_thousand_devices_is_exact_changes_nothing_and_applies_o
         desired_now["desired"]["spec"], next,
         "a refused plan changes no desired state"
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

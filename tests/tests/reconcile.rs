@@ -181,7 +181,7 @@ async fn a_run_over_fifty_devices_pushes_only_to_the_four_that_differ() {
 
     let (_, fleet_view) = scenario.server.get("/v1/fleet").await.unwrap();
     assert_eq!(fleet_view["by_status"]["converged"], 50, "{fleet_view}");
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -261,7 +261,7 @@ async fn rejecting_and_unresponsive_devices_fail_with_reasons_and_the_run_comple
     // One attempt allowed (the test default): the device is quarantined.
     assert_eq!(device["status"], "quarantined");
     assert_eq!(device["reported"]["error"]["message"], "flash full");
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,5 +318,5 @@ async fn setting_desired_state_on_one_device_provisions_it_with_a_new_generation
         run["summary"],
         "1 already converged, 0 provisioned, 0 failed"
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

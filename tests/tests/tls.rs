@@ -126,7 +126,7 @@ async fn the_server_connects_over_mqtts_with_a_password_and_a_run_over_tls_devic
         "the broker saw no login as {SERVER_USER}:\n{}",
         scenario.broker.log_tail()
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,7 +177,7 @@ async fn the_server_connects_with_a_client_certificate_when_the_broker_requires_
         "{}",
         scenario.broker.log_tail()
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }
 
 /// Launches the server binary against `broker`, waits until its log says
@@ -401,7 +401,7 @@ async fn the_demo_over_tls_with_100_devices_and_their_own_passwords_reports_exac
         run.report
     );
     assert!(run.report.passed(), "{:#?}", run.report.check.mismatches);
-    run.fleet.shutdown().await;
+    run.fleet.shutdown().await.unwrap();
 }
 
 /// Asserts that none of `secrets` occurs in `log`.
@@ -561,7 +561,7 @@ async fn no_secret_appears_in_the_server_log_after_start_up_failures_or_a_run() 
         .unwrap();
     assert_eq!(status, 200);
     let admin_token = server.api().token().unwrap().to_owned();
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
     server.stop().unwrap();
     let log = server.log_text();
     assert!(log.contains("connected to MQTT broker"), "{log}");

@@ -74,7 +74,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         format_count(total as u64)
     );
     let stopping = Instant::now();
-    let stats = fleet.shutdown().await;
+    let stats = fleet.shutdown().await.context("stopping the fleet")?;
     println!("{}", stats_line(started.elapsed(), &stats));
     println!(
         "device-sim: stopped in {:.2}s",

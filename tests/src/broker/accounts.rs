@@ -4,11 +4,11 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::support::find_binary_in;
+use crate::support::{find_binary_in, output_within, COMMAND_LIMIT};
 
 const MISSING_PASSWD: &str = "mosquitto_passwd not found: install it with \
     `apt-get install mosquitto` (it ships the tool) or run scripts/test";
@@ -40,14 +40,16 @@ pub(super) fn init_dynamic_security(state: &Path, admin: &str, password: &str) -
         &[PathBuf::from("/usr/bin/mosquitto_ctrl")],
     )
     .ok_or_else(|| anyhow!(MISSING_DYNSEC))?;
-    let output = Command::new(&ctrl)
-        .args(["dynsec", "init"])
-        .arg(state)
-        .arg(admin)
-        .arg(password)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {} dynsec init", ctrl.display()))?;
+    let output = output_within(
+        Command::new(&ctrl)
+            .args(["dynsec", "init"])
+            .arg(state)
+            .arg(admin)
+            .arg(password),
+        None,
+        COMMAND_LIMIT,
+        &format!("{} dynsec init", ctrl.display()),
+    )?;
     if !output.status.success() || !state.is_file() {
         bail!(
             "{} dynsec init failed with {}: {}",
@@ -78,12 +80,12 @@ pub(super) fn write_password_file(path: &Path, accounts: &[(String, String)]) ->
         plain.push_str(&format!("{user}:{password}\n"));
     }
     fs::write(path, plain).with_context(|| format!("writing {}", path.display()))?;
-    let output = Command::new(&passwd)
-        .arg("-U")
-        .arg(path)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {} -U", passwd.display()))?;
+    let output = output_within(
+        Command::new(&passwd).arg("-U").arg(path),
+        None,
+        COMMAND_LIMIT,
+        &format!("{} -U", passwd.display()),
+    )?;
     if !output.status.success() {
         bail!(
             "{} -U {} failed with {}: {}",

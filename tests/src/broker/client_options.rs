@@ -1,14 +1,20 @@
 //! How a test reaches a private broker: its address and URL, its test CA
-//! and client certificates (TLS), and rumqttc options for a client.
+//! and client certificates (TLS), rumqttc options for a client, and a
+//! subscription awaited to its acknowledgement under a deadline.
 
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use rumqttc::{AsyncClient, Event, EventLoop, Packet, QoS};
 
 use super::PrivateMosquitto;
 use crate::certs::{CertFiles, TestCa};
+use crate::deadline::Deadline;
 use crate::support::LOOPBACK;
+
+/// How long the broker may take to acknowledge a test client's subscriptions.
+const SUBACK_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl PrivateMosquitto {
     pub fn port(&self) -> u16 {
@@ -81,4 +87,49 @@ impl PrivateMosquitto {
         options.set_credentials(username, password);
         options
     }
+}
+
+/// Subscribes `client` to `filters` (QoS 1) and polls `eventloop` until the
+/// broker acknowledged every one, within 5 s; the error names `who`, the
+/// filters and how many acknowledgements came. What is published after this
+/// returns reaches the subscriber.
+pub async fn subscribe_acknowledged(
+    client: &AsyncClient,
+    eventloop: &mut EventLoop,
+    filters: &[String],
+    who: &str,
+) -> Result<()> {
+    for filter in filters {
+        client
+            .subscribe(filter.as_str(), QoS::AtLeastOnce)
+            .await
+            .with_context(|| format!("queueing the subscription of {who} to {filter}"))?;
+    }
+    let deadline = Deadline::after(SUBACK_TIMEOUT);
+    let mut acknowledged = 0;
+    while acknowledged < filters.len() {
+        let awaited = format!(
+            "the broker acknowledging the subscription of {who} to {filters:?} \
+             ({acknowledged} of {} acknowledged)",
+            filters.len()
+        );
+        let event = deadline
+            .run(awaited, eventloop.poll())
+            .await?
+            .with_context(|| format!("the connection of {who}"))?;
+        match event {
+            Event::Incoming(Packet::SubAck(ack)) => {
+                let refused = ack
+                    .return_codes
+                    .iter()
+                    .any(|code| matches!(code, rumqttc::SubscribeReasonCode::Failure));
+                if refused {
+                    bail!("the broker refused the subscription of {who} to {filters:?}: {ack:?}");
+                }
+                acknowledged += 1;
+            }
+            Event::Incoming(_) | Event::Outgoing(_) => {}
+        }
+    }
+    Ok(())
 }

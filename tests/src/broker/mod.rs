@@ -42,6 +42,7 @@ mod tests;
 pub(crate) use accounts::dynsec_plugin;
 pub use bridge::BridgeToCore;
 pub use builder::MosquittoBuilder;
+pub use client_options::subscribe_acknowledged;
 
 use accounts::{init_dynamic_security, write_password_file};
 

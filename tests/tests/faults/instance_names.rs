@@ -26,7 +26,9 @@ async fn services_and_a_name(prefix: &str) -> (PrivateMosquitto, TestDatabase, T
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_live_server_with_a_name_in_use_exits_non_zero_naming_the_holder() {
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
     let (broker, db, root, name) = services_and_a_name("names").await;
     let lease = [("IDEM_INSTANCE_LEASE", "2s")];
     let mut first = ProcessServer::start(
@@ -122,7 +124,9 @@ async fn a_second_live_server_with_a_name_in_use_exits_non_zero_naming_the_holde
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_name_whose_holder_on_another_host_stopped_beating_is_taken_after_its_lease() {
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
     let (broker, db, root, name) = services_and_a_name("stale").await;
     // A holder on another host whose last heartbeat is 1 s old, with a 2 s
     // lease: live now, stale a second later.

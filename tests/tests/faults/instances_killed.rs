@@ -127,7 +127,9 @@ async fn deadlocks(pool: &PgPool) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() {
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
     let began = Instant::now();
     let (broker, db, tag, root) = private_services("idem-trio").await;
     let group = format!("trio{tag}");
@@ -286,19 +288,20 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
 
     // The survivor's SSE stream: from the change to the run's completion,
     // every id once and none skipped.
-    let mut sse_ids = Vec::new();
-    loop {
-        let message = sse
-            .next_within(Duration::from_secs(10))
-            .await
-            .unwrap()
-            .expect("the SSE stream ended");
-        let event: Value = serde_json::from_str(&message.data).unwrap();
-        sse_ids.push(message.id.expect("an SSE event without an id"));
-        if event["type"] == "io.idem.run.completed" && event["runid"] == run_id.as_str() {
-            break;
-        }
-    }
+    let sse_ids: Vec<i64> = sse
+        .read_until(
+            Duration::from_secs(30),
+            &format!("the run.completed event of run {run_id}"),
+            |message| {
+                let event: Value = serde_json::from_str(&message.data).unwrap();
+                event["type"] == "io.idem.run.completed" && event["runid"] == run_id.as_str()
+            },
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|message| message.id.expect("an SSE event without an id"))
+        .collect();
     let expected: Vec<i64> = (last_event + 1..=last_event + sse_ids.len() as i64).collect();
     assert_eq!(
         sse_ids, expected,
@@ -368,6 +371,6 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
         sse_ids.len(),
         began.elapsed()
     );
-    fleet.shutdown().await;
-    leaving_fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
+    leaving_fleet.shutdown().await.unwrap();
 }

@@ -23,7 +23,9 @@ async fn stopping_postgres_mid_run_makes_the_server_not_ready_and_the_run_still_
     const DRIFTED: usize = 10;
     /// How long the database stays down.
     const OUTAGE: Duration = Duration::from_secs(3);
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
     let began = Instant::now();
     raise_fd_limit().unwrap();
     let mut pg = tokio::task::block_in_place(PrivatePostgres::start).unwrap();
@@ -183,5 +185,5 @@ async fn stopping_postgres_mid_run_makes_the_server_not_ready_and_the_run_still_
         run["summary"],
         began.elapsed()
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

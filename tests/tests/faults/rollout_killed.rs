@@ -19,7 +19,9 @@ use crate::{
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_mid_wave_goes_on_with_the_rollout_and_pushes_no_device_twice() {
     const DEVICES: usize = 200;
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
     let began = Instant::now();
     raise_fd_limit().unwrap();
     let broker = PrivateMosquitto::start().unwrap();
@@ -116,5 +118,5 @@ async fn a_server_killed_mid_wave_goes_on_with_the_rollout_and_pushes_no_device_
         pushes.values().sum::<u32>(),
         began.elapsed()
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

@@ -21,7 +21,9 @@ async fn a_server_killed_while_200_devices_report_loses_no_report_and_leaves_no_
     const DEVICES: usize = 200;
     const DRIFTED: usize = 20;
     const HEARTBEAT: Duration = Duration::from_millis(250);
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
     let began = Instant::now();
     raise_fd_limit().unwrap();
     let broker = PrivateMosquitto::start().unwrap();
@@ -180,8 +182,8 @@ async fn a_server_killed_while_200_devices_report_loses_no_report_and_leaves_no_
         witness.reports(),
         began.elapsed()
     );
-    leaving_fleet.shutdown().await;
-    staying_fleet.shutdown().await;
+    leaving_fleet.shutdown().await.unwrap();
+    staying_fleet.shutdown().await.unwrap();
 }
 
 /// The guarantee "a report is acknowledged on MQTT only after the batch that
@@ -195,7 +197,9 @@ async fn a_server_killed_while_200_devices_report_loses_no_report_and_leaves_no_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reports_the_broker_accepted_survive_a_server_killed_before_it_could_store_them() {
     const DEVICES: usize = 40;
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
     raise_fd_limit().unwrap();
     let broker = PrivateMosquitto::start().unwrap();
     let db = TestDatabase::create_with(&idem_server::MIGRATOR)
@@ -273,5 +277,5 @@ async fn reports_the_broker_accepted_survive_a_server_killed_before_it_could_sto
     server.restart().await.unwrap();
     wait_stored_equals_published(db.pool(), &server, &finals, Duration::from_secs(20)).await;
     assert_eq!(server.panics(), Vec::<String>::new());
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

@@ -26,7 +26,9 @@ fn counter(exposition: &str, name: &str) -> f64 {
 async fn reports_queued_for_a_killed_instance_that_never_returns_are_stored_by_the_survivor() {
     const DEVICES: usize = 60;
     const HEARTBEAT: Duration = Duration::from_millis(200);
-    let _serial = SERIAL.lock().await;
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
     let (broker, db, tag, root) = private_services("idem-shared").await;
     let group = format!("g{tag}");
     let env = [
@@ -106,5 +108,5 @@ async fn reports_queued_for_a_killed_instance_that_never_returns_are_stored_by_t
          all stored {stored_at:?} after the kill",
         witness.reports(),
     );
-    fleet.shutdown().await;
+    fleet.shutdown().await.unwrap();
 }

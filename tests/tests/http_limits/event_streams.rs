@@ -193,21 +193,20 @@ async fn viewers_and_operators_together_never_take_the_event_streams_kept_for_ad
     );
 }
 
-/// Reads `client` until it delivered `last`; returns every id in order.
+/// Reads `client` until it delivered `last` (within 60 s); returns every
+/// id in order.
 async fn read_ids_until(client: &mut SseClient, last: i64) -> Vec<i64> {
-    let mut ids = Vec::new();
-    loop {
-        let message = client
-            .next_within(Duration::from_secs(20))
-            .await
-            .unwrap()
-            .expect("the stream ended early");
-        let id = message.id.expect("an event without id");
-        ids.push(id);
-        if id >= last {
-            return ids;
-        }
-    }
+    client
+        .read_until(
+            Duration::from_secs(60),
+            &format!("event {last}"),
+            |message| message.id.is_some_and(|id| id >= last),
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|message| message.id.expect("an event without id"))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -151,7 +151,13 @@ pub async fn run_worker(args: &[String]) -> Result<()> {
         answer(&mut stdout, &reply).await?;
     }
     let stats = match fleet {
-        Some(fleet) => fleet.shutdown().await,
+        Some(fleet) => match fleet.shutdown().await {
+            Ok(stats) => stats,
+            Err(e) => {
+                let error = format!("stopping the fleet: {e}");
+                return answer(&mut stdout, &WorkerAnswer::Failed { error }).await;
+            }
+        },
         None => FleetStats::default(),
     };
     answer(&mut stdout, &WorkerAnswer::Stopped { stats }).await
@@ -447,7 +453,7 @@ impl BenchFleet {
     /// Disconnects every device cleanly; workers exit.
     pub async fn shutdown(self) -> Result<FleetStats> {
         match self {
-            Self::InProcess(fleet) => Ok(fleet.shutdown().await),
+            Self::InProcess(fleet) => Ok(fleet.shutdown().await?),
             Self::Workers(mut workers) => {
                 let mut total = FleetStats::default();
                 for answer in ask_all(&mut workers, &WorkerCommand::Shutdown).await? {
