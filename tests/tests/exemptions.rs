@@ -281,3 +281,41 @@ async fn exemptions_are_refused_without_a_bounded_expiry_and_listed_deleted_and_
         ]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_operator_filling_their_exemption_slots_leaves_the_others_theirs() {
+    use idem_protocol::api::bounds::MAX_EXEMPTIONS_PER_AUTHOR;
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("slots-", 2).build().unwrap();
+    scenario
+        .register(&plan.devices, &plan.desired_spec)
+        .await
+        .unwrap();
+    let device = plan.devices[0].id.to_string();
+    let alice = scenario
+        .server
+        .client_for_role("slots-alice", "operator")
+        .await
+        .unwrap();
+    let bob = scenario
+        .server
+        .client_for_role("slots-bob", "operator")
+        .await
+        .unwrap();
+    let body = json!({"device": device, "reason": "a long field test", "expires_in": "30d"});
+    for _ in 0..MAX_EXEMPTIONS_PER_AUTHOR {
+        let (status, answer) = alice.post("/v1/exemptions", &body).await.unwrap();
+        assert_eq!(status, 201, "{answer}");
+    }
+    alice
+        .expect_refused(
+            Method::POST,
+            "/v1/exemptions",
+            &body,
+            (409, "too_many_exemptions", "your exemptions"),
+        )
+        .await
+        .unwrap();
+    let (status, answer) = bob.post("/v1/exemptions", &body).await.unwrap();
+    assert_eq!(status, 201, "another operator still has slots: {answer}");
+}

@@ -429,3 +429,74 @@ async fn plans_refuse_what_they_cannot_do_with_the_apis_error_answers() {
         "an expired plan changes nothing"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_plans_never_evict_anothers_and_a_full_book_refuses_the_next_plan() {
+    use idem_server::config::{MAX_PLANS_KEPT, MAX_PLANS_PER_AUTHOR};
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let fleet_plan = FleetPlan::new("kept-", 2).build().unwrap();
+    scenario
+        .register(&fleet_plan.devices, &fleet_plan.desired_spec)
+        .await
+        .unwrap();
+    let server = &scenario.server;
+    let make = |client: idem_tests::ApiClient| async move {
+        let (status, made) = client
+            .post("/v1/plans", &json!({"all": true, "spec": {"fw": 9}}))
+            .await
+            .unwrap();
+        (status, made)
+    };
+    let waiting = server
+        .client_for_role("kept-waiting", "operator")
+        .await
+        .unwrap();
+    let (status, made) = make(waiting.clone()).await;
+    assert_eq!(status, 201, "{made}");
+    let waiting_plan = made["plan_id"].as_str().unwrap().to_owned();
+
+    // One operator makes more plans than it may keep: its own oldest go.
+    let busy = server
+        .client_for_role("kept-busy", "operator")
+        .await
+        .unwrap();
+    let mut busy_plans = Vec::new();
+    for _ in 0..MAX_PLANS_PER_AUTHOR + 3 {
+        let (status, made) = make(busy.clone()).await;
+        assert_eq!(status, 201, "{made}");
+        busy_plans.push(made["plan_id"].as_str().unwrap().to_owned());
+    }
+    let status_of =
+        |id: String| async move { server.get(&format!("/v1/plans/{id}")).await.unwrap().0 };
+    assert_eq!(
+        status_of(waiting_plan.clone()).await,
+        200,
+        "another operator's plan, waiting for approval, is kept"
+    );
+    assert_eq!(status_of(busy_plans[0].clone()).await, 404);
+    assert_eq!(status_of(busy_plans.last().unwrap().clone()).await, 200);
+
+    // Filled by others, the book refuses a new plan with the reason.
+    let kept_now = 1 + MAX_PLANS_PER_AUTHOR;
+    let mut others = 0;
+    while kept_now + others < MAX_PLANS_KEPT {
+        let other = server
+            .client_for_role(&format!("kept-other-{others}"), "operator")
+            .await
+            .unwrap();
+        let (status, made) = make(other).await;
+        assert_eq!(status, 201, "{made}");
+        others += 1;
+    }
+    let late = server
+        .client_for_role("kept-late", "operator")
+        .await
+        .unwrap();
+    let (status, answer) = make(late).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("too_many_plans")),
+        "{answer}"
+    );
+    assert_eq!(status_of(waiting_plan).await, 200);
+}

@@ -234,6 +234,19 @@ async fn waves_that_do_not_end_at_all_devices_are_refused_naming_the_field() {
             "rollout.waves[1].size",
         ),
         (json!({"waves": ["150%"]}), "rollout.waves[0].size"),
+        // Nothing follows the last wave for these to hold back.
+        (
+            json!({"waves": ["10%", {"size": "100%", "approve": true}]}),
+            "rollout.waves[1].approve",
+        ),
+        (
+            json!({"waves": ["10%", {"size": "100%", "pause": "manual"}]}),
+            "rollout.waves[1].pause",
+        ),
+        (
+            json!({"waves": [{"size": "100%", "pause": "10m"}]}),
+            "rollout.waves[0].pause",
+        ),
         (
             json!({"waves": ["100%"], "gates": {"min_success_ratio": 1.5}}),
             "rollout.gates.min_success_ratio",
@@ -253,4 +266,53 @@ async fn waves_that_do_not_end_at_all_devices_are_refused_naming_the_field() {
         let message = answer["error"]["message"].as_str().unwrap();
         assert!(message.contains(field), "{message} names {field}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_with_nothing_to_push_completes_at_once_and_waits_for_no_approval() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("rn-", 4).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 4).await.unwrap();
+    // The rollout's own pause is for every wave but the last: accepted.
+    let rollout = json!({
+        "waves": [{"size": "10%", "approve": true}, {"size": "50%", "pause": "manual"}, "100%"],
+        "pause": "1h",
+    });
+    let cases = [
+        // A plan over no device at all.
+        json!({"selector": {"labels": {"site": "nowhere"}}, "spec": {"a": 1}}),
+        // A plan over devices that all run its spec already.
+        json!({"all": true, "spec": plan.desired_spec}),
+    ];
+    for target in cases {
+        let (status, made) = scenario.server.post("/v1/plans", &target).await.unwrap();
+        assert_eq!(status, 201, "{made}");
+        let plan_id = made["plan_id"].as_str().unwrap();
+        let (status, started) = scenario
+            .server
+            .post(
+                &format!("/v1/plans/{plan_id}/apply"),
+                &json!({"rollout": rollout}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{started}");
+        let run_id = started["run_id"].as_str().unwrap().to_owned();
+        let done = scenario
+            .server
+            .wait_run_completed(&run_id, Duration::from_secs(20))
+            .await
+            .unwrap();
+        assert_eq!(
+            done["rollout"]["state"], "completed",
+            "{target}: a rollout with nothing to push waits for nothing: {done}"
+        );
+        let (status, answer) = scenario
+            .server
+            .post(&format!("/v1/rollouts/{run_id}/approve"), &json!({}))
+            .await
+            .unwrap();
+        assert_eq!(status, 409, "nothing is left to approve: {answer}");
+    }
+    fleet.shutdown().await.unwrap();
 }

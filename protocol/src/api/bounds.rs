@@ -42,6 +42,10 @@ pub const MAX_EXEMPTION_REASON_CHARS: usize = 512;
 /// its selector may match).
 pub const MAX_EXEMPTIONS: i64 = 1_000;
 
+/// Most exemptions one operator token has in force at once, so that one
+/// operator cannot take every slot of [`MAX_EXEMPTIONS`].
+pub const MAX_EXEMPTIONS_PER_AUTHOR: i64 = 100;
+
 /// Most approval policies at once (each is checked against the devices of
 /// every desired change).
 pub const MAX_APPROVAL_POLICIES: i64 = 100;
@@ -56,6 +60,9 @@ pub const MAX_OWNED_PATH_CHARS: usize = 200;
 /// `.`) or a JSON string in brackets (`labels["a.b"]`, escapes other than
 /// `\u` only).
 pub const OWNED_PATH_PATTERN: &str = r#"^(?:[A-Za-z_][A-Za-z0-9_-]*|\["(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*"\])(?:\.[A-Za-z_][A-Za-z0-9_-]*|\["(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])*"\])*$"#;
+
+/// Text without a NUL character (`\u0000`), which PostgreSQL cannot store.
+pub const NUL_FREE_PATTERN: &str = "^[^\\u0000]*$";
 
 /// A UUID as the API writes it (hyphenated): what run and plan ids in a
 /// path must look like.
@@ -234,9 +241,11 @@ pub mod schema {
             .into()
     }
 
-    /// An exemption's reason.
+    /// An exemption's or an approval policy's reason.
     pub fn exemption_reason() -> Schema {
-        text(1, MAX_EXEMPTION_REASON_CHARS, None).into()
+        text(1, MAX_EXEMPTION_REASON_CHARS, Some(NUL_FREE_PATTERN))
+            .description(Some("free text without a NUL character"))
+            .into()
     }
 
     /// An exemption's lifetime: a duration such as `4h` or `7d`.

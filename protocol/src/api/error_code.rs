@@ -157,8 +157,11 @@ error_codes! {
     /// As many exemptions are in force as the server allows.
     TooManyExemptions = "too_many_exemptions",
     /// No plan has this id (plans live in the server's memory until they
-    /// expire, the newest few, and not across restarts).
+    /// expire, each operator's newest few, and not across restarts).
     UnknownPlan = "unknown_plan",
+    /// The server keeps as many plans in use as it allows (of all
+    /// operators together).
+    TooManyPlans = "too_many_plans",
     /// The plan is past its `expires_at`: re-plan.
     PlanExpired = "plan_expired",
     /// What the plan was computed on changed (the message says what), or

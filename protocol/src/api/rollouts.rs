@@ -10,7 +10,9 @@ use uuid::Uuid;
 /// `rollout` of `POST /v1/desired` and `POST /v1/plans/{id}/apply`: the
 /// waves, each a size (`"1%"`, `10`) or an object with its own pause,
 /// gates and approval; `pause` and `gates` here apply to every wave that
-/// does not give its own.
+/// does not give its own (`pause` to every wave but the last: nothing
+/// follows the last wave, and a pause or an approval it asks for itself is
+/// refused).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RolloutRequest {

@@ -207,7 +207,10 @@ fn shared_state(
         rollout_requests,
         auth,
         dynsec,
-        plans: std::sync::Mutex::new(PlanBook::new(crate::config::MAX_PLANS_KEPT)),
+        plans: std::sync::Mutex::new(PlanBook::new(
+            crate::config::MAX_PLANS_PER_AUTHOR,
+            crate::config::MAX_PLANS_KEPT,
+        )),
     }
 }
 

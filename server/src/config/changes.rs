@@ -7,9 +7,13 @@ use std::time::Duration;
 
 use super::{parse_duration, ConfigError};
 
-/// Plans the server keeps at most (the newest; each holds one entry per
-/// targeted device).
-pub const MAX_PLANS_KEPT: usize = 16;
+/// Plans the server keeps at most, of all operators together (each holds
+/// one entry per targeted device, so this bounds their memory).
+pub const MAX_PLANS_KEPT: usize = 32;
+
+/// Plans one operator token keeps at most: its newest; an older one of its
+/// own is forgotten for a new one, never another operator's.
+pub const MAX_PLANS_PER_AUTHOR: usize = 8;
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Changes")]

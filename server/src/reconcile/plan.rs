@@ -393,13 +393,24 @@ enum Slot {
     Applied(Uuid),
 }
 
-/// The plans kept: the newest `capacity`, each until it expires and for
-/// as long again (so that applying it late says "expired", not "unknown").
+/// The plans kept, each until it expires and for as long again (so that
+/// applying it late says "expired", not "unknown"): an author's newest
+/// `per_author`, and at most `capacity` in all. A new plan forgets only
+/// its own author's oldest, never another's: when the book is full of
+/// plans still in use, it is refused ([`BookFull`]).
 #[derive(Debug)]
 pub struct PlanBook {
+    per_author: usize,
     capacity: usize,
     /// Oldest first.
     plans: Vec<Kept>,
+}
+
+/// A plan refused because the book holds `capacity` plans still in use
+/// (open, or being applied).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BookFull {
+    pub capacity: usize,
 }
 
 #[derive(Debug)]
@@ -410,21 +421,41 @@ struct Kept {
 }
 
 impl PlanBook {
-    pub fn new(capacity: usize) -> Self {
+    pub fn new(per_author: usize, capacity: usize) -> Self {
         Self {
+            per_author: per_author.max(1),
             capacity: capacity.max(1),
             plans: Vec::new(),
         }
     }
 
-    /// Keeps `plan`, forgetting the oldest beyond the capacity.
-    pub fn insert(&mut self, plan: Plan, now: DateTime<Utc>) -> Arc<Plan> {
+    /// Keeps `plan`, forgetting its author's oldest beyond `per_author`;
+    /// refused when `capacity` plans of others are still in use.
+    pub fn insert(&mut self, plan: Plan, now: DateTime<Utc>) -> Result<Arc<Plan>, BookFull> {
         self.plans.retain(|k| {
             k.slot == Slot::Applying
                 || now < k.plan.expires_at + (k.plan.expires_at - k.plan.created_at)
         });
-        while self.plans.len() >= self.capacity {
-            self.plans.remove(0);
+        let forgettable = |k: &Kept| k.slot != Slot::Applying && k.plan.author == plan.author;
+        while self.plans.iter().filter(|k| forgettable(k)).count() >= self.per_author {
+            let Some(oldest) = self.plans.iter().position(forgettable) else {
+                break;
+            };
+            self.plans.remove(oldest);
+        }
+        if self.plans.len() >= self.capacity {
+            // Expired and applied plans are kept only to say so: room
+            // comes from them before a plan is refused.
+            self.plans.retain(|k| match k.slot {
+                Slot::Applying => true,
+                Slot::Open => now < k.plan.expires_at,
+                Slot::Applied(_) => false,
+            });
+        }
+        if self.plans.len() >= self.capacity {
+            return Err(BookFull {
+                capacity: self.capacity,
+            });
         }
         let plan = Arc::new(plan);
         self.plans.push(Kept {
@@ -432,7 +463,7 @@ impl PlanBook {
             slot: Slot::Open,
             approval: None,
         });
-        plan
+        Ok(plan)
     }
 
     fn kept(&mut self, id: Uuid) -> Option<&mut Kept> {

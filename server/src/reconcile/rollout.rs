@@ -137,6 +137,11 @@ pub enum RolloutError {
     NotEndingAtAll { field: String, last: WaveSize },
     #[error("`{field}` is {value}; a ratio is within [0, 1]")]
     RatioOutOfRange { field: String, value: f64 },
+    #[error(
+        "`{field}` is set on the last wave, but {what} holds back the waves after its own and \
+         none follows; drop it, or add a wave after it"
+    )]
+    NothingFollows { field: String, what: &'static str },
 }
 
 impl RolloutSpec {
@@ -188,6 +193,22 @@ impl RolloutSpec {
             previous = Some(wave.size);
         }
         let last = waves.len() - 1;
+        let pauses = match waves[last].pause {
+            Pause::Manual => true,
+            Pause::For(pause) => !pause.is_zero(),
+            Pause::None => false,
+        };
+        let held = if waves[last].approve {
+            Some(("approve", "an approval"))
+        } else {
+            pauses.then_some(("pause", "a pause"))
+        };
+        if let Some((key, what)) = held {
+            return Err(RolloutError::NothingFollows {
+                field: format!("rollout.waves[{last}].{key}"),
+                what,
+            });
+        }
         match waves[last].size {
             WaveSize::Percent(100.0) => Ok(Self { waves }),
             size @ (WaveSize::Count(_) | WaveSize::Percent(_)) => {
@@ -832,7 +853,7 @@ impl Rollout {
             }
             return;
         }
-        if self.spec.waves[wave].approve {
+        if self.spec.waves[wave].approve && self.pushes_follow(wave) {
             let reason = PauseReason::Approval;
             self.state = RolloutState::Paused { wave, reason };
             out.push(Transition::Paused { wave, reason });
@@ -844,7 +865,12 @@ impl Rollout {
     /// Wave `wave` is done (and approved when it had to be): its pause,
     /// then the next wave.
     fn after_approval(&mut self, wave: usize, now: Option<Instant>, out: &mut Vec<Transition>) {
-        let reason = match (self.spec.waves[wave].pause, now) {
+        let pause = if self.pushes_follow(wave) {
+            self.spec.waves[wave].pause
+        } else {
+            Pause::None
+        };
+        let reason = match (pause, now) {
             (Pause::Manual, _) => Some(PauseReason::Manual),
             (Pause::For(pause), Some(now)) if !pause.is_zero() => {
                 Some(PauseReason::Timed { until: now + pause })
@@ -858,6 +884,16 @@ impl Rollout {
             }
             None => self.next_wave(wave, now, out),
         }
+    }
+
+    /// Whether a wave after `wave` holds a device to push. An approval or a
+    /// pause holds back pushes only: after the last wave that has any (a
+    /// small fleet, or none needing a push at all) there is nothing for
+    /// them to hold, and the rollout goes through its empty waves to the end.
+    fn pushes_follow(&self, wave: usize) -> bool {
+        self.counts
+            .get(wave + 1..)
+            .is_some_and(|after| after.iter().any(|c| c.size > 0))
     }
 
     fn next_wave(&mut self, wave: usize, now: Option<Instant>, out: &mut Vec<Transition>) {

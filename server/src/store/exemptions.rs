@@ -79,6 +79,18 @@ pub async fn count_active(executor: impl PgExecutor<'_>) -> Result<i64, StoreErr
         .context("counting exemptions")
 }
 
+/// Exemptions in force made by `author`.
+pub async fn count_active_by(
+    executor: impl PgExecutor<'_>,
+    author: &str,
+) -> Result<i64, StoreError> {
+    sqlx::query_scalar("SELECT count(*) FROM exemptions WHERE expires_at > now() AND author = $1")
+        .bind(author)
+        .fetch_one(executor)
+        .await
+        .context("counting an author's exemptions")
+}
+
 /// Every exemption that has not expired, soonest to expire first.
 pub async fn list(pool: &PgPool) -> Result<Vec<ExemptionRow>, StoreError> {
     sqlx::query_as(&format!(

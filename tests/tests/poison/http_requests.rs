@@ -102,7 +102,8 @@ async fn a_spec_at_a_raised_budget_is_pushed_and_its_faithful_confirmation_accep
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nul_in_specs_labels_and_query_text_gets_a_clear_error_without_database_text() {
+async fn nul_in_specs_labels_reasons_expiries_and_query_text_gets_a_clear_error_without_database_text(
+) {
     let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
     let (_, fleet) = converged_fleet(&scenario, "api-nul-", 3).await;
     let server = &scenario.server;
@@ -142,6 +143,56 @@ async fn nul_in_specs_labels_and_query_text_gets_a_clear_error_without_database_
                 .post(
                     "/v1/desired",
                     &json!({"selector": {"labels": {"k": "\u{0}"}}, "spec": {}}),
+                )
+                .await
+                .unwrap(),
+            "invalid_labels",
+        ),
+        (
+            server
+                .post(
+                    "/v1/exemptions",
+                    &json!({"device": "api-nul-00000", "reason": "a\u{0}b", "expires_in": "1h"}),
+                )
+                .await
+                .unwrap(),
+            "invalid_reason",
+        ),
+        (
+            server
+                .post(
+                    "/v1/exemptions",
+                    &json!({"device": "api-nul-00000", "reason": "ok", "expires_in": "1h\u{0}"}),
+                )
+                .await
+                .unwrap(),
+            "invalid_expiry",
+        ),
+        (
+            server
+                .post(
+                    "/v1/exemptions",
+                    &json!({"selector": {"labels": {"k\u{0}": "v"}}, "reason": "ok", "expires_in": "1h"}),
+                )
+                .await
+                .unwrap(),
+            "invalid_labels",
+        ),
+        (
+            server
+                .post(
+                    "/v1/approval-policies",
+                    &json!({"selector": {"labels": {"tier": "critical"}}, "reason": "\u{0}"}),
+                )
+                .await
+                .unwrap(),
+            "invalid_reason",
+        ),
+        (
+            server
+                .post(
+                    "/v1/approval-policies",
+                    &json!({"selector": {"labels": {"tier": "\u{0}"}}, "reason": "ok"}),
                 )
                 .await
                 .unwrap(),

@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Json};
-use idem_protocol::api::bounds::{MAX_APPROVAL_POLICIES, MAX_EXEMPTION_REASON_CHARS};
+use idem_protocol::api::bounds::MAX_APPROVAL_POLICIES;
 use idem_protocol::api::{
     ApprovalPolicyList, ApprovalPolicyRequest, ApprovalPolicyView, ErrorBody, ErrorCode, Selector,
 };
@@ -20,7 +20,7 @@ use sqlx::PgExecutor;
 use uuid::Uuid;
 
 use super::command::recorded;
-use super::exemptions::checked_selector;
+use super::exemptions::{checked_reason, checked_selector};
 use super::params::parse_hyphenated_id;
 use crate::app::state::AppState;
 use crate::http::auth::{AuditNote, Call};
@@ -94,15 +94,7 @@ pub(super) async fn create_policy(
     ApiJson(body): ApiJson<ApprovalPolicyRequest>,
 ) -> Result<Response, ApiError> {
     let selector = checked_selector(&body.selector)?;
-    let reason_chars = body.reason.chars().count();
-    if !(1..=MAX_EXEMPTION_REASON_CHARS).contains(&reason_chars) {
-        return Err(ApiError::bad_request(
-            ErrorCode::InvalidReason,
-            format!(
-                "`reason` must be 1 to {MAX_EXEMPTION_REASON_CHARS} characters (got {reason_chars})"
-            ),
-        ));
-    }
+    checked_reason(&body.reason)?;
     let id = Uuid::now_v7();
     let labels = serde_json::to_value(&selector.labels).unwrap_or_default();
     let new = NewApprovalPolicy {

@@ -12,7 +12,9 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Json};
 use chrono::Utc;
-use idem_protocol::api::bounds::{MAX_EXEMPTIONS, MAX_EXEMPTION_REASON_CHARS};
+use idem_protocol::api::bounds::{
+    MAX_EXEMPTIONS, MAX_EXEMPTIONS_PER_AUTHOR, MAX_EXEMPTION_REASON_CHARS,
+};
 use idem_protocol::api::{
     ErrorBody, ErrorCode, ExemptionList, ExemptionRequest, ExemptionView, Selector,
 };
@@ -51,15 +53,7 @@ pub(super) async fn create_exemption(
             ))
         }
     };
-    let reason_chars = body.reason.chars().count();
-    if !(1..=MAX_EXEMPTION_REASON_CHARS).contains(&reason_chars) {
-        return Err(ApiError::bad_request(
-            ErrorCode::InvalidReason,
-            format!(
-                "`reason` must be 1 to {MAX_EXEMPTION_REASON_CHARS} characters (got {reason_chars})"
-            ),
-        ));
-    }
+    checked_reason(&body.reason)?;
     let lifetime = lifetime(
         body.expires_in.as_deref(),
         state.config.changes.exemption_max,
@@ -67,6 +61,18 @@ pub(super) async fn create_exemption(
     let expires_at =
         Utc::now() + chrono::Duration::from_std(lifetime).unwrap_or(chrono::Duration::days(365));
     let mut write = DeviceWrite::begin(&state).await?;
+    let own = store::exemptions::count_active_by(&mut **write.tx().tx(), &call.actor.name).await?;
+    if own >= MAX_EXEMPTIONS_PER_AUTHOR {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::TooManyExemptions,
+            format!(
+                "{own} of your exemptions are in force, the most one operator may have \
+                 ({MAX_EXEMPTIONS_PER_AUTHOR}); delete one of yours, or use a selector for many \
+                 devices"
+            ),
+        ));
+    }
     let active = store::exemptions::count_active(&mut **write.tx().tx()).await?;
     if active >= MAX_EXEMPTIONS {
         return Err(ApiError::new(
@@ -179,6 +185,26 @@ pub(super) fn checked_selector(selector: &Selector) -> Result<Selector, ApiError
         input::check_label_pair(key, value)?;
     }
     Ok(selector.clone())
+}
+
+/// The `reason` of an exemption or an approval policy: 1 to
+/// [`MAX_EXEMPTION_REASON_CHARS`] characters, no NUL (PostgreSQL stores no
+/// NUL in text; refused here, with the reason, before it gets there).
+pub(super) fn checked_reason(reason: &str) -> Result<(), ApiError> {
+    let chars = reason.chars().count();
+    if !(1..=MAX_EXEMPTION_REASON_CHARS).contains(&chars) {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidReason,
+            format!("`reason` must be 1 to {MAX_EXEMPTION_REASON_CHARS} characters (got {chars})"),
+        ));
+    }
+    if reason.contains('\0') {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidReason,
+            "`reason` holds a NUL character (\\u0000); write it without one",
+        ));
+    }
+    Ok(())
 }
 
 /// `expires_in`, between a second and `max`.

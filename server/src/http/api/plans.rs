@@ -88,7 +88,20 @@ pub(super) async fn create_plan(
         devices,
         counts,
     };
-    let plan = book(&state).insert(plan, now);
+    let inserted = book(&state).insert(plan, now);
+    let plan = inserted.map_err(|full| {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            ErrorCode::TooManyPlans,
+            format!(
+                "the server keeps {} plans in use, the most it keeps of all operators together \
+                 (each operator's newest {}); apply or wait out one of yours, or try again once \
+                 others' expire (--plan-ttl)",
+                full.capacity,
+                crate::config::MAX_PLANS_PER_AUTHOR
+            ),
+        )
+    })?;
     state.metrics.plan("created");
     let view = plan_view(&state, &plan, PlanState::Open, None).await?;
     Ok((StatusCode::CREATED, Extension(DryRun), Json(view)).into_response())
@@ -296,9 +309,9 @@ fn unknown_plan(id: Uuid) -> ApiError {
     ApiError::not_found(
         ErrorCode::UnknownPlan,
         format!(
-            "no plan {id}: plans are kept in the server's memory until they expire (the newest \
-             {}, not across restarts); make a new one with POST /v1/plans",
-            crate::config::MAX_PLANS_KEPT
+            "no plan {id}: plans are kept in the server's memory until they expire (each \
+             operator's newest {}, not across restarts); make a new one with POST /v1/plans",
+            crate::config::MAX_PLANS_PER_AUTHOR
         ),
     )
 }

@@ -52,8 +52,17 @@ pub(super) fn checked_rollout(request: &RolloutRequest) -> Result<RolloutSpec, A
         None => Gates::default(),
     };
     let mut waves = Vec::with_capacity(request.waves.len());
+    let last = request.waves.len().saturating_sub(1);
     for (i, wave) in request.waves.iter().enumerate() {
         let field = format!("rollout.waves[{i}]");
+        // Nothing follows the last wave for a pause to hold back: the
+        // rollout's pause is for the waves before it (one the last wave
+        // asks for itself is refused).
+        let default_pause = if i == last {
+            Pause::None
+        } else {
+            default_pause
+        };
         let spec = match wave {
             WaveRequest::Size(size) => WaveSpec {
                 size: wave_size(&format!("{field}.size"), size)?,
