@@ -319,3 +319,94 @@ async fn one_operator_filling_their_exemption_slots_leaves_the_others_theirs() {
     let (status, answer) = bob.post("/v1/exemptions", &body).await.unwrap();
     assert_eq!(status, 201, "another operator still has slots: {answer}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_made_while_exempt_reaches_the_device_once_its_exemption_expires_or_is_deleted() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let plan = FleetPlan::new("ends-", 3).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 3).await.unwrap();
+    let expiring = plan.devices[0].id.clone();
+    let deleted = plan.devices[1].id.clone();
+    for device in [&expiring, &deleted] {
+        wait_until(
+            Duration::from_secs(10),
+            "converged by its report",
+            || async { scenario.device(device.as_str()).await.unwrap()["status"] == "converged" },
+        )
+        .await
+        .unwrap();
+    }
+    let exempt = |device: &DeviceId, expires_in: &str| {
+        let body = json!({"device": device, "reason": "field test", "expires_in": expires_in});
+        let server = &scenario.server;
+        async move {
+            let (status, created) = server.post("/v1/exemptions", &body).await.unwrap();
+            assert_eq!(status, 201, "{created}");
+            created["id"].as_str().unwrap().to_owned()
+        }
+    };
+    exempt(&expiring, "4s").await;
+    let to_delete = exempt(&deleted, "1h").await;
+
+    let mut changed = plan.desired_spec.clone();
+    changed["telemetry"]["interval_s"] = json!(45);
+    let mut generations = Vec::new();
+    for device in [&expiring, &deleted] {
+        let (status, answer) = scenario
+            .server
+            .put(
+                &format!("/v1/devices/{device}/desired"),
+                &json!({"spec": changed}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{answer}");
+        let run = answer["run_id"].as_str().unwrap();
+        scenario
+            .server
+            .wait_run_completed(run, Duration::from_secs(15))
+            .await
+            .unwrap();
+        let outcomes = scenario.server.run_outcomes(run).await.unwrap();
+        assert_eq!(
+            outcomes[device.as_str()]["reason"],
+            "exempt",
+            "{outcomes:?}"
+        );
+        // Exempt and not running its desired spec: drifted, not converged.
+        let view = scenario.device(device.as_str()).await.unwrap();
+        assert_eq!(
+            (&view["status"], &view["in_sync"]),
+            (&json!("drifted"), &json!(false)),
+            "{view}"
+        );
+        generations.push(answer["generation"].as_u64().unwrap());
+    }
+    let (status, answer) = scenario
+        .server
+        .delete(&format!("/v1/exemptions/{to_delete}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+
+    for (device, generation) in [&expiring, &deleted].into_iter().zip(generations) {
+        wait_until(
+            Duration::from_secs(20),
+            &format!("{device} running generation {generation} after its exemption ended"),
+            || async { fleet.state(device).unwrap().generation == Some(generation) },
+        )
+        .await
+        .unwrap();
+        wait_until(
+            Duration::from_secs(10),
+            &format!("{device} converged and in sync"),
+            || async {
+                let view = scenario.device(device.as_str()).await.unwrap();
+                view["status"] == "converged" && view["in_sync"] == true
+            },
+        )
+        .await
+        .unwrap();
+    }
+    fleet.shutdown().await.unwrap();
+}

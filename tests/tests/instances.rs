@@ -314,3 +314,78 @@ async fn another_instance_plans_on_the_status_the_engine_wrote() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exemptions_ended_through_an_instance_without_the_engine_bring_their_devices_up_to_date() {
+    let scenario = Scenario::start(ServerSettings {
+        share_group: Some("follow-exempt".to_owned()),
+        ..ServerSettings::default()
+    })
+    .await
+    .unwrap();
+    wait_owns(&scenario.server, "engine").await;
+    let devices: Vec<SimDevice> = ["ended-deleted", "ended-expired"]
+        .iter()
+        .map(|id| SimDevice::new(DeviceId::parse(id).unwrap(), json!({"fw": "1"})))
+        .collect();
+    scenario
+        .register(&devices, &json!({"fw": "1"}))
+        .await
+        .unwrap();
+    let fleet = scenario.start_fleet(devices).await.unwrap();
+    scenario
+        .wait_reports_stored(2, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let second = another_instance(&scenario, "follow-exempt").await;
+    let (_, ready) = second.get("/readyz").await.unwrap();
+    assert_eq!(ready["owns"], json!([]), "{ready}");
+
+    let mut to_delete = String::new();
+    for (id, expires_in) in [("ended-deleted", "1h"), ("ended-expired", "4s")] {
+        let (status, created) = second
+            .post(
+                "/v1/exemptions",
+                &json!({"device": id, "reason": "field test", "expires_in": expires_in}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(status, 201, "{created}");
+        if expires_in == "1h" {
+            to_delete = created["id"].as_str().unwrap().to_owned();
+        }
+    }
+    // The change is made through the second instance while both are exempt.
+    let (status, body) = second
+        .post(
+            "/v1/desired",
+            &json!({"devices": ["ended-deleted", "ended-expired"], "spec": {"fw": "2"}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let run = second
+        .wait_run_completed(body["run_id"].as_str().unwrap(), Duration::from_secs(15))
+        .await
+        .unwrap();
+    assert_eq!(run["counts"]["skipped"], 2, "both exempt: {run}");
+    let (status, answer) = second
+        .delete(&format!("/v1/exemptions/{to_delete}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    for id in ["ended-deleted", "ended-expired"] {
+        let device = DeviceId::parse(id).unwrap();
+        wait_until(
+            Duration::from_secs(20),
+            &format!("{id} running generation 2 once its exemption ended"),
+            || async { fleet.state(&device).unwrap().generation == Some(2) },
+        )
+        .await
+        .unwrap();
+        wait_device(&second, id, "converged and in sync", |status, body| {
+            status == 200 && body["status"] == "converged" && body["in_sync"] == true
+        })
+        .await;
+    }
+}

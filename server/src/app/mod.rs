@@ -475,7 +475,7 @@ fn tell_engine_what_others_wrote(
                     None => return,
                 },
             };
-            let mut commands = Vec::with_capacity(3);
+            let mut commands = Vec::with_capacity(5);
             if !followed.reported.is_empty() {
                 commands.push(EngineCommand::ReportsApplied(followed.reported));
             }
@@ -484,6 +484,16 @@ fn tell_engine_what_others_wrote(
             }
             if !followed.removed.is_empty() {
                 commands.push(EngineCommand::DevicesRemoved(followed.removed));
+            }
+            // Ended by an instance that does not hold the engine (its own
+            // engine drops the command): the holder hears it here.
+            if !followed.exemptions_started.is_empty() {
+                commands.push(EngineCommand::ExemptionsStarted(
+                    followed.exemptions_started,
+                ));
+            }
+            if !followed.exemptions_ended.is_empty() {
+                commands.push(EngineCommand::ExemptionsEnded(followed.exemptions_ended));
             }
             for command in commands {
                 if engine.send(command).await.is_err() {

@@ -198,6 +198,25 @@ pub fn status_after(outcome: &Outcome) -> Option<DeviceStatus> {
     }
 }
 
+/// The device status `outcome` leaves `entry` in (`None` keeps the current
+/// one): [`status_after`], except that a converged device skipped as exempt
+/// while its report differs from its desired spec is `drifted`: its status
+/// never claims a convergence it does not have (it is remediated once its
+/// exemption ends).
+pub fn status_left(outcome: &Outcome, entry: &DeviceEntry) -> Option<DeviceStatus> {
+    let exempt_and_differing = matches!(outcome, Outcome::Skipped(SkipReason::Exempt))
+        && entry.status == DeviceStatus::Converged
+        && match (&entry.desired, &entry.reported) {
+            (Some(desired), Some(reported)) => desired.digest != reported.digest,
+            (Some(_), None) | (None, _) => false,
+        };
+    if exempt_and_differing {
+        Some(DeviceStatus::Drifted)
+    } else {
+        status_after(outcome)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -50,11 +50,19 @@ pub struct Followed {
     pub online: Vec<(DeviceId, bool)>,
     /// Devices another writer deleted.
     pub removed: Vec<DeviceId>,
+    /// Devices an exemption now covers that none did.
+    pub exemptions_started: Vec<DeviceId>,
+    /// Devices whose exemptions another writer ended (expired or deleted).
+    pub exemptions_ended: Vec<DeviceId>,
 }
 
 impl Followed {
     pub fn is_empty(&self) -> bool {
-        self.reported.is_empty() && self.online.is_empty() && self.removed.is_empty()
+        self.reported.is_empty()
+            && self.online.is_empty()
+            && self.removed.is_empty()
+            && self.exemptions_started.is_empty()
+            && self.exemptions_ended.is_empty()
     }
 }
 
@@ -207,7 +215,13 @@ impl DeviceWriter {
             let (reported, unparsed) = super::devices::reported_columns_of(tx, &known).await?;
             rows.extend(unparsed);
             for (id, report) in reported {
-                self.noticed(&id, report.reported.as_ref(), report.online, &mut followed);
+                self.noticed(
+                    &id,
+                    report.reported.as_ref(),
+                    report.online,
+                    None,
+                    &mut followed,
+                );
                 changes.push(FleetChange::FollowedReport(id, report));
             }
         }
@@ -257,7 +271,14 @@ impl DeviceWriter {
         }
         for (id, entry) in &mut entries {
             entry.exempt = exempt.contains(id.as_str());
-            self.noticed(id, entry.reported.as_ref(), entry.online, &mut followed);
+            let exempt = Some(entry.exempt);
+            self.noticed(
+                id,
+                entry.reported.as_ref(),
+                entry.online,
+                exempt,
+                &mut followed,
+            );
         }
         changes.extend(
             entries
@@ -269,15 +290,24 @@ impl DeviceWriter {
     }
 
     /// Notes for the engine what a followed row tells that the cache did
-    /// not hold: a newer report, a changed connection state.
+    /// not hold: a newer report, a changed connection state, an exemption
+    /// started or ended (`exempt`, when the row was read whole).
     fn noticed(
         &self,
         id: &DeviceId,
         reported: Option<&ReportedState>,
         online: Option<bool>,
+        exempt: Option<bool>,
         followed: &mut Followed,
     ) {
         let before = self.cache.get(id);
+        if let (Some(was), Some(now)) = (before.as_ref().map(|b| b.exempt), exempt) {
+            if was && !now {
+                followed.exemptions_ended.push(id.clone());
+            } else if now && !was {
+                followed.exemptions_started.push(id.clone());
+            }
+        }
         let seq_before = before
             .as_ref()
             .and_then(|b| b.reported.as_ref().map(|r| r.seq));

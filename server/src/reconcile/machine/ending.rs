@@ -11,7 +11,7 @@ use super::{Effect, Machine, Now, Phase, RememberedOutcome};
 use crate::reconcile::device::DeviceEntry;
 use crate::reconcile::event_draft::EventDraft;
 use crate::reconcile::outcome::{Outcome, OutcomeKind};
-use crate::reconcile::policy::{status_after, AfterFailure, DeviceStatus};
+use crate::reconcile::policy::{status_left, AfterFailure, DeviceStatus};
 use crate::reconcile::run::RunProgress;
 use idem_protocol::event::{DeviceOutcomeData, DeviceQuarantinedData};
 
@@ -111,7 +111,7 @@ impl Machine {
         };
         self.pushed.remove(id);
         let kind = outcome.kind();
-        let status = status.or_else(|| status_after(&outcome));
+        let status = status.or_else(|| status_left(&outcome, entry));
         let reason = outcome.reason();
         let generation = flight.generation;
         let health = entry.health;
