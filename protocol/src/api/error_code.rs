@@ -162,6 +162,12 @@ error_codes! {
     /// The server keeps as many plans in use as it allows (of all
     /// operators together).
     TooManyPlans = "too_many_plans",
+    /// The token has as many large reads (plan or device pages) in
+    /// progress as one token may: wait for one to finish.
+    TooManyLargeReads = "too_many_large_reads",
+    /// As many large reads are in progress as the server serves at once,
+    /// and none ended in time: retry later.
+    LargeReadsBusy = "large_reads_busy",
     /// The plan is past its `expires_at`: re-plan.
     PlanExpired = "plan_expired",
     /// What the plan was computed on changed (the message says what), or

@@ -211,6 +211,7 @@ fn shared_state(
             crate::config::MAX_PLANS_PER_AUTHOR,
             crate::config::MAX_PLANS_KEPT,
         )),
+        large_reads: crate::http::api::LargeReads::default(),
     }
 }
 

@@ -58,6 +58,8 @@ pub struct AppState {
     pub rollout_requests: mpsc::Sender<RolloutRequest>,
     /// The plans made and not yet forgotten (`POST /v1/plans`).
     pub plans: Mutex<PlanBook>,
+    /// Turns of the reads whose answers can be large (plan and device pages).
+    pub large_reads: crate::http::api::LargeReads,
 }
 
 /// The workers whose stuck writes make the server not ready.

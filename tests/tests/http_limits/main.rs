@@ -8,8 +8,9 @@
 //! Here: what the tests share (polling, raw connections from a chosen
 //! address, a raw exchange and its answer). By topic: `connections` (idle
 //! connections, the cap, each address's share, shutdown), `request_limits`
-//! (request head and body limits) and `event_streams` (the SSE caps, slow
-//! clients and the replay rate).
+//! (request head and body limits), `event_streams` (the SSE caps, slow
+//! clients and the replay rate) and `large_reads` (byte-bounded plan pages
+//! and the turns of large reads).
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -24,6 +25,7 @@ use tokio::net::{TcpSocket, TcpStream};
 
 mod connections;
 mod event_streams;
+mod large_reads;
 mod request_limits;
 
 /// Polls `check` until it yields a value; fails after `timeout`.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use idem_protocol::api::{
     Attempt, DesiredView, DeviceDeleted, DeviceListQuery, DevicePage, DeviceRegistration,
@@ -21,10 +21,11 @@ use serde_json::{json, Value};
 use super::approvals::refuse_unapproved;
 use super::command::{self, audited_ids, recorded, DeviceWrite};
 use super::credentials::{self, Issued};
+use super::large_reads::{self, MAX_PAGE_BYTES};
 use super::params::{page_limit, parse_id, parse_labels, registered, unknown_device};
 use crate::app::state::AppState;
 use crate::engine::EngineCommand;
-use crate::http::auth::{AuditNote, Call};
+use crate::http::auth::{Actor, AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
@@ -34,9 +35,6 @@ use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::{DeviceFilter, DeviceRow, HistoryRow, Registration};
 use crate::store::{self, generation, to_u64};
 
-/// A device page stops growing once its JSON reaches this many bytes (it
-/// always holds at least one device); `next_after` continues it.
-const MAX_PAGE_BYTES: usize = 4 * 1024 * 1024;
 /// Devices read from the database at a time while building a page.
 const LIST_CHUNK: i64 = 100;
 /// Attempts shown in a device's history.
@@ -459,9 +457,14 @@ fn device_filter(query: DeviceListQuery) -> Result<(DeviceFilter, i64), ApiError
     responses((status = 200, body = DevicePage), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn list_devices(
     State(state): State<Arc<AppState>>,
+    actor: Option<Extension<Actor>>,
     ApiQuery(query): ApiQuery<DeviceListQuery>,
-) -> Result<Json<DevicePage>, ApiError> {
+) -> Result<Response, ApiError> {
     let (mut filter, limit) = device_filter(query)?;
+    let _turn = match large_reads::turn(&state, actor.as_deref()).await {
+        Ok(turn) => turn,
+        Err(refused) => return Ok(refused),
+    };
     // Read in chunks and stop at the byte bound, so neither the response nor
     // the server's memory grows with the size of the devices' specs.
     let mut devices = Vec::new();
@@ -486,7 +489,8 @@ pub(super) async fn list_devices(
     Ok(Json(DevicePage {
         devices,
         next_after,
-    }))
+    })
+    .into_response())
 }
 
 /// A stored device as the API shows it (its exemption and owned fields

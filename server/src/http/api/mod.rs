@@ -22,6 +22,7 @@ mod desired;
 mod devices;
 mod exemptions;
 mod fleet;
+mod large_reads;
 pub mod openapi;
 mod ops;
 mod owned;
@@ -32,6 +33,7 @@ mod routes;
 mod runs;
 mod tokens;
 
+pub use large_reads::LargeReads;
 pub use routes::routes;
 
 /// The API: the route table's router, behind the auth middleware, with

@@ -28,10 +28,11 @@ use super::approvals::{approval_needed, approval_required};
 use super::command::{audited, audited_ids, recorded, start_run};
 use super::desired::{checked_targeting, matching, targeting_summary};
 use super::devices::field_diffs;
+use super::large_reads::{self, MAX_PAGE_BYTES};
 use super::params::{page_limit, parse_hyphenated_id};
 use crate::app::state::AppState;
 use crate::engine::new_run::NewRun;
-use crate::http::auth::{AuditNote, Call, DryRun};
+use crate::http::auth::{Actor, AuditNote, Call, DryRun};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiJsonOrEmpty, ApiPath, ApiQuery};
 use crate::http::input;
@@ -88,6 +89,11 @@ pub(super) async fn create_plan(
         devices,
         counts,
     };
+    // The answer shows the plan's first page: a large read.
+    let _turn = match large_reads::turn(&state, Some(&call.actor)).await {
+        Ok(turn) => turn,
+        Err(refused) => return Ok(refused),
+    };
     let inserted = book(&state).insert(plan, now);
     let plan = inserted.map_err(|full| {
         ApiError::new(
@@ -113,13 +119,18 @@ pub(super) async fn create_plan(
     responses((status = 200, body = PlanView), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn get_plan(
     State(state): State<Arc<AppState>>,
+    actor: Option<Extension<Actor>>,
     ApiPath(raw): ApiPath<String>,
-) -> Result<Json<PlanView>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = plan_id(&raw)?;
     let (plan, plan_state, approval) = book(&state)
         .get(id, Utc::now())
         .ok_or_else(|| unknown_plan(id))?;
-    Ok(Json(plan_view(&state, &plan, plan_state, approval).await?))
+    let _turn = match large_reads::turn(&state, actor.as_deref()).await {
+        Ok(turn) => turn,
+        Err(refused) => return Ok(refused),
+    };
+    Ok(Json(plan_view(&state, &plan, plan_state, approval).await?).into_response())
 }
 
 /// `GET /v1/plans/{id}/devices`: a page of a plan's devices in id order.
@@ -128,9 +139,10 @@ pub(super) async fn get_plan(
     responses((status = 200, body = PlanDevicePage), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn plan_devices_page(
     State(state): State<Arc<AppState>>,
+    actor: Option<Extension<Actor>>,
     ApiPath(raw): ApiPath<String>,
     ApiQuery(query): ApiQuery<PlanDeviceQuery>,
-) -> Result<Json<PlanDevicePage>, ApiError> {
+) -> Result<Response, ApiError> {
     let id = plan_id(&raw)?;
     // 1..=PAGE_LIMIT_MAX, so it fits.
     let limit = usize::try_from(page_limit(query.limit)?).unwrap_or(1);
@@ -140,12 +152,17 @@ pub(super) async fn plan_devices_page(
     let (plan, _, _) = book(&state)
         .get(id, Utc::now())
         .ok_or_else(|| unknown_plan(id))?;
+    let _turn = match large_reads::turn(&state, actor.as_deref()).await {
+        Ok(turn) => turn,
+        Err(refused) => return Ok(refused),
+    };
     let (devices, next_after) =
         page(&state, &plan, query.change, query.after.as_deref(), limit).await?;
     Ok(Json(PlanDevicePage {
         devices,
         next_after,
-    }))
+    })
+    .into_response())
 }
 
 /// `POST /v1/plans/{id}/apply`: the run that does what the plan said
@@ -405,6 +422,9 @@ async fn plan_view(
 /// A page of `plan`'s devices with `change` (any when `None`) after
 /// `after`, each with its diff from its stored report, and the cursor of
 /// the next page.
+/// A plan's devices read at a time while building a page.
+const PAGE_CHUNK: usize = 20;
+
 async fn page(
     state: &AppState,
     plan: &Plan,
@@ -413,25 +433,33 @@ async fn page(
     limit: usize,
 ) -> Result<(Vec<PlannedDevice>, Option<String>), ApiError> {
     let wanted = |verdict: Verdict| change.is_none_or(|c| c == change_of(verdict).0);
-    let (devices, more) = plan.page(after, wanted, limit);
-    let ids: Vec<String> = devices.iter().map(|d| d.id.to_string()).collect();
-    let reports: HashMap<String, store::devices::StoredReport> =
-        store::devices::reports_of(&state.pool, &ids)
-            .await?
-            .into_iter()
-            .map(|r| (r.id.clone(), r))
-            .collect();
-    let next_after = more
-        .then(|| devices.last().map(|d| d.id.to_string()))
-        .flatten();
-    let shown = devices
-        .into_iter()
-        .map(|device| {
-            let report = reports.get(device.id.as_str());
-            let spec = report.and_then(|r| r.reported_spec.as_ref());
-            let seq = report.and_then(|r| r.reported_seq).map(store::to_u64);
+    let (devices, mut more) = plan.page(after, wanted, limit);
+    // Reports read and diffs made a few devices at a time, and the page
+    // ends once its JSON reaches the byte bound (with one device at least),
+    // so neither the answer nor the memory it takes grows with the specs.
+    let mut shown = Vec::new();
+    let mut bytes = 0;
+    'chunks: for chunk in devices.chunks(PAGE_CHUNK) {
+        let ids: Vec<String> = chunk.iter().map(|d| d.id.to_string()).collect();
+        let mut reports: HashMap<String, store::devices::StoredReport> =
+            store::devices::reports_of(&state.pool, &ids)
+                .await?
+                .into_iter()
+                .map(|r| (r.id.clone(), r))
+                .collect();
+        for device in chunk {
+            if bytes >= MAX_PAGE_BYTES {
+                more = true;
+                break 'chunks;
+            }
+            let report = reports.remove(device.id.as_str());
+            let spec = report.as_ref().and_then(|r| r.reported_spec.as_ref());
+            let seq = report
+                .as_ref()
+                .and_then(|r| r.reported_seq)
+                .map(store::to_u64);
             let (change, reason) = change_of(device.verdict);
-            PlannedDevice {
+            let planned = PlannedDevice {
                 device_id: device.id.to_string(),
                 change,
                 reason,
@@ -445,9 +473,14 @@ async fn page(
                     )
                 }),
                 reported_since_plan: seq != device.basis.reported_seq,
-            }
-        })
-        .collect();
+            };
+            bytes += serde_json::to_vec(&planned).map_or(0, |json| json.len());
+            shown.push(planned);
+        }
+    }
+    let next_after = more
+        .then(|| shown.last().map(|d| d.device_id.clone()))
+        .flatten();
     Ok((shown, next_after))
 }
 
