@@ -156,6 +156,12 @@ async fn plan_pages_stop_at_their_byte_bound_and_concurrent_viewers_leave_memory
     sampling.store(false, Ordering::Relaxed);
     sampler.await.unwrap();
     let grown = peak.load(Ordering::Relaxed).saturating_sub(before);
+    eprintln!(
+        "{pages} pages; eight viewers reading at once: resident memory {} MiB before, \
+         grown by at most {} MiB",
+        before / (1024 * 1024),
+        grown / (1024 * 1024)
+    );
     assert!(
         grown < 200 * 1024 * 1024,
         "eight viewers reading at once grew the server's memory by {} MiB",
