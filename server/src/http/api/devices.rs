@@ -454,7 +454,8 @@ fn device_filter(query: DeviceListQuery) -> Result<(DeviceFilter, i64), ApiError
 
 /// `GET /v1/devices`: a page of devices in id order.
 #[utoipa::path(get, path = "/v1/devices", tag = "devices", params(DeviceListQuery),
-    responses((status = 200, body = DevicePage), (status = "4XX", body = ErrorBody)))]
+    responses((status = 200, body = DevicePage), (status = "4XX", body = ErrorBody),
+        (status = 503, description = "large_reads_busy: every turn of large reads taken; retry after Retry-After", body = ErrorBody)))]
 pub(super) async fn list_devices(
     State(state): State<Arc<AppState>>,
     actor: Option<Extension<Actor>>,

@@ -48,7 +48,8 @@ use crate::store;
 /// by device; nothing is changed or recorded.
 #[utoipa::path(post, path = "/v1/plans", tag = "plans",
     request_body = idem_protocol::api::DesiredRequest,
-    responses((status = 201, body = PlanView), (status = "4XX", body = ErrorBody)))]
+    responses((status = 201, body = PlanView), (status = "4XX", body = ErrorBody),
+        (status = 503, description = "large_reads_busy: every turn of large reads taken; retry after Retry-After", body = ErrorBody)))]
 pub(super) async fn create_plan(
     State(state): State<Arc<AppState>>,
     Extension(call): Extension<Call>,
@@ -116,7 +117,8 @@ pub(super) async fn create_plan(
 /// `GET /v1/plans/{id}`: a plan, with the first page of its pushes.
 #[utoipa::path(get, path = "/v1/plans/{id}", tag = "plans",
     params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "plan id")),
-    responses((status = 200, body = PlanView), (status = "4XX", body = ErrorBody)))]
+    responses((status = 200, body = PlanView), (status = "4XX", body = ErrorBody),
+        (status = 503, description = "large_reads_busy: every turn of large reads taken; retry after Retry-After", body = ErrorBody)))]
 pub(super) async fn get_plan(
     State(state): State<Arc<AppState>>,
     actor: Option<Extension<Actor>>,
@@ -136,7 +138,8 @@ pub(super) async fn get_plan(
 /// `GET /v1/plans/{id}/devices`: a page of a plan's devices in id order.
 #[utoipa::path(get, path = "/v1/plans/{id}/devices", tag = "plans",
     params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "plan id"), PlanDeviceQuery),
-    responses((status = 200, body = PlanDevicePage), (status = "4XX", body = ErrorBody)))]
+    responses((status = 200, body = PlanDevicePage), (status = "4XX", body = ErrorBody),
+        (status = 503, description = "large_reads_busy: every turn of large reads taken; retry after Retry-After", body = ErrorBody)))]
 pub(super) async fn plan_devices_page(
     State(state): State<Arc<AppState>>,
     actor: Option<Extension<Actor>>,
