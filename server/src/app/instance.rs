@@ -30,8 +30,41 @@ pub enum InstanceError {
         pid = holder.pid, host = holder.host, age = holder.age_secs, beat = holder.heartbeat_age_secs
     )]
     InUse { name: String, holder: Holder },
+    #[error(
+        "the live instance {other:?} runs with --require-approval={theirs} and this one with \
+         --require-approval={ours}: whether every desired change needs approval is one setting \
+         of the fleet; start every instance with the same IDEM_REQUIRE_APPROVAL / \
+         --require-approval"
+    )]
+    ApprovalDisagrees {
+        other: String,
+        theirs: bool,
+        ours: bool,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// Records this instance's `--require-approval` with its claim, and
+/// refuses (giving the claim back) when a live instance's differs: every
+/// instance of a fleet judges approval alike.
+pub async fn agree_on_approval(
+    pool: &PgPool,
+    claim: &InstanceClaim,
+    require_approval: bool,
+) -> Result<(), InstanceError> {
+    let holder = claim.claimant.holder;
+    let differing =
+        instances::record_require_approval(pool, &claim.name, holder, require_approval).await?;
+    let Some((other, theirs)) = differing else {
+        return Ok(());
+    };
+    instances::release(pool, &claim.name, holder).await?;
+    Err(InstanceError::ApprovalDisagrees {
+        other,
+        theirs,
+        ours: require_approval,
+    })
 }
 
 /// This process's claim of its instance name.

@@ -63,6 +63,7 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     store::migrate(&pool).await?;
     let claim = instance::claim(&pool, &config.fleet.instance, config.fleet.instance_lease).await?;
+    instance::agree_on_approval(&pool, &claim, config.changes.require_approval).await?;
     tracing::info!(instance = %claim.name, "instance name claimed");
     // The claim's heartbeat runs until the very end (after the MQTT
     // session closed), on its own token; it stops the server through
@@ -211,7 +212,7 @@ fn shared_state(
             crate::config::MAX_PLANS_PER_AUTHOR,
             crate::config::MAX_PLANS_KEPT,
         )),
-        large_reads: crate::http::api::LargeReads::default(),
+        large_reads: crate::http::large_reads::LargeReads::default(),
     }
 }
 

@@ -59,7 +59,7 @@ pub struct AppState {
     /// The plans made and not yet forgotten (`POST /v1/plans`).
     pub plans: Mutex<PlanBook>,
     /// Turns of the reads whose answers can be large (plan and device pages).
-    pub large_reads: crate::http::api::LargeReads,
+    pub large_reads: crate::http::large_reads::LargeReads,
 }
 
 /// The workers whose stuck writes make the server not ready.

@@ -1,8 +1,8 @@
 //! The HTTP side: connection handling (`connections`: our own accept loop,
 //! TLS, per-peer limits), the API (`api`), Server-Sent Events (`sse`), who
 //! may call what (`auth`), the JSON error answer (`error`), the extractors
-//! whose rejections are that answer (`extract`) and the bounds on operator
-//! input (`input`).
+//! whose rejections are that answer (`extract`), the bounds on operator
+//! input (`input`) and the turns of large reads (`large_reads`).
 
 pub(crate) mod api;
 pub mod auth;
@@ -10,6 +10,7 @@ pub(crate) mod connections;
 pub(crate) mod error;
 pub(crate) mod extract;
 pub(crate) mod input;
+pub(crate) mod large_reads;
 pub(crate) mod sse;
 
 pub use api::routes;

@@ -76,6 +76,35 @@ pub async fn claim(
     Ok(claimed == Some(claimant.holder))
 }
 
+/// Records whether `holder`, holding `name`, requires approval of every
+/// desired change; returns a live instance other than `name` whose setting
+/// differs, if there is one (its name and setting).
+pub async fn record_require_approval(
+    pool: &PgPool,
+    name: &str,
+    holder: Uuid,
+    require_approval: bool,
+) -> Result<Option<(String, bool)>, StoreError> {
+    sqlx::query("UPDATE instances SET require_approval = $3 WHERE name = $1 AND holder = $2")
+        .bind(name)
+        .bind(holder)
+        .bind(require_approval)
+        .execute(pool)
+        .await
+        .context("recording the instance's approval setting")?;
+    sqlx::query_as(
+        "SELECT name, require_approval FROM instances \
+         WHERE name <> $1 AND require_approval <> $2 \
+           AND heartbeat_at >= now() - make_interval(secs => lease_ms / 1000.0) \
+         ORDER BY name LIMIT 1",
+    )
+    .bind(name)
+    .bind(require_approval)
+    .fetch_optional(pool)
+    .await
+    .context("reading the other instances' approval settings")
+}
+
 /// The current holder of `name`, if any.
 pub async fn holder(pool: &PgPool, name: &str) -> Result<Option<Holder>, StoreError> {
     let row: Option<HolderColumns> = sqlx::query_as(

@@ -164,3 +164,70 @@ async fn a_name_whose_holder_on_another_host_stopped_beating_is_taken_after_its_
     assert_ne!(host, "elsewhere.example");
     assert_eq!(u32::try_from(pid).unwrap(), server.pid().unwrap());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_approval_setting_differs_from_a_live_ones_refuses_to_start() {
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
+    let (broker, db, root, name) = services_and_a_name("approval").await;
+    let strict = [("IDEM_REQUIRE_APPROVAL", "true")];
+    let mut first = ProcessServer::start(
+        Path::new(SERVER_BIN),
+        db.url(),
+        &broker.url(),
+        &root,
+        &format!("{name}-a"),
+        &strict,
+    )
+    .await
+    .unwrap();
+    let mut lax = ProcessServer::launch(
+        Path::new(SERVER_BIN),
+        db.url(),
+        &broker.url(),
+        &root,
+        &format!("{name}-b"),
+        &[],
+    )
+    .unwrap();
+    let status = lax
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .unwrap()
+        .unwrap_or_else(|| {
+            panic!(
+                "an instance without --require-approval started beside one with it:\n{}",
+                lax.log_tail()
+            )
+        });
+    assert!(!status.success(), "{status}\n{}", lax.log_tail());
+    let log = lax.log_text();
+    assert!(
+        log.contains(&format!(
+            "the live instance \"{name}-a\" runs with --require-approval=true and this one with \
+             --require-approval=false"
+        )),
+        "the refusal does not name the instance it disagrees with:\n{log}"
+    );
+    // Its claim was given back; the first instance was not disturbed.
+    let (claims,): (i64,) = sqlx::query_as("SELECT count(*) FROM instances")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(claims, 1);
+    assert!(first.is_running(), "{}", first.log_tail());
+    // The same setting: it starts.
+    let mut agreeing = ProcessServer::start(
+        Path::new(SERVER_BIN),
+        db.url(),
+        &broker.url(),
+        &root,
+        &format!("{name}-b"),
+        &strict,
+    )
+    .await
+    .unwrap();
+    agreeing.stop().unwrap();
+    first.stop().unwrap();
+}

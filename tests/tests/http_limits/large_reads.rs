@@ -14,7 +14,7 @@ use idem_protocol::DeviceId;
 use idem_tests::{Scenario, ServerSettings};
 use serde_json::{json, Map, Value};
 
-/// The byte bound of a page (`server/src/http/api/large_reads.rs`).
+/// The byte bound of a page (`server/src/http/large_reads.rs`).
 const MAX_PAGE_BYTES: usize = 4 * 1024 * 1024;
 const DEVICES: usize = 120;
 

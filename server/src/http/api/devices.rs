@@ -21,7 +21,6 @@ use serde_json::{json, Value};
 use super::approvals::refuse_unapproved;
 use super::command::{self, audited_ids, recorded, DeviceWrite};
 use super::credentials::{self, Issued};
-use super::large_reads::{self, MAX_PAGE_BYTES};
 use super::params::{page_limit, parse_id, parse_labels, registered, unknown_device};
 use crate::app::state::AppState;
 use crate::engine::EngineCommand;
@@ -29,6 +28,7 @@ use crate::http::auth::{Actor, AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath, ApiQuery};
 use crate::http::input;
+use crate::http::large_reads::MAX_PAGE_BYTES;
 use crate::reconcile::diff::{self, FieldChange};
 use crate::reconcile::owned::OwnedFields;
 use crate::store::cache::{DesiredState, FleetChange};
@@ -462,7 +462,8 @@ pub(super) async fn list_devices(
     ApiQuery(query): ApiQuery<DeviceListQuery>,
 ) -> Result<Response, ApiError> {
     let (mut filter, limit) = device_filter(query)?;
-    let _turn = match large_reads::turn(&state, actor.as_deref()).await {
+    let token = actor.as_deref().map(|actor| actor.name.as_str());
+    let _turn = match state.large_reads.turn_for(token).await {
         Ok(turn) => turn,
         Err(refused) => return Ok(refused),
     };

@@ -22,7 +22,6 @@ mod desired;
 mod devices;
 mod exemptions;
 mod fleet;
-mod large_reads;
 pub mod openapi;
 mod ops;
 mod owned;
@@ -33,7 +32,6 @@ mod routes;
 mod runs;
 mod tokens;
 
-pub use large_reads::LargeReads;
 pub use routes::routes;
 
 /// The API: the route table's router, behind the auth middleware, with

@@ -28,7 +28,6 @@ use super::approvals::{approval_needed, approval_required};
 use super::command::{audited, audited_ids, recorded, start_run};
 use super::desired::{checked_targeting, matching, targeting_summary};
 use super::devices::field_diffs;
-use super::large_reads::{self, MAX_PAGE_BYTES};
 use super::params::{page_limit, parse_hyphenated_id};
 use crate::app::state::AppState;
 use crate::engine::new_run::NewRun;
@@ -36,6 +35,7 @@ use crate::http::auth::{Actor, AuditNote, Call, DryRun};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiJsonOrEmpty, ApiPath, ApiQuery};
 use crate::http::input;
+use crate::http::large_reads::MAX_PAGE_BYTES;
 use crate::reconcile::owned::NewSpecDigests;
 use crate::reconcile::plan::{
     self, plan_devices, ApproveRefusal, Plan, PlanApproval, PlanSkip, PlanState, Unusable, Verdict,
@@ -91,7 +91,7 @@ pub(super) async fn create_plan(
         counts,
     };
     // The answer shows the plan's first page: a large read.
-    let _turn = match large_reads::turn(&state, Some(&call.actor)).await {
+    let _turn = match state.large_reads.turn_for(Some(&call.actor.name)).await {
         Ok(turn) => turn,
         Err(refused) => return Ok(refused),
     };
@@ -128,7 +128,8 @@ pub(super) async fn get_plan(
     let (plan, plan_state, approval) = book(&state)
         .get(id, Utc::now())
         .ok_or_else(|| unknown_plan(id))?;
-    let _turn = match large_reads::turn(&state, actor.as_deref()).await {
+    let token = actor.as_deref().map(|actor| actor.name.as_str());
+    let _turn = match state.large_reads.turn_for(token).await {
         Ok(turn) => turn,
         Err(refused) => return Ok(refused),
     };
@@ -155,7 +156,8 @@ pub(super) async fn plan_devices_page(
     let (plan, _, _) = book(&state)
         .get(id, Utc::now())
         .ok_or_else(|| unknown_plan(id))?;
-    let _turn = match large_reads::turn(&state, actor.as_deref()).await {
+    let token = actor.as_deref().map(|actor| actor.name.as_str());
+    let _turn = match state.large_reads.turn_for(token).await {
         Ok(turn) => turn,
         Err(refused) => return Ok(refused),
     };

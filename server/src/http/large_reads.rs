@@ -18,19 +18,17 @@ use axum::response::{IntoResponse, Response};
 use idem_protocol::api::ErrorCode;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-use crate::app::state::AppState;
-use crate::http::auth::Actor;
 use crate::http::error::ApiError;
 
 /// A page of large items stops growing once its JSON reaches this many
 /// bytes (it always holds at least one item); its cursor continues it.
-pub(super) const MAX_PAGE_BYTES: usize = 4 * 1024 * 1024;
+pub const MAX_PAGE_BYTES: usize = 4 * 1024 * 1024;
 /// Large reads one operator token may have in progress at once.
-pub(super) const PER_TOKEN: usize = 2;
+pub const PER_TOKEN: usize = 2;
 /// Large reads in progress at once, of every caller together.
-pub(super) const AT_ONCE: usize = 4;
+pub const AT_ONCE: usize = 4;
 /// How long a large read waits for a turn among [`AT_ONCE`].
-pub(super) const WAIT: Duration = Duration::from_secs(10);
+pub const WAIT: Duration = Duration::from_secs(10);
 /// `Retry-After` of a refused large read, in seconds.
 const RETRY_AFTER_SECONDS: u32 = 1;
 
@@ -92,6 +90,14 @@ impl LargeReads {
         })
     }
 
+    /// [`LargeReads::turn`] for the caller's operator token (callers
+    /// without one share a turn's count), or the refusal to answer with.
+    pub async fn turn_for(&self, token: Option<&str>) -> Result<Turn<'_>, Response> {
+        self.turn(token.unwrap_or("anonymous"))
+            .await
+            .map_err(NoTurn::answer)
+    }
+
     fn give_back(&self, token: &str) {
         let mut held = self.lock();
         if let Some(count) = held.get_mut(token) {
@@ -109,16 +115,6 @@ impl LargeReads {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
-}
-
-/// A turn for a large read by `actor` (callers without a token share
-/// one), or the refusal to answer with.
-pub(super) async fn turn<'a>(
-    state: &'a AppState,
-    actor: Option<&Actor>,
-) -> Result<Turn<'a>, Response> {
-    let token = actor.map_or("anonymous", |actor| actor.name.as_str());
-    state.large_reads.turn(token).await.map_err(NoTurn::answer)
 }
 
 impl Drop for Turn<'_> {
