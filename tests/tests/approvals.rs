@@ -335,3 +335,124 @@ async fn with_require_approval_every_desired_change_waits_for_a_second_operator(
         .unwrap()
         .starts_with("test-admin"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relabelling_a_device_out_of_a_policy_is_refused_so_its_approval_cannot_be_walked_around() {
+    let scenario = Scenario::start(ServerSettings {
+        share_group: Some("walk-around".to_owned()),
+        ..ServerSettings::default()
+    })
+    .await
+    .unwrap();
+    let plan = FleetPlan::new("walk-", 3).build().unwrap();
+    let _fleet = scenario.register_and_start(&plan, 3).await.unwrap();
+    let admin = &scenario.server;
+    // A second instance over the same fleet: the rule is the database's.
+    let second = idem_tests::TestServer::start(
+        &scenario.db,
+        &scenario.broker,
+        ServerSettings {
+            topic_root: Some(scenario.server.topic_root.to_string()),
+            share_group: Some("walk-around".to_owned()),
+            ..ServerSettings::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (critical, other) = (
+        plan.devices[0].id.to_string(),
+        plan.devices[1].id.to_string(),
+    );
+    let (status, answer) = admin
+        .put(
+            &format!("/v1/devices/{critical}"),
+            &json!({"labels": {"tier": "critical", "site": "a"}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let (status, policy) = admin
+        .post(
+            "/v1/approval-policies",
+            &json!({"selector": {"labels": {"tier": "critical"}}, "reason": "the line"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 201, "{policy}");
+    let policy_id = policy["id"].as_str().unwrap().to_owned();
+    let mut changed = plan.desired_spec.clone();
+    changed["firmware"] = json!("9.9.9");
+
+    let operator = admin.client_for_role("walker", "operator").await.unwrap();
+    for server in [&scenario.server, &second] {
+        let alice = server.client_with(operator.token());
+        // Relabelled out of the selector, alone or with a new spec in the
+        // same call: refused, nothing written.
+        let (status, answer) = alice
+            .put(
+                &format!("/v1/devices/{critical}"),
+                &json!({"labels": {"site": "a"}}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, code(&answer)),
+            (409, "approval_required"),
+            "{answer}"
+        );
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(&policy_id),
+            "{answer}"
+        );
+        let (status, answer) = alice
+            .post(
+                "/v1/devices",
+                &json!([{"id": critical, "labels": {"site": "a"}, "spec": changed}]),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, code(&answer)),
+            (409, "approval_required"),
+            "{answer}"
+        );
+        let device = scenario.device(&critical).await.unwrap();
+        assert_eq!(device["labels"]["tier"], "critical", "{device}");
+        assert_eq!(device["desired"]["generation"], 1, "{device}");
+        // Labels that keep it covered are a change like any other.
+        let (status, answer) = alice
+            .put(
+                &format!("/v1/devices/{critical}"),
+                &json!({"labels": {"tier": "critical", "site": "b"}}),
+            )
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{answer}");
+    }
+    // Into a policy's selector: only more protection, not refused.
+    let (status, answer) = second
+        .put(
+            &format!("/v1/devices/{other}"),
+            &json!({"labels": {"tier": "critical"}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    // Once an admin deleted the policy (audited), the device may leave.
+    let (status, _) = admin
+        .delete(&format!("/v1/approval-policies/{policy_id}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    let (status, answer) = second
+        .put(
+            &format!("/v1/devices/{critical}"),
+            &json!({"labels": {"site": "a"}}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+}

@@ -114,6 +114,23 @@ pub async fn delete(
     .context("deleting an approval policy")
 }
 
+/// Which of `devices` each policy covers now, by their labels as the
+/// caller's transaction sees them: (policy id, device id) pairs.
+pub async fn coverage(
+    executor: impl PgExecutor<'_>,
+    devices: &[String],
+) -> Result<Vec<(Uuid, String)>, StoreError> {
+    sqlx::query_as(
+        "SELECT p.id, d.id FROM approval_policies p JOIN devices d \
+             ON d.id = ANY($1) AND d.labels @> p.selector \
+         ORDER BY p.created_at, p.id, d.id",
+    )
+    .bind(devices)
+    .fetch_all(executor)
+    .await
+    .context("reading which approval policies cover devices")
+}
+
 /// A policy that covers at least one of `devices`, and how many of them
 /// it covers (the oldest such policy), if any does.
 pub async fn covering(

@@ -5,6 +5,7 @@
 //! `POST /v1/approval-policies`, `GET /v1/approval-policies`,
 //! `DELETE /v1/approval-policies/{id}`.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -81,6 +82,43 @@ pub(super) async fn refuse_unapproved(
         }
         None => Ok(()),
     }
+}
+
+/// Which approval policy covers which of `devices` now (in the caller's
+/// transaction): taken before and after a change of labels.
+pub(super) async fn coverage(
+    executor: impl PgExecutor<'_>,
+    devices: &[String],
+) -> Result<BTreeSet<(Uuid, String)>, ApiError> {
+    Ok(store::approvals::coverage(executor, devices)
+        .await?
+        .into_iter()
+        .collect())
+}
+
+/// Refuses a change of labels that takes a device out of a policy's
+/// selector (`before` and `after` from [`coverage`]): leaving a policy is
+/// how its approval would be walked around (relabel, change, relabel
+/// back). Entering one only adds protection, and is not refused.
+pub(super) fn refuse_leaving(
+    state: &AppState,
+    before: &BTreeSet<(Uuid, String)>,
+    after: &BTreeSet<(Uuid, String)>,
+) -> Result<(), ApiError> {
+    let Some((policy, device)) = before.difference(after).next() else {
+        return Ok(());
+    };
+    state.metrics.plan("refused_unapproved");
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        ErrorCode::ApprovalRequired,
+        format!(
+            "these labels take device {device} out of approval policy {policy}, whose changes \
+             need another operator's approval: a device leaves a policy only when an admin \
+             narrows or deletes the policy (DELETE /v1/approval-policies/{policy}, audited), \
+             never by its own labels"
+        ),
+    ))
 }
 
 /// `POST /v1/approval-policies`: desired changes to the devices whose
