@@ -388,37 +388,25 @@ async fn relabelling_a_device_out_of_a_policy_is_refused_so_its_approval_cannot_
         let alice = server.client_with(operator.token());
         // Relabelled out of the selector, alone or with a new spec in the
         // same call: refused, nothing written.
-        let (status, answer) = alice
-            .put(
+        let refused = (409, "approval_required", policy_id.as_str());
+        alice
+            .expect_refused(
+                reqwest::Method::PUT,
                 &format!("/v1/devices/{critical}"),
                 &json!({"labels": {"site": "a"}}),
+                refused,
             )
             .await
             .unwrap();
-        assert_eq!(
-            (status, code(&answer)),
-            (409, "approval_required"),
-            "{answer}"
-        );
-        assert!(
-            answer["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains(&policy_id),
-            "{answer}"
-        );
-        let (status, answer) = alice
-            .post(
+        alice
+            .expect_refused(
+                reqwest::Method::POST,
                 "/v1/devices",
                 &json!([{"id": critical, "labels": {"site": "a"}, "spec": changed}]),
+                refused,
             )
             .await
             .unwrap();
-        assert_eq!(
-            (status, code(&answer)),
-            (409, "approval_required"),
-            "{answer}"
-        );
         let device = scenario.device(&critical).await.unwrap();
         assert_eq!(device["labels"]["tier"], "critical", "{device}");
         assert_eq!(device["desired"]["generation"], 1, "{device}");

@@ -1154,3 +1154,6 @@ impl StoredRollout {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod nothing_follows_tests;
