@@ -182,7 +182,7 @@ impl RetryPolicy {
 }
 
 /// The device status an outcome leaves behind (`None` keeps the current one).
-pub fn status_after(outcome: &Outcome) -> Option<DeviceStatus> {
+fn status_after(outcome: &Outcome) -> Option<DeviceStatus> {
     match outcome {
         Outcome::Provisioned | Outcome::AlreadyConverged => Some(DeviceStatus::Converged),
         Outcome::Failed(_) => Some(DeviceStatus::Failed),

@@ -114,21 +114,26 @@ pub async fn delete(
     .context("deleting an approval policy")
 }
 
-/// Which of `devices` each policy covers now, by their labels as the
-/// caller's transaction sees them: (policy id, device id) pairs.
-pub async fn coverage(
+/// The first policy a change of labels takes a registered device out of:
+/// `ids[i]` getting `labels[i]` (JSON text) while its stored labels contain
+/// the policy's selector and the new ones do not. (Policy id, device id.)
+pub async fn first_left(
     executor: impl PgExecutor<'_>,
-    devices: &[String],
-) -> Result<Vec<(Uuid, String)>, StoreError> {
+    ids: &[String],
+    labels: &[String],
+) -> Result<Option<(Uuid, String)>, StoreError> {
     sqlx::query_as(
-        "SELECT p.id, d.id FROM approval_policies p JOIN devices d \
-             ON d.id = ANY($1) AND d.labels @> p.selector \
-         ORDER BY p.created_at, p.id, d.id",
+        "SELECT p.id, d.id FROM UNNEST($1::text[], $2::text[]) AS r(id, labels) \
+         JOIN devices d ON d.id = r.id \
+         JOIN approval_policies p \
+             ON d.labels @> p.selector AND NOT r.labels::jsonb @> p.selector \
+         ORDER BY p.created_at, p.id, d.id LIMIT 1",
     )
-    .bind(devices)
-    .fetch_all(executor)
+    .bind(ids)
+    .bind(labels)
+    .fetch_optional(executor)
     .await
-    .context("reading which approval policies cover devices")
+    .context("reading whether new labels take devices out of approval policies")
 }
 
 /// A policy that covers at least one of `devices`, and how many of them

@@ -5,7 +5,6 @@
 //! `POST /v1/approval-policies`, `GET /v1/approval-policies`,
 //! `DELETE /v1/approval-policies/{id}`.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -28,6 +27,7 @@ use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
 use crate::store::approvals::{ApprovalPolicyRow, Created, NewApprovalPolicy};
+use crate::store::devices::Registration;
 use crate::store::{self, Context};
 
 /// Why a change to `devices` needs approval, if it does: the server's flag
@@ -84,28 +84,25 @@ pub(super) async fn refuse_unapproved(
     }
 }
 
-/// Which approval policy covers which of `devices` now (in the caller's
-/// transaction): taken before and after a change of labels.
-pub(super) async fn coverage(
-    executor: impl PgExecutor<'_>,
-    devices: &[String],
-) -> Result<BTreeSet<(Uuid, String)>, ApiError> {
-    Ok(store::approvals::coverage(executor, devices)
-        .await?
-        .into_iter()
-        .collect())
-}
-
-/// Refuses a change of labels that takes a device out of a policy's
-/// selector (`before` and `after` from [`coverage`]): leaving a policy is
-/// how its approval would be walked around (relabel, change, relabel
-/// back). Entering one only adds protection, and is not refused.
-pub(super) fn refuse_leaving(
+/// Refuses registrations whose labels take a device out of a policy's
+/// selector (read in the caller's transaction, before they are written):
+/// leaving a policy is how its approval would be walked around (relabel,
+/// change, relabel back). Entering one only adds protection, and is not
+/// refused; a registration without labels keeps the device's.
+pub(super) async fn refuse_leaving(
     state: &AppState,
-    before: &BTreeSet<(Uuid, String)>,
-    after: &BTreeSet<(Uuid, String)>,
+    executor: impl PgExecutor<'_>,
+    registrations: &[Registration],
 ) -> Result<(), ApiError> {
-    let Some((policy, device)) = before.difference(after).next() else {
+    let (ids, labels): (Vec<String>, Vec<String>) = registrations
+        .iter()
+        .filter_map(|r| r.labels.as_ref().map(|l| (r.id.clone(), l.to_string())))
+        .unzip();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let Some((policy, device)) = store::approvals::first_left(executor, &ids, &labels).await?
+    else {
         return Ok(());
     };
     state.metrics.plan("refused_unapproved");

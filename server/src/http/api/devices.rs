@@ -18,7 +18,7 @@ use idem_protocol::api::{
 use idem_protocol::{DeviceId, DeviceStatus, SpecDigest};
 use serde_json::{json, Value};
 
-use super::approvals::{coverage, refuse_leaving, refuse_unapproved};
+use super::approvals::{refuse_leaving, refuse_unapproved};
 use super::command::{self, audited_ids, recorded, DeviceWrite};
 use super::credentials::{self, Issued};
 use super::params::{page_limit, parse_id, parse_labels, registered, unknown_device};
@@ -117,12 +117,9 @@ pub(super) async fn register_devices(
         credentials::refuse_foreign_accounts(&state, &new).await?;
     }
     let mut write = DeviceWrite::begin(&state).await?;
-    let ids: Vec<String> = checked.ids.iter().map(DeviceId::to_string).collect();
-    let covered_before = coverage(&mut **write.tx().tx(), &ids).await?;
+    refuse_leaving(&state, &mut **write.tx().tx(), &checked.rows).await?;
     let (counts, created) =
         store::devices::register_returning_new(write.tx(), &checked.rows).await?;
-    let covered_after = coverage(&mut **write.tx().tx(), &ids).await?;
-    refuse_leaving(&state, &covered_before, &covered_after)?;
     // Every new device gets its broker password, when the server issues them.
     let issued = if state.config.security.broker_accounts.issues_passwords() {
         let wanted = store::device_ids(&created, "reading the ids of new devices")?
@@ -249,11 +246,9 @@ pub(super) async fn upsert_device(
         labels: parse_labels(body.labels)?,
     };
     let mut write = DeviceWrite::begin(&state).await?;
-    let ids = [id.to_string()];
-    let covered_before = coverage(&mut **write.tx().tx(), &ids).await?;
-    let counts = store::devices::register(write.tx(), &[registration]).await?;
-    let covered_after = coverage(&mut **write.tx().tx(), &ids).await?;
-    refuse_leaving(&state, &covered_before, &covered_after)?;
+    let registration = [registration];
+    refuse_leaving(&state, &mut **write.tx().tx(), &registration).await?;
+    let counts = store::devices::register(write.tx(), &registration).await?;
     let status = if counts.created > 0 {
         StatusCode::CREATED
     } else {

@@ -2,19 +2,8 @@
 //! last wave they are refused, and after the last wave that holds devices
 //! the rollout goes on to its end.
 
+use super::tests::{pct, spec, wave};
 use super::*;
-
-fn wave(size: WaveSize) -> WaveSpec {
-    WaveSpec::sized(size)
-}
-
-fn pct(p: f64) -> WaveSize {
-    WaveSize::Percent(p)
-}
-
-fn spec(waves: Vec<WaveSpec>) -> RolloutSpec {
-    RolloutSpec::new(waves).unwrap()
-}
 
 #[test]
 fn an_approval_or_a_pause_on_the_last_wave_is_refused_naming_the_field() {

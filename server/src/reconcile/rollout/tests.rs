@@ -1,14 +1,14 @@
 use super::*;
 
-fn wave(size: WaveSize) -> WaveSpec {
+pub(super) fn wave(size: WaveSize) -> WaveSpec {
     WaveSpec::sized(size)
 }
 
-fn pct(p: f64) -> WaveSize {
+pub(super) fn pct(p: f64) -> WaveSize {
     WaveSize::Percent(p)
 }
 
-fn spec(waves: Vec<WaveSpec>) -> RolloutSpec {
+pub(super) fn spec(waves: Vec<WaveSpec>) -> RolloutSpec {
     RolloutSpec::new(waves).unwrap()
 }
 
