@@ -46,6 +46,10 @@ pub const MAX_EXEMPTIONS: i64 = 1_000;
 /// operator cannot take every slot of [`MAX_EXEMPTIONS`].
 pub const MAX_EXEMPTIONS_PER_AUTHOR: i64 = 100;
 
+/// Most declarations of owned fields waiting for approval at once (one per
+/// author: a newer one replaces the author's last).
+pub const MAX_OWNED_FIELDS_PROPOSALS: i64 = 32;
+
 /// Most approval policies at once (each is checked against the devices of
 /// every desired change).
 pub const MAX_APPROVAL_POLICIES: i64 = 100;

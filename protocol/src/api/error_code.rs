@@ -185,8 +185,18 @@ error_codes! {
     /// (`POST /v1/plans`), have it approved (`POST /v1/plans/{id}/approve`),
     /// then apply it.
     ApprovalRequired = "approval_required",
-    /// The plan was approved already (the message says by whom).
+    /// The plan or exemption was approved already (the message says by
+    /// whom).
     AlreadyApproved = "already_approved",
+    /// No declaration of owned fields waiting for approval has this id.
+    UnknownOwnedFieldsProposal = "unknown_owned_fields_proposal",
+    /// The path's proposal id is not a UUID.
+    InvalidOwnedFieldsProposalId = "invalid_owned_fields_proposal_id",
+    /// The declaration in force changed since the proposal was made:
+    /// propose again against the one in force.
+    OwnedFieldsChanged = "owned_fields_changed",
+    /// As many declarations wait for approval as the server keeps.
+    TooManyOwnedFieldsProposals = "too_many_owned_fields_proposals",
     /// No approval policy has this id.
     UnknownApprovalPolicy = "unknown_approval_policy",
     /// As many approval policies exist as the server allows.

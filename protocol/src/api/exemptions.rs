@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::Selector;
+use super::{Approval, Selector};
 
 /// The body of `POST /v1/exemptions`: exactly one of `device`, `selector`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +38,11 @@ pub struct ExemptionView {
     pub expires_at: DateTime<Utc>,
     /// Registered devices it covers now.
     pub devices: u64,
+    /// Whether it needs another operator's approval (made while an approval
+    /// policy covered one of its devices, or every change needs approval),
+    /// and who gave it. Until approved, it exempts no device; one that did
+    /// not need approval exempts no device a policy covers until approved.
+    pub approval: Approval,
 }
 
 /// `GET /v1/exemptions`: every exemption that has not expired, soonest to

@@ -40,9 +40,9 @@ pub use error_code::ErrorCode;
 #[cfg(feature = "openapi")]
 pub use exemptions::schema::ExemptionRequest as ExemptionRequestSchema;
 pub use exemptions::{ExemptionList, ExemptionRequest, ExemptionView};
-pub use owned::{OwnedBySelector, OwnedFieldsDeclaration, OwnedFieldsView};
+pub use owned::{OwnedBySelector, OwnedFieldsDeclaration, OwnedFieldsProposal, OwnedFieldsView};
 pub use plans::{
-    PlanApplyRequest, PlanApproval, PlanApproved, PlanChange, PlanCounts, PlanDevicePage,
+    Approval, PlanApplyRequest, PlanApproved, PlanChange, PlanCounts, PlanDevicePage,
     PlanDeviceQuery, PlanSkipCounts, PlanSkipReason, PlanState, PlanView, PlannedDevice,
 };
 pub use rollouts::{

@@ -51,4 +51,27 @@ pub struct OwnedFieldsView {
     /// (`null` for an empty fleet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<Uuid>,
+    /// Declarations waiting for another operator's approval (not in force),
+    /// oldest first.
+    #[serde(default)]
+    pub proposals: Vec<OwnedFieldsProposal>,
+}
+
+/// A declaration that would change what devices an approval policy covers
+/// own (or any device's, when every change needs approval): the answer
+/// `202` to `PUT /v1/owned-fields`, in force once a token other than its
+/// author's approves it (`POST /v1/owned-fields/proposals/{id}/approve`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct OwnedFieldsProposal {
+    pub id: Uuid,
+    pub fields: Vec<String>,
+    pub by_selector: Vec<OwnedBySelector>,
+    pub author: String,
+    pub created_at: DateTime<Utc>,
+    /// Why it needs approval (the flag, or the policy and how many of the
+    /// devices whose owned paths it changes it covers).
+    pub reason: String,
+    /// Devices whose owned paths it changes, as judged when proposed.
+    pub devices_changed: u64,
 }

@@ -32,20 +32,21 @@ pub struct PlanView {
     /// Continue with `GET /v1/plans/{id}/devices?change=push&after=…`.
     pub next_after: Option<String>,
     /// Whether applying it needs another operator's approval, and who gave it.
-    pub approval: PlanApproval,
+    pub approval: Approval,
 }
 
-/// A plan's approval: required when the server requires it of every change
-/// (`--require-approval`) or an approval policy covers one of its devices,
-/// judged again when it is applied.
+/// The approval of a plan or an exemption: required when the server
+/// requires it of every change (`--require-approval`) or an approval policy
+/// covers one of its devices (for a plan, judged again when it is applied).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-pub struct PlanApproval {
+pub struct Approval {
     pub required: bool,
     /// Why it is required (the flag, or the policy and how many of the
-    /// plan's devices it covers).
+    /// change's devices it covers).
     pub reason: Option<String>,
-    /// The token that approved it (`POST /v1/plans/{id}/approve`).
+    /// The token that approved it (`POST /v1/plans/{id}/approve`,
+    /// `POST /v1/exemptions/{id}/approve`).
     pub approved_by: Option<String>,
     pub approved_at: Option<DateTime<Utc>>,
 }

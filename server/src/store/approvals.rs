@@ -1,6 +1,8 @@
-//! Approval policies: the `approval_policies` rows, and which policy, if
-//! any, covers one of a change's devices (its labels contain the policy's
-//! selector), read in the caller's transaction.
+//! Approval policies: the `approval_policies` rows, which policy, if any,
+//! covers one of a change's devices (its labels contain the policy's
+//! selector, or it was deleted while the policy covered it), read in the
+//! caller's transaction, and the departures that keep a deleted device
+//! covered when it is registered again.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -30,8 +32,21 @@ pub struct ApprovalPolicyRow {
     pub devices: i64,
 }
 
+/// Whether policy `p` covers device `d`: its labels contain the selector,
+/// or it was deleted while `p` covered it (and registered again since).
+const COVERS: &str = "(d.labels @> p.selector OR EXISTS (SELECT 1 FROM covered_departures x \
+     WHERE x.device_id = d.id AND x.policy_id = p.id))";
+
 const ROW_COLUMNS: &str = "p.id, p.selector, p.reason, p.author, p.created_at, \
-     (SELECT count(*) FROM devices d WHERE d.labels @> p.selector) AS devices";
+     (SELECT count(*) FROM devices d WHERE d.labels @> p.selector OR EXISTS \
+         (SELECT 1 FROM covered_departures x WHERE x.device_id = d.id AND x.policy_id = p.id)) \
+     AS devices";
+
+/// SQL true when some policy covers device `d` (see [`COVERS`]); for
+/// queries of other tables over `devices d`.
+pub(crate) const POLICY_COVERS_D: &str = "(EXISTS (SELECT 1 FROM approval_policies p \
+     WHERE d.labels @> p.selector) OR EXISTS (SELECT 1 FROM covered_departures x \
+     WHERE x.device_id = d.id AND x.policy_id IS NOT NULL))";
 
 /// What [`create`] did.
 #[derive(Debug)]
@@ -127,6 +142,8 @@ pub async fn first_left(
          JOIN devices d ON d.id = r.id \
          JOIN approval_policies p \
              ON d.labels @> p.selector AND NOT r.labels::jsonb @> p.selector \
+         WHERE NOT EXISTS (SELECT 1 FROM covered_departures x \
+             WHERE x.device_id = d.id AND x.policy_id = p.id) \
          ORDER BY p.created_at, p.id, d.id LIMIT 1",
     )
     .bind(ids)
@@ -136,22 +153,24 @@ pub async fn first_left(
     .context("reading whether new labels take devices out of approval policies")
 }
 
+/// A policy with how many of a change's devices it covers.
+#[derive(sqlx::FromRow)]
+struct Covering {
+    #[sqlx(flatten)]
+    policy: ApprovalPolicyRow,
+    covered: i64,
+}
+
 /// A policy that covers at least one of `devices`, and how many of them
 /// it covers (the oldest such policy), if any does.
 pub async fn covering(
     executor: impl PgExecutor<'_>,
     devices: &[String],
 ) -> Result<Option<(ApprovalPolicyRow, i64)>, StoreError> {
-    #[derive(sqlx::FromRow)]
-    struct Covering {
-        #[sqlx(flatten)]
-        policy: ApprovalPolicyRow,
-        covered: i64,
-    }
     let found: Option<Covering> = sqlx::query_as(&format!(
         "SELECT {ROW_COLUMNS}, c.covered FROM approval_policies p \
          JOIN LATERAL (SELECT count(*) AS covered FROM devices d \
-             WHERE d.id = ANY($1) AND d.labels @> p.selector) c ON c.covered > 0 \
+             WHERE d.id = ANY($1) AND {COVERS}) c ON c.covered > 0 \
          ORDER BY p.created_at, p.id LIMIT 1"
     ))
     .bind(devices)
@@ -159,4 +178,68 @@ pub async fn covering(
     .await
     .context("reading the approval policies that cover a change")?;
     Ok(found.map(|c| (c.policy, c.covered)))
+}
+
+/// A policy that covers at least one of the devices whose labels contain
+/// `selector`, and how many of them it covers (the oldest such policy).
+pub async fn covering_labels(
+    executor: impl PgExecutor<'_>,
+    selector: &Value,
+) -> Result<Option<(ApprovalPolicyRow, i64)>, StoreError> {
+    let found: Option<Covering> = sqlx::query_as(&format!(
+        "SELECT {ROW_COLUMNS}, c.covered FROM approval_policies p \
+         JOIN LATERAL (SELECT count(*) AS covered FROM devices d \
+             WHERE d.labels @> $1 AND {COVERS}) c ON c.covered > 0 \
+         ORDER BY p.created_at, p.id LIMIT 1"
+    ))
+    .bind(selector)
+    .fetch_optional(executor)
+    .await
+    .context("reading the approval policies that cover a selector's devices")?;
+    Ok(found.map(|c| (c.policy, c.covered)))
+}
+
+/// Records that `device`, about to be deleted by `by`, was covered: one
+/// departure per policy covering it, and one without a policy when
+/// `every_change` (the server requires approval of every change). Read
+/// before the device row goes: its labels say which policies cover it.
+pub async fn record_departure(
+    executor: impl PgExecutor<'_>,
+    device: &str,
+    by: &str,
+    every_change: bool,
+) -> Result<u64, StoreError> {
+    let done = sqlx::query(&format!(
+        "INSERT INTO covered_departures (device_id, policy_id, departed_by) \
+         SELECT d.id, p.id, $2 FROM devices d JOIN approval_policies p ON {COVERS} \
+         WHERE d.id = $1 \
+         UNION ALL SELECT $1, NULL, $2 WHERE $3 \
+         ON CONFLICT DO NOTHING"
+    ))
+    .bind(device)
+    .bind(by)
+    .bind(every_change)
+    .execute(executor)
+    .await
+    .context("recording the policies a deleted device leaves")?;
+    Ok(done.rows_affected())
+}
+
+/// Among `devices`, those deleted once while covered (by a policy still in
+/// force, or by `every_change` when that holds now): their first desired
+/// spec since is a change, not a first one.
+pub async fn departed_among(
+    executor: impl PgExecutor<'_>,
+    devices: &[String],
+    every_change: bool,
+) -> Result<Vec<String>, StoreError> {
+    sqlx::query_scalar(
+        "SELECT DISTINCT x.device_id FROM covered_departures x \
+         WHERE x.device_id = ANY($1) AND (x.policy_id IS NOT NULL OR $2) ORDER BY 1",
+    )
+    .bind(devices)
+    .bind(every_change)
+    .fetch_all(executor)
+    .await
+    .context("reading which devices left an approval policy by deletion")
 }

@@ -1,5 +1,7 @@
 //! Drift exemptions: the `exemptions` rows, which devices they cover now
-//! (one device, or the devices whose labels contain a selector's), and the
+//! (one device, or the devices whose labels contain a selector's; a device
+//! an approval policy covers only by an exemption another operator
+//! approved), and the
 //! fleet cache's `exempt` flags, kept equal to that by [`refresh`] in the
 //! transaction of every change that can move them.
 
@@ -24,6 +26,9 @@ pub struct NewExemption<'a> {
     pub reason: &'a str,
     pub author: &'a str,
     pub expires_at: DateTime<Utc>,
+    /// Why it needs approval (made while some of its devices needed it): in
+    /// force only once approved.
+    pub needs_approval: Option<&'a str>,
 }
 
 /// An exemption as stored, with how many registered devices it covers now.
@@ -36,6 +41,10 @@ pub struct ExemptionRow {
     pub author: String,
     pub created_at: DateTime<Utc>,
     pub expires_at: DateTime<Utc>,
+    pub needs_approval: bool,
+    pub approval_reason: Option<String>,
+    pub approved_by: Option<String>,
+    pub approved_at: Option<DateTime<Utc>>,
     pub devices: i64,
 }
 
@@ -46,7 +55,7 @@ pub struct ExemptionRow {
 /// the whole device table once per exemption: 5.1 s for 1,000 exemptions
 /// over 100,000 devices, 0.37 s this way).
 const ROW_COLUMNS: &str = "e.id, e.device_id, e.selector, e.reason, e.author, e.created_at, \
-     e.expires_at, CASE WHEN e.selector IS NULL THEN 1 ELSE COALESCE(c.n, 0) END AS devices";
+     e.expires_at, e.needs_approval, e.approval_reason, e.approved_by, e.approved_at, CASE WHEN e.selector IS NULL THEN 1 ELSE COALESCE(c.n, 0) END AS devices";
 
 /// How many devices each selector exemption matches, by exemption id (a
 /// filter on `e.id` reaches inside it).
@@ -56,8 +65,8 @@ const DEVICE_COUNTS: &str = "LEFT JOIN (SELECT s.id, count(*) AS n FROM exemptio
 
 pub async fn create(write: &mut DeviceTx<'_>, new: NewExemption<'_>) -> Result<(), StoreError> {
     sqlx::query(
-        "INSERT INTO exemptions (id, device_id, selector, reason, author, expires_at) \
-         VALUES ($1, $2, $3, $4, $5, $6)",
+        "INSERT INTO exemptions (id, device_id, selector, reason, author, expires_at, \
+         needs_approval, approval_reason) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
     )
     .bind(new.id)
     .bind(new.device_id)
@@ -65,10 +74,52 @@ pub async fn create(write: &mut DeviceTx<'_>, new: NewExemption<'_>) -> Result<(
     .bind(new.reason)
     .bind(new.author)
     .bind(new.expires_at)
+    .bind(new.needs_approval.is_some())
+    .bind(new.needs_approval)
     .execute(&mut **write.tx())
     .await
     .context("creating an exemption")?;
     Ok(())
+}
+
+/// What [`approve`] found.
+#[derive(Debug)]
+pub enum Approval {
+    Approved(ExemptionRow),
+    /// No such exemption is in force (or it expired).
+    Unknown,
+    /// `by` made it: its author cannot approve it.
+    OwnAuthor,
+    /// Approved already, by this token at this time.
+    Already(String, DateTime<Utc>),
+}
+
+/// Records `by`'s approval of an exemption not yet expired (the row is
+/// locked until `write` ends, so two approvals cannot both pass).
+pub async fn approve(write: &mut DeviceTx<'_>, id: Uuid, by: &str) -> Result<Approval, StoreError> {
+    let found: Option<(String, Option<String>, Option<DateTime<Utc>>)> = sqlx::query_as(
+        "SELECT author, approved_by, approved_at FROM exemptions \
+         WHERE id = $1 AND expires_at > now() FOR UPDATE",
+    )
+    .bind(id)
+    .fetch_optional(&mut **write.tx())
+    .await
+    .context("reading an exemption to approve")?;
+    match found {
+        None => return Ok(Approval::Unknown),
+        Some((_, Some(by), Some(at))) => return Ok(Approval::Already(by, at)),
+        Some((author, _, _)) if author == by => return Ok(Approval::OwnAuthor),
+        Some(_) => {}
+    }
+    sqlx::query("UPDATE exemptions SET approved_by = $2, approved_at = now() WHERE id = $1")
+        .bind(id)
+        .bind(by)
+        .execute(&mut **write.tx())
+        .await
+        .context("approving an exemption")?;
+    Ok(get(&mut **write.tx(), id)
+        .await?
+        .map_or(Approval::Unknown, Approval::Approved))
 }
 
 /// How many exemptions have not expired.
@@ -163,12 +214,20 @@ pub async fn exempt_devices(
         // labels index: checking every device against every exemption
         // (`EXISTS … OR …`) took 3.96 s for 1,000 exemptions over 100,000
         // devices, holding the device writer; this takes 0.38 s.
-        "SELECT e.device_id FROM exemptions e WHERE e.device_id IS NOT NULL \
-         AND e.expires_at > now() AND ($1::text[] IS NULL OR e.device_id = ANY($1)) \
-         UNION \
-         SELECT d.id FROM exemptions e JOIN devices d ON d.labels @> e.selector \
-         WHERE e.selector IS NOT NULL AND e.expires_at > now() \
-         AND ($1::text[] IS NULL OR d.id = ANY($1))",
+        // An exemption no second operator approved exempts no device a
+        // policy covers: waiting for approval, it exempts none.
+        &format!(
+            "SELECT d.id FROM exemptions e JOIN devices d ON d.id = e.device_id \
+             WHERE e.device_id IS NOT NULL \
+             AND e.expires_at > now() AND ($1::text[] IS NULL OR e.device_id = ANY($1)) \
+             AND (e.approved_by IS NOT NULL OR (NOT e.needs_approval AND NOT {covers})) \
+             UNION \
+             SELECT d.id FROM exemptions e JOIN devices d ON d.labels @> e.selector \
+             WHERE e.selector IS NOT NULL AND e.expires_at > now() \
+             AND ($1::text[] IS NULL OR d.id = ANY($1)) \
+             AND (e.approved_by IS NOT NULL OR (NOT e.needs_approval AND NOT {covers}))",
+            covers = super::approvals::POLICY_COVERS_D
+        ),
     )
     .bind(among)
     .fetch_all(executor)

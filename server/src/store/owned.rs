@@ -8,6 +8,7 @@ use idem_protocol::api::OwnedFieldsDeclaration;
 use idem_protocol::{DeviceId, SpecDigest};
 use serde_json::Value;
 use sqlx::{PgExecutor, PgPool};
+use uuid::Uuid;
 
 use super::cache::FleetChange;
 use super::{Context, DeviceTx, Scope, StoreError};
@@ -176,4 +177,136 @@ pub async fn refresh(
     }
     write.mirror(changes);
     Ok(refreshed)
+}
+
+/// A declaration waiting for another operator's approval, as stored.
+#[derive(Debug, Clone)]
+pub struct StoredProposal {
+    pub id: Uuid,
+    pub declaration: OwnedFieldsDeclaration,
+    pub author: String,
+    /// The `updated_at` of the declaration in force when it was proposed.
+    pub based_on: Option<DateTime<Utc>>,
+    pub reason: String,
+    pub devices_changed: i64,
+    pub created_at: DateTime<Utc>,
+}
+
+type ProposalRow = (
+    Uuid,
+    Value,
+    String,
+    Option<DateTime<Utc>>,
+    String,
+    i64,
+    DateTime<Utc>,
+);
+
+const PROPOSAL_COLUMNS: &str =
+    "id, declaration, author, based_on, reason, devices_changed, created_at";
+
+fn proposal(row: ProposalRow) -> Result<StoredProposal, StoreError> {
+    let (id, raw, author, based_on, reason, devices_changed, created_at) = row;
+    let declaration = serde_json::from_value(raw).map_err(|e| StoreError::Corrupt {
+        context: "reading a proposed declaration of owned fields",
+        detail: e.to_string(),
+    })?;
+    Ok(StoredProposal {
+        id,
+        declaration,
+        author,
+        based_on,
+        reason,
+        devices_changed,
+        created_at,
+    })
+}
+
+/// What [`propose`] did.
+#[derive(Debug)]
+pub enum Proposed {
+    Proposed(StoredProposal),
+    /// `max` proposals of other authors wait already: nothing was stored.
+    Full,
+}
+
+/// Stores `author`'s proposal, replacing the one they had, unless `max`
+/// proposals wait already (the table is locked until `tx` ends, so
+/// concurrent proposals cannot pass the limit).
+pub async fn propose(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    new: &StoredProposal,
+    max: i64,
+) -> Result<Proposed, StoreError> {
+    sqlx::query("LOCK TABLE owned_fields_proposals IN SHARE ROW EXCLUSIVE MODE")
+        .execute(&mut **tx)
+        .await
+        .context("locking the owned-fields proposals")?;
+    let others: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM owned_fields_proposals WHERE author <> $1")
+            .bind(&new.author)
+            .fetch_one(&mut **tx)
+            .await
+            .context("counting owned-fields proposals")?;
+    if others >= max {
+        return Ok(Proposed::Full);
+    }
+    let raw = serde_json::to_value(&new.declaration).map_err(|e| StoreError::Corrupt {
+        context: "writing a proposed declaration of owned fields",
+        detail: e.to_string(),
+    })?;
+    let row: ProposalRow = sqlx::query_as(&format!(
+        "INSERT INTO owned_fields_proposals \
+         (id, declaration, author, based_on, reason, devices_changed) \
+         VALUES ($1, $2, $3, $4, $5, $6) \
+         ON CONFLICT (author) DO UPDATE SET id = $1, declaration = $2, based_on = $4, \
+         reason = $5, devices_changed = $6, created_at = now() \
+         RETURNING {PROPOSAL_COLUMNS}"
+    ))
+    .bind(new.id)
+    .bind(raw)
+    .bind(&new.author)
+    .bind(new.based_on)
+    .bind(&new.reason)
+    .bind(new.devices_changed)
+    .fetch_one(&mut **tx)
+    .await
+    .context("storing a proposed declaration of owned fields")?;
+    Ok(Proposed::Proposed(proposal(row)?))
+}
+
+/// Every proposal waiting, oldest first.
+pub async fn proposals(db: impl PgExecutor<'_>) -> Result<Vec<StoredProposal>, StoreError> {
+    let rows: Vec<ProposalRow> = sqlx::query_as(&format!(
+        "SELECT {PROPOSAL_COLUMNS} FROM owned_fields_proposals ORDER BY created_at, id"
+    ))
+    .fetch_all(db)
+    .await
+    .context("listing owned-fields proposals")?;
+    rows.into_iter().map(proposal).collect()
+}
+
+/// The proposal `id`, locked until `write` ends (`None`: no such one).
+pub async fn proposal_for_approval(
+    write: &mut DeviceTx<'_>,
+    id: Uuid,
+) -> Result<Option<StoredProposal>, StoreError> {
+    let row: Option<ProposalRow> = sqlx::query_as(&format!(
+        "SELECT {PROPOSAL_COLUMNS} FROM owned_fields_proposals WHERE id = $1 FOR UPDATE"
+    ))
+    .bind(id)
+    .fetch_optional(&mut **write.tx())
+    .await
+    .context("reading an owned-fields proposal")?;
+    row.map(proposal).transpose()
+}
+
+/// Deletes proposal `id` (approved, or overtaken).
+pub async fn delete_proposal(write: &mut DeviceTx<'_>, id: Uuid) -> Result<(), StoreError> {
+    sqlx::query("DELETE FROM owned_fields_proposals WHERE id = $1")
+        .bind(id)
+        .execute(&mut **write.tx())
+        .await
+        .context("deleting an owned-fields proposal")?;
+    Ok(())
 }

@@ -1,7 +1,9 @@
-//! Approval: whether a desired change needs another operator's approval
-//! (the server's `--require-approval`, or an approval policy covering one
-//! of its devices), the refusal of such a change outside an approved plan
-//! (409 `approval_required`), and the policies themselves:
+//! Approval: whether a change (a desired state, an exemption, owned fields)
+//! needs another operator's approval (the server's `--require-approval`, or
+//! an approval policy covering one of its devices), the refusal of a
+//! desired change outside an approved plan and of labels that would move a
+//! covered device's exemptions or owned fields (409 `approval_required`),
+//! and the policies themselves:
 //! `POST /v1/approval-policies`, `GET /v1/approval-policies`,
 //! `DELETE /v1/approval-policies/{id}`.
 
@@ -19,7 +21,7 @@ use serde_json::json;
 use sqlx::PgExecutor;
 use uuid::Uuid;
 
-use super::command::recorded;
+use super::command::{recorded, DeviceWrite};
 use super::exemptions::{checked_reason, checked_selector};
 use super::params::parse_hyphenated_id;
 use crate::app::state::AppState;
@@ -28,7 +30,7 @@ use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
 use crate::store::approvals::{ApprovalPolicyRow, Created, NewApprovalPolicy};
 use crate::store::devices::Registration;
-use crate::store::{self, Context};
+use crate::store::{self, Scope};
 
 /// Why a change to `devices` needs approval, if it does: the server's flag
 /// first, then the oldest policy covering one of them.
@@ -41,18 +43,61 @@ pub(super) async fn approval_needed(
         return Ok(None);
     }
     if state.config.changes.require_approval {
-        return Ok(Some(
-            "the server requires approval of every desired change (--require-approval)".to_owned(),
-        ));
+        return Ok(Some(EVERY_CHANGE.to_owned()));
     }
     let covering = store::approvals::covering(executor, devices).await?;
-    Ok(covering.map(|(policy, covered)| {
-        let labels = serde_json::to_string(&policy.selector).unwrap_or_default();
+    Ok(covering.map(|(policy, covered)| covered_by(&policy, covered)))
+}
+
+/// Why an exemption over the devices whose labels contain `selector` needs
+/// approval, if it does: the server's flag (whatever it matches now, since
+/// every device it comes to match is covered), then the oldest policy
+/// covering one of the devices it matches now.
+pub(super) async fn approval_needed_by_labels(
+    state: &AppState,
+    executor: impl PgExecutor<'_>,
+    selector: &serde_json::Value,
+) -> Result<Option<String>, ApiError> {
+    if state.config.changes.require_approval {
+        return Ok(Some(EVERY_CHANGE.to_owned()));
+    }
+    let covering = store::approvals::covering_labels(executor, selector).await?;
+    Ok(covering.map(|(policy, covered)| covered_by(&policy, covered)))
+}
+
+const EVERY_CHANGE: &str = "the server requires approval of every change (--require-approval)";
+
+fn covered_by(policy: &ApprovalPolicyRow, covered: i64) -> String {
+    let labels = serde_json::to_string(&policy.selector).unwrap_or_default();
+    format!(
+        "approval policy {} (labels {labels}: {}) covers {covered} of its device(s)",
+        policy.id, policy.reason
+    )
+}
+
+/// Refuses labels that change the owned fields of devices that were
+/// registered before (`changed`, read in the caller's transaction after the
+/// labels were written) when a policy covers one of them: what a device
+/// owns is never pushed, so moving it is a change like a desired one.
+pub(super) async fn refuse_owned_moved(
+    state: &AppState,
+    executor: impl PgExecutor<'_>,
+    changed: &[String],
+) -> Result<(), ApiError> {
+    let Some(reason) = approval_needed(state, executor, changed).await? else {
+        return Ok(());
+    };
+    state.metrics.plan("refused_unapproved");
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        ErrorCode::ApprovalRequired,
         format!(
-            "approval policy {} (labels {labels}: {}) covers {covered} of its device(s)",
-            policy.id, policy.reason
-        )
-    }))
+            "these labels change which fields {} device(s) own (the paths the server never \
+             pushes), and {reason}; declare owned fields that give the new labels the same \
+             paths (PUT /v1/owned-fields, approved by another operator) before relabelling",
+            changed.len()
+        ),
+    ))
 }
 
 /// The refusal of a change that needs approval and was not made through
@@ -138,8 +183,9 @@ pub(super) async fn create_policy(
         reason: &body.reason,
         author: &call.actor.name,
     };
-    let mut tx = state.pool.begin().await.context("starting a transaction")?;
-    let view = match store::approvals::create(&mut tx, new, MAX_APPROVAL_POLICIES).await? {
+    let mut write = DeviceWrite::begin(&state).await?;
+    let created = store::approvals::create(write.tx().tx(), new, MAX_APPROVAL_POLICIES).await?;
+    let view = match created {
         Created::Created(row) => policy_view(row),
         Created::Full(existing) => {
             return Err(ApiError::new(
@@ -161,8 +207,15 @@ pub(super) async fn create_policy(
         })),
         ..AuditNote::default()
     };
-    store::access::record_audit(&mut *tx, &call.audit(StatusCode::CREATED, note)).await?;
-    tx.commit().await.context("committing an approval policy")?;
+    // An exemption no second operator approved stops exempting the devices
+    // the policy covers from now on.
+    write.refresh_exemptions(Scope::All).await?;
+    write
+        .commit(
+            "committing an approval policy",
+            call.audit(StatusCode::CREATED, note),
+        )
+        .await?;
     Ok(recorded(StatusCode::CREATED, view))
 }
 
@@ -193,8 +246,8 @@ pub(super) async fn delete_policy(
         ErrorCode::InvalidApprovalPolicyId,
         "an approval policy id (a UUID, as POST /v1/approval-policies answers)",
     )?;
-    let mut tx = state.pool.begin().await.context("starting a transaction")?;
-    let row = store::approvals::delete(&mut *tx, id)
+    let mut write = DeviceWrite::begin(&state).await?;
+    let row = store::approvals::delete(&mut **write.tx().tx(), id)
         .await?
         .ok_or_else(|| unknown(id))?;
     let note = AuditNote {
@@ -206,10 +259,14 @@ pub(super) async fn delete_policy(
         })),
         ..AuditNote::default()
     };
-    store::access::record_audit(&mut *tx, &call.audit(StatusCode::OK, note)).await?;
-    tx.commit()
-        .await
-        .context("committing an approval policy's deletion")?;
+    // And exemptions no one approved exempt its devices again.
+    write.refresh_exemptions(Scope::All).await?;
+    write
+        .commit(
+            "committing an approval policy's deletion",
+            call.audit(StatusCode::OK, note),
+        )
+        .await?;
     Ok(recorded(StatusCode::OK, policy_view(row)))
 }
 

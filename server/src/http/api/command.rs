@@ -131,11 +131,14 @@ impl<'a> DeviceWrite<'a> {
 
     /// Brings the owned fields of devices whose labels may have changed up
     /// to date with the declared set, and has the engine re-judge them.
-    pub(super) async fn refresh_owned_of(&mut self, ids: &[String]) -> Result<(), ApiError> {
+    /// Returns the devices whose owned paths changed.
+    pub(super) async fn refresh_owned_of(
+        &mut self,
+        ids: &[String],
+    ) -> Result<Vec<DeviceId>, ApiError> {
         let set = self.state.fleet.owned_set();
         self.refresh_owned(&set, store::Scope::Devices(ids), true)
-            .await?;
-        Ok(())
+            .await
     }
 
     /// A command for the engine once the cache is updated.

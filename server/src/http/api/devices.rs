@@ -18,7 +18,7 @@ use idem_protocol::api::{
 use idem_protocol::{DeviceId, DeviceStatus, SpecDigest};
 use serde_json::{json, Value};
 
-use super::approvals::{refuse_leaving, refuse_unapproved};
+use super::approvals::{refuse_leaving, refuse_owned_moved, refuse_unapproved};
 use super::command::{self, audited_ids, recorded, DeviceWrite};
 use super::credentials::{self, Issued};
 use super::params::{page_limit, parse_id, parse_labels, registered, unknown_device};
@@ -147,8 +147,15 @@ pub(super) async fn register_devices(
     write
         .refresh_exemptions(store::Scope::Devices(&registered))
         .await?;
-    // And into or out of a selector's owned fields.
-    write.refresh_owned_of(&registered).await?;
+    // And into or out of a selector's owned fields: for a device registered
+    // before, a change that needs approval when a policy covers it.
+    let moved = write.refresh_owned_of(&registered).await?;
+    let moved: Vec<String> = moved
+        .iter()
+        .map(DeviceId::to_string)
+        .filter(|id| !created.contains(id))
+        .collect();
+    refuse_owned_moved(&state, &mut **write.tx().tx(), &moved).await?;
     let desired_changed = write_desired(&state, &mut write, &checked.specs).await?;
     let answer = Registered {
         created: counts.created,
@@ -195,6 +202,7 @@ async fn write_desired(
     let mut changed = 0;
     let mut changed_ids = Vec::new();
     let mut replaced = Vec::new();
+    let mut first = Vec::new();
     for (digest, (spec, group)) in specs {
         let written =
             store::devices::set_desired(write.tx(), group, spec, &digest.to_string()).await?;
@@ -203,6 +211,8 @@ async fn write_desired(
         for w in written {
             if w.desired_generation > 1 {
                 replaced.push(w.id.clone());
+            } else {
+                first.push(w.id.clone());
             }
             let id = store::device_id(&w.id, "reading the ids of a desired change")?;
             // The cache leaves out what the device owns (`set_desired`).
@@ -216,6 +226,16 @@ async fn write_desired(
             changed_ids.push(id);
         }
     }
+    // A device deleted while covered and registered again: its first
+    // desired spec since is a change all the same.
+    replaced.extend(
+        store::approvals::departed_among(
+            &mut **write.tx().tx(),
+            &first,
+            state.config.changes.require_approval,
+        )
+        .await?,
+    );
     // Read in the registration's transaction: the labels it gave count.
     refuse_unapproved(state, &mut **write.tx().tx(), &replaced).await?;
     if !changed_ids.is_empty() {
@@ -263,7 +283,11 @@ pub(super) async fn upsert_device(
     write
         .refresh_exemptions(store::Scope::Devices(&[id.to_string()]))
         .await?;
-    write.refresh_owned_of(&[id.to_string()]).await?;
+    let moved = write.refresh_owned_of(&[id.to_string()]).await?;
+    if counts.created == 0 {
+        let moved: Vec<String> = moved.iter().map(DeviceId::to_string).collect();
+        refuse_owned_moved(&state, &mut **write.tx().tx(), &moved).await?;
+    }
     write
         .commit("committing a registration", call.audit(status, note))
         .await?;
@@ -343,10 +367,21 @@ pub(super) async fn delete_device(
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id)?;
     let mut write = DeviceWrite::begin(&state).await?;
+    // Registered again, it stays under the policies that cover it now.
+    let departures = store::approvals::record_departure(
+        &mut **write.tx().tx(),
+        id.as_str(),
+        &call.actor.name,
+        state.config.changes.require_approval,
+    )
+    .await?;
     let existed = store::devices::delete(write.tx(), id.as_str()).await?;
     let note = AuditNote {
         targets: Some(1),
-        detail: Some(json!({"devices": audited_ids([id.as_str()])})),
+        detail: Some(json!({
+            "devices": audited_ids([id.as_str()]),
+            "covered_departures": departures,
+        })),
         ..AuditNote::default()
     };
     write.change([FleetChange::Removed(id.clone())]);

@@ -1,8 +1,11 @@
 //! Drift exemptions: `POST /v1/exemptions` exempts one device or the devices
 //! a label selector matches from remediation until it expires (their drift
 //! is still detected, evented and shown), `GET /v1/exemptions` lists those
-//! in force, `DELETE /v1/exemptions/{id}` ends one early. Creating and
-//! deleting commit with their audit record through the command layer.
+//! in force, `POST /v1/exemptions/{id}/approve` records another operator's
+//! approval (without which an exemption exempts no device an approval
+//! policy covers), `DELETE /v1/exemptions/{id}` ends one early. Creating,
+//! approving and deleting commit with their audit record through the
+//! command layer.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,11 +19,12 @@ use idem_protocol::api::bounds::{
     MAX_EXEMPTIONS, MAX_EXEMPTIONS_PER_AUTHOR, MAX_EXEMPTION_REASON_CHARS,
 };
 use idem_protocol::api::{
-    ErrorBody, ErrorCode, ExemptionList, ExemptionRequest, ExemptionView, Selector,
+    Approval, ErrorBody, ErrorCode, ExemptionList, ExemptionRequest, ExemptionView, Selector,
 };
 use serde_json::json;
 use uuid::Uuid;
 
+use super::approvals::{approval_needed, approval_needed_by_labels};
 use super::command::{recorded, DeviceWrite};
 use super::params::{parse_hyphenated_id, registered};
 use crate::app::state::AppState;
@@ -30,7 +34,7 @@ use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
 use crate::http::input;
 use crate::store;
-use crate::store::exemptions::{ExemptionRow, NewExemption};
+use crate::store::exemptions::{self as stored, ExemptionRow, NewExemption};
 use crate::store::Scope;
 
 /// `POST /v1/exemptions`: exempts a device, or a selector's devices, from
@@ -88,6 +92,17 @@ pub(super) async fn create_exemption(
     let selector_labels = selector
         .as_ref()
         .map(|s| serde_json::to_value(&s.labels).unwrap_or_default());
+    // Exempting a covered device changes what the server does to it: like
+    // a desired change, it waits for another operator's approval.
+    let needs_approval = match (&device, &selector_labels) {
+        (Some(device), _) => {
+            approval_needed(&state, &mut **write.tx().tx(), &[device.to_string()]).await?
+        }
+        (None, Some(labels)) => {
+            approval_needed_by_labels(&state, &mut **write.tx().tx(), labels).await?
+        }
+        (None, None) => None,
+    };
     let new = NewExemption {
         id,
         device_id: device.as_ref().map(|d| d.as_str()),
@@ -95,6 +110,7 @@ pub(super) async fn create_exemption(
         reason: &body.reason,
         author: &call.actor.name,
         expires_at,
+        needs_approval: needs_approval.as_deref(),
     };
     store::exemptions::create(write.tx(), new).await?;
     match &device {
@@ -118,6 +134,7 @@ pub(super) async fn create_exemption(
             "selector": selector_labels,
             "reason": body.reason,
             "expires_at": expires_at,
+            "approval_required": needs_approval,
         })),
         ..AuditNote::default()
     };
@@ -140,6 +157,71 @@ pub(super) async fn list_exemptions(
     Ok(Json(ExemptionList {
         exemptions: rows.into_iter().map(exemption_view).collect(),
     }))
+}
+
+/// `POST /v1/exemptions/{id}/approve`: approves an exemption in force, by a
+/// token other than its author's (403 `self_approval`); from then on it
+/// exempts the devices a policy covers too.
+#[utoipa::path(post, path = "/v1/exemptions/{id}/approve", tag = "exemptions",
+    params(("id" = inline(idem_protocol::api::bounds::schema::UuidText), Path, description = "exemption id")),
+    responses((status = 200, body = ExemptionView), (status = "4XX", body = ErrorBody)))]
+pub(super) async fn approve_exemption(
+    State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
+    ApiPath(raw): ApiPath<String>,
+) -> Result<Response, ApiError> {
+    let id = parse_hyphenated_id(
+        &raw,
+        ErrorCode::InvalidExemptionId,
+        "an exemption id (a UUID, as POST /v1/exemptions answers)",
+    )?;
+    let mut write = DeviceWrite::begin(&state).await?;
+    let row = match stored::approve(write.tx(), id, &call.actor.name).await? {
+        stored::Approval::Approved(row) => row,
+        stored::Approval::Unknown => return Err(unknown(id)),
+        stored::Approval::OwnAuthor => {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                ErrorCode::SelfApproval,
+                format!(
+                    "exemption {id} was made by {}: its author cannot approve it; another \
+                     operator's token must",
+                    call.actor.name
+                ),
+            ))
+        }
+        stored::Approval::Already(by, at) => {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                ErrorCode::AlreadyApproved,
+                format!("exemption {id} was approved already, by {by} at {at}"),
+            ))
+        }
+    };
+    match &row.device_id {
+        Some(device) => {
+            write
+                .refresh_exemptions(Scope::Devices(std::slice::from_ref(device)))
+                .await?
+        }
+        None => write.refresh_exemptions(Scope::All).await?,
+    }
+    state.metrics.plan("approved");
+    let note = AuditNote {
+        detail: Some(json!({
+            "exemption": id,
+            "exemption_author": row.author,
+            "approved_by": call.actor.name,
+        })),
+        ..AuditNote::default()
+    };
+    write
+        .commit(
+            "committing an exemption's approval",
+            call.audit(StatusCode::OK, note),
+        )
+        .await?;
+    Ok(recorded(StatusCode::OK, exemption_view(row)))
 }
 
 /// `DELETE /v1/exemptions/{id}`: ends an exemption now; its devices are
@@ -263,5 +345,11 @@ fn exemption_view(row: ExemptionRow) -> ExemptionView {
         created_at: row.created_at,
         expires_at: row.expires_at,
         devices: u64::try_from(row.devices).unwrap_or(0),
+        approval: Approval {
+            required: row.needs_approval,
+            reason: row.approval_reason,
+            approved_by: row.approved_by,
+            approved_at: row.approved_at,
+        },
     }
 }

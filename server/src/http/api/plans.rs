@@ -16,8 +16,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::Utc;
 use idem_protocol::api::{
-    ErrorBody, ErrorCode, PlanApplyRequest, PlanApproval as ApiPlanApproval, PlanApproved,
-    PlanChange, PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
+    Approval as ApiPlanApproval, ErrorBody, ErrorCode, PlanApplyRequest, PlanApproved, PlanChange,
+    PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
     PlanState as ApiPlanState, PlanView, PlannedDevice, RunStarted, TargetedRequest,
 };
 use idem_protocol::SpecDigest;

@@ -2,7 +2,8 @@
 //! change to devices an approval policy covers (or any change, with
 //! `--require-approval`) is refused outside a plan; its author cannot
 //! approve that plan; another operator can; the applied run and the audit
-//! trail name the approver; a plan is applied in waves.
+//! trail name the approver; a plan is applied in waves; and none of it can
+//! be walked around (`walk_arounds`).
 
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -12,6 +13,8 @@ use std::time::Duration;
 use idem_device_sim::FleetPlan;
 use idem_tests::{Scenario, ServerSettings};
 use serde_json::{json, Value};
+
+mod walk_arounds;
 
 fn code(answer: &Value) -> &str {
     answer["error"]["code"].as_str().unwrap_or("")
@@ -403,6 +406,16 @@ async fn relabelling_a_device_out_of_a_policy_is_refused_so_its_approval_cannot_
                 reqwest::Method::POST,
                 "/v1/devices",
                 &json!([{"id": critical, "labels": {"site": "a"}, "spec": changed}]),
+                refused,
+            )
+            .await
+            .unwrap();
+        // And a desired change made directly, on either instance.
+        alice
+            .expect_refused(
+                reqwest::Method::PUT,
+                &format!("/v1/devices/{critical}/desired"),
+                &json!({"spec": changed}),
                 refused,
             )
             .await
