@@ -7,7 +7,7 @@
 #   ensure_mosquitto   the mosquitto binary (tests start private brokers)
 #   ensure_postgres    server binaries + a reachable cluster at DATABASE_URL
 #   ensure_prometheus  promtool/prometheus installed (never started here)
-#   ensure_nextest     cargo-nextest, the test runner, at its pinned version
+#   ensure_nextest     cargo-nextest, the test runner (installed when missing or too old)
 #
 # Every function is idempotent: on a machine that already has everything it
 # only checks and prints one line per service.
@@ -234,29 +234,42 @@ ensure_prometheus() {
 # --- cargo-nextest ----------------------------------------------------------
 
 # The test runner scripts/test uses (one process per test, a wall-clock
-# limit per test: .config/nextest.toml), pinned: a newer runner could read
-# the profile differently.
+# limit per test: .config/nextest.toml). Any 0.9 release from
+# $IDEM_NEXTEST_MIN on reads the profile alike; when none is installed,
+# $IDEM_NEXTEST_VERSION is.
+IDEM_NEXTEST_MIN="0.9.143"
 IDEM_NEXTEST_VERSION="0.9.151"
 
-# Installs cargo-nextest $IDEM_NEXTEST_VERSION with `cargo install --locked`
-# (built from crates.io, without its self-update feature) unless that exact
-# version is already installed.
+# nextest_usable VERSION: a 0.9 release at or past $IDEM_NEXTEST_MIN.
+nextest_usable() {
+  local patch="${1#0.9.}" min="${IDEM_NEXTEST_MIN#0.9.}"
+  case "$1" in
+    0.9.*) [[ "$patch" =~ ^[0-9]+$ ]] && [ "$patch" -ge "$min" ] ;;
+    *) return 1 ;;
+  esac
+}
+
+# The version `cargo nextest --version` names, if it runs.
+nextest_version() {
+  cargo nextest --version 2>/dev/null | head -n 1 | awk '$1 == "cargo-nextest" {print $2}' || true
+}
+
+# Uses the cargo-nextest installed when it is recent enough; otherwise
+# installs $IDEM_NEXTEST_VERSION with `cargo install --locked` (built from
+# crates.io, without its self-update feature).
 ensure_nextest() {
   local have=""
-  have="$(cargo nextest --version 2>/dev/null | head -n 1 || true)"
-  case "$have" in
-    "cargo-nextest $IDEM_NEXTEST_VERSION"*)
-      svc_log "cargo-nextest: $IDEM_NEXTEST_VERSION"
-      return 0
-      ;;
-  esac
-  svc_log "cargo install cargo-nextest --version $IDEM_NEXTEST_VERSION --locked (found: ${have:-none}; a few minutes, once)"
+  have="$(nextest_version)"
+  if nextest_usable "$have"; then
+    svc_log "cargo-nextest: $have"
+    return 0
+  fi
+  svc_log "cargo install cargo-nextest --version $IDEM_NEXTEST_VERSION --locked (found: ${have:-none}, need $IDEM_NEXTEST_MIN or newer; a few minutes, once)"
   cargo install cargo-nextest --version "$IDEM_NEXTEST_VERSION" --locked \
     --no-default-features --features default-no-update ||
     svc_die "installing cargo-nextest $IDEM_NEXTEST_VERSION failed (it needs crates.io and a Rust toolchain of 1.91 or newer)"
-  have="$(cargo nextest --version 2>/dev/null | head -n 1 || true)"
-  case "$have" in
-    "cargo-nextest $IDEM_NEXTEST_VERSION"*) svc_log "cargo-nextest: $IDEM_NEXTEST_VERSION" ;;
-    *) svc_die "cargo nextest --version says '${have:-nothing}' after installing $IDEM_NEXTEST_VERSION: is ~/.cargo/bin on PATH?" ;;
-  esac
+  have="$(nextest_version)"
+  nextest_usable "$have" ||
+    svc_die "cargo nextest --version says '${have:-nothing}' after installing $IDEM_NEXTEST_VERSION: is ~/.cargo/bin on PATH?"
+  svc_log "cargo-nextest: $have"
 }

@@ -22,8 +22,7 @@ use sqlx::PgExecutor;
 use uuid::Uuid;
 
 use super::command::{recorded, DeviceWrite};
-use super::exemptions::{checked_reason, checked_selector};
-use super::params::parse_hyphenated_id;
+use super::params::{checked_reason, checked_selector, parse_hyphenated_id};
 use crate::app::state::AppState;
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;

@@ -15,9 +15,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Json};
 use chrono::Utc;
-use idem_protocol::api::bounds::{
-    MAX_EXEMPTIONS, MAX_EXEMPTIONS_PER_AUTHOR, MAX_EXEMPTION_REASON_CHARS,
-};
+use idem_protocol::api::bounds::{MAX_EXEMPTIONS, MAX_EXEMPTIONS_PER_AUTHOR};
 use idem_protocol::api::{
     Approval, ErrorBody, ErrorCode, ExemptionList, ExemptionRequest, ExemptionView, Selector,
 };
@@ -26,13 +24,12 @@ use uuid::Uuid;
 
 use super::approvals::{approval_needed, approval_needed_by_labels};
 use super::command::{recorded, DeviceWrite};
-use super::params::{parse_hyphenated_id, registered};
+use super::params::{checked_reason, checked_selector, parse_hyphenated_id, registered};
 use crate::app::state::AppState;
 use crate::config::parse_duration;
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
-use crate::http::input;
 use crate::store;
 use crate::store::exemptions::{self as stored, ExemptionRow, NewExemption};
 use crate::store::Scope;
@@ -252,41 +249,6 @@ pub(super) async fn delete_exemption(
         .commit("deleting an exemption", call.audit(StatusCode::OK, note))
         .await?;
     Ok(recorded(StatusCode::OK, exemption_view(row)))
-}
-
-/// A selector naming at least one label, each within the label bounds.
-pub(super) fn checked_selector(selector: &Selector) -> Result<Selector, ApiError> {
-    if selector.labels.is_empty() {
-        return Err(ApiError::bad_request(
-            ErrorCode::EmptySelector,
-            "selector.labels is empty; name at least one label",
-        ));
-    }
-    input::check_count("selector labels", selector.labels.len(), input::MAX_LABELS)?;
-    for (key, value) in &selector.labels {
-        input::check_label_pair(key, value)?;
-    }
-    Ok(selector.clone())
-}
-
-/// The `reason` of an exemption or an approval policy: 1 to
-/// [`MAX_EXEMPTION_REASON_CHARS`] characters, no NUL (PostgreSQL stores no
-/// NUL in text; refused here, with the reason, before it gets there).
-pub(super) fn checked_reason(reason: &str) -> Result<(), ApiError> {
-    let chars = reason.chars().count();
-    if !(1..=MAX_EXEMPTION_REASON_CHARS).contains(&chars) {
-        return Err(ApiError::bad_request(
-            ErrorCode::InvalidReason,
-            format!("`reason` must be 1 to {MAX_EXEMPTION_REASON_CHARS} characters (got {chars})"),
-        ));
-    }
-    if reason.contains('\0') {
-        return Err(ApiError::bad_request(
-            ErrorCode::InvalidReason,
-            "`reason` holds a NUL character (\\u0000); write it without one",
-        ));
-    }
-    Ok(())
 }
 
 /// `expires_in`, between a second and `max`.

@@ -1,7 +1,10 @@
 //! Path and query parameters every resource reads the same way: device and
-//! run ids, page limits, labels. Each refusal is the API's error answer.
+//! run ids, page limits, labels; and the selectors and reasons of the
+//! bodies of exemptions and approval policies. Each refusal is the API's
+//! error answer.
 
-use idem_protocol::api::ErrorCode;
+use idem_protocol::api::bounds::MAX_EXEMPTION_REASON_CHARS;
+use idem_protocol::api::{ErrorCode, Selector};
 use idem_protocol::DeviceId;
 use serde_json::Value;
 use uuid::Uuid;
@@ -83,4 +86,39 @@ pub(super) fn parse_labels(labels: Option<Value>) -> Result<Option<Value>, ApiEr
             Ok(Some(labels))
         }
     }
+}
+
+/// A selector naming at least one label, each within the label bounds.
+pub(super) fn checked_selector(selector: &Selector) -> Result<Selector, ApiError> {
+    if selector.labels.is_empty() {
+        return Err(ApiError::bad_request(
+            ErrorCode::EmptySelector,
+            "selector.labels is empty; name at least one label",
+        ));
+    }
+    input::check_count("selector labels", selector.labels.len(), input::MAX_LABELS)?;
+    for (key, value) in &selector.labels {
+        input::check_label_pair(key, value)?;
+    }
+    Ok(selector.clone())
+}
+
+/// The `reason` of an exemption or an approval policy: 1 to
+/// [`MAX_EXEMPTION_REASON_CHARS`] characters, no NUL (PostgreSQL stores no
+/// NUL in text; refused here, with the reason, before it gets there).
+pub(super) fn checked_reason(reason: &str) -> Result<(), ApiError> {
+    let chars = reason.chars().count();
+    if !(1..=MAX_EXEMPTION_REASON_CHARS).contains(&chars) {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidReason,
+            format!("`reason` must be 1 to {MAX_EXEMPTION_REASON_CHARS} characters (got {chars})"),
+        ));
+    }
+    if reason.contains('\0') {
+        return Err(ApiError::bad_request(
+            ErrorCode::InvalidReason,
+            "`reason` holds a NUL character (\\u0000); write it without one",
+        ));
+    }
+    Ok(())
 }
