@@ -31,7 +31,7 @@ use crate::reconcile::rollout::StoredRollout;
 use crate::reconcile::run::{CompletedRun, Trigger};
 use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::DeviceChangeRow;
-use crate::store::leases::Fence;
+use crate::store::leases::{Fence, LeaseDeadline};
 use crate::store::{self, DeviceWriter, StoreError};
 pub use new_run::CommitRunError;
 use new_run::{commit_run, NewRun};
@@ -116,6 +116,9 @@ pub struct Engine {
     /// The engine lease every write of this engine checks (`None`: one
     /// engine for the database, unfenced — the state machine's tests).
     fence: Option<Fence>,
+    /// Until when the lease is surely ours: past it, nothing is published
+    /// (`None`: unfenced).
+    deadline: Option<LeaseDeadline>,
     /// A write found the lease gone: this engine stops without writing more.
     deposed: bool,
     /// Every run this engine started or took up: the runs it carries, and
@@ -156,9 +159,29 @@ impl Engine {
             machine,
             shutdown: CancellationToken::new(),
             fence,
+            deadline: None,
             deposed: false,
             carried,
         }
+    }
+
+    /// The engine with the deadline of the lease it is fenced by.
+    pub fn with_deadline(mut self, deadline: LeaseDeadline) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Whether the lease may have lapsed: then this engine is deposed and
+    /// carries out nothing more, since a new holder may be deciding the same
+    /// devices.
+    fn lease_lapsed(&mut self) -> bool {
+        if self.deadline.as_ref().is_some_and(LeaseDeadline::lapsed) {
+            if !self.deposed {
+                tracing::error!("the engine lease may have lapsed (this process was paused or could not renew it): this engine publishes nothing more");
+            }
+            self.deposed = true;
+        }
+        self.deposed
     }
 
     /// Records that this engine carries run `id`; `false` if it already did.
@@ -255,6 +278,8 @@ impl Engine {
             let mut runs = Vec::new();
             for effect in batch {
                 match effect {
+                    Effect::Publish { .. } | Effect::AskForReport { .. } if self.lease_lapsed() => {
+                    }
                     Effect::Publish {
                         device,
                         generation,

@@ -215,10 +215,20 @@ pub async fn commit_run(
         .rollout
         .as_ref()
         .map(|spec| assign_waves(spec, &undecided));
-    let undecided_rows: Vec<(String, Option<usize>)> = undecided
+    // Targets with a report that is not their desired spec: found converged
+    // later in this run, they were provisioned by it (`RunSpec::differed`).
+    let differed: HashSet<DeviceId> = undecided
+        .iter()
+        .filter(|id| view(id).is_some_and(|entry| entry.reported.is_some()))
+        .cloned()
+        .collect();
+    let undecided_rows: Vec<(String, Option<usize>, bool)> = undecided
         .iter()
         .zip(undecided_ids)
-        .map(|(id, text)| (text, waves.as_ref().and_then(|w| w.get(id).copied())))
+        .map(|(id, text)| {
+            let wave = waves.as_ref().and_then(|w| w.get(id).copied());
+            (text, wave, differed.contains(id))
+        })
         .collect();
     let started = RunStartedData {
         trigger: run.trigger,
@@ -292,7 +302,8 @@ pub async fn commit_run(
         converged_ids.push(c.id);
     }
     write.commit("committing a run").await?;
-    let spec = RunSpec::created(run_id, run.trigger, run.force, undecided, converged_ids);
+    let spec = RunSpec::created(run_id, run.trigger, run.force, undecided, converged_ids)
+        .with_differed(differed);
     Ok(match rollout {
         Some(rollout) => spec.with_rollout(rollout),
         None => spec,
@@ -304,7 +315,7 @@ pub async fn commit_run(
 async fn write_run(
     write: &mut DeviceTx<'_>,
     row: store::runs::NewRunRow<'_>,
-    undecided_ids: &[(String, Option<usize>)],
+    undecided_ids: &[(String, Option<usize>, bool)],
     converged: &[Converged],
     started: RunStartedData,
     event_source: &str,

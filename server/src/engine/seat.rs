@@ -32,7 +32,7 @@ use crate::reconcile::machine::RolloutActionError;
 use crate::reconcile::outcome::OutcomeKind;
 use crate::reconcile::rollout::{Rollout, StoredRollout};
 use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
-use crate::store::leases::{self, Fence, LeaseHolder};
+use crate::store::leases::{self, Fence, LeaseDeadline, LeaseHolder};
 use crate::store::{self, DeviceWriter, StoreError};
 
 /// The lease of the one engine.
@@ -75,7 +75,7 @@ impl EngineSeat {
     /// lease is released for the next holder.
     pub async fn run(self, mut inbox: EngineInbox, token: CancellationToken) {
         loop {
-            let Some(epoch) = self.wait_for_lease(&mut inbox, &token).await else {
+            let Some((epoch, deadline)) = self.wait_for_lease(&mut inbox, &token).await else {
                 self.settle();
                 return;
             };
@@ -84,7 +84,7 @@ impl EngineSeat {
                 epoch,
                 "this instance holds the engine lease: it carries reconciliation"
             );
-            let exit = self.carry(epoch, &mut inbox, &token).await;
+            let exit = self.carry(epoch, deadline, &mut inbox, &token).await;
             self.held.store(false, Ordering::Release);
             if token.is_cancelled() {
                 if let Err(e) = leases::release(&self.pool, ENGINE_LEASE, self.lease.id).await {
@@ -106,16 +106,19 @@ impl EngineSeat {
         }
     }
 
-    /// Serves the inbox without the lease until it is ours (`Some(epoch)`)
-    /// or `token` is cancelled (`None`).
+    /// Serves the inbox without the lease until it is ours (`Some`: its
+    /// epoch and deadline) or `token` is cancelled (`None`).
     async fn wait_for_lease(
         &self,
         inbox: &mut EngineInbox,
         token: &CancellationToken,
-    ) -> Option<i64> {
+    ) -> Option<(i64, LeaseDeadline)> {
         loop {
+            let asked = std::time::Instant::now();
             match leases::acquire_or_renew(&self.pool, ENGINE_LEASE, &self.lease).await {
-                Ok(Some(held)) => return Some(held.epoch),
+                Ok(Some(held)) => {
+                    return Some((held.epoch, LeaseDeadline::new(asked, self.lease.ttl)))
+                }
                 Ok(None) => {}
                 Err(e) => tracing::debug!(error = %e, "could not try the engine lease"),
             }
@@ -146,6 +149,7 @@ impl EngineSeat {
     async fn carry(
         &self,
         epoch: i64,
+        deadline: LeaseDeadline,
         inbox: &mut EngineInbox,
         token: &CancellationToken,
     ) -> EngineExit {
@@ -155,13 +159,14 @@ impl EngineSeat {
             epoch,
         };
         let carried = Carried::default();
-        let mut engine = Engine::new(self.ctx.clone(), Some(fence), carried.clone());
+        let mut engine = Engine::new(self.ctx.clone(), Some(fence), carried.clone())
+            .with_deadline(deadline.clone());
         let holding = token.child_token();
         let (take_ups_tx, take_ups) = mpsc::channel(TAKE_UPS_CAPACITY);
         let renewer = tokio::spawn(renew(
             self.pool.clone(),
             self.lease.clone(),
-            epoch,
+            (epoch, deadline),
             holding.clone(),
         ));
         let finder = tokio::spawn(find_runs_to_take_up(
@@ -242,7 +247,12 @@ impl EngineSeat {
 
 /// Renews the lease every third of its time to live; cancels `holding`
 /// when it is not ours any more or could not be renewed within it.
-async fn renew(pool: PgPool, lease: LeaseHolder, epoch: i64, holding: CancellationToken) {
+async fn renew(
+    pool: PgPool,
+    lease: LeaseHolder,
+    (epoch, deadline): (i64, LeaseDeadline),
+    holding: CancellationToken,
+) {
     let every = lease.ttl / 3;
     let mut renewed = tokio::time::Instant::now();
     loop {
@@ -250,8 +260,12 @@ async fn renew(pool: PgPool, lease: LeaseHolder, epoch: i64, holding: Cancellati
             () = holding.cancelled() => return,
             () = tokio::time::sleep(every) => {}
         }
+        let asked = std::time::Instant::now();
         match leases::acquire_or_renew(&pool, ENGINE_LEASE, &lease).await {
-            Ok(Some(held)) if held.epoch == epoch => renewed = tokio::time::Instant::now(),
+            Ok(Some(held)) if held.epoch == epoch => {
+                renewed = tokio::time::Instant::now();
+                deadline.renewed(asked, lease.ttl);
+            }
             Ok(_) => {
                 holding.cancel();
                 return;
@@ -326,9 +340,16 @@ pub async fn unfinished_runs(
             continue;
         }
         let undecided = store::runs::undecided_waves(pool, run.id).await?;
-        let ids: Vec<String> = undecided.iter().map(|(id, _)| id.clone()).collect();
+        let ids: Vec<String> = undecided.iter().map(|(id, _, _)| id.clone()).collect();
         let targets = store::device_ids(&ids, "taking up an unfinished run")?;
-        let mut spec = RunSpec::resumed(run.id, run.trigger, run.force, run.counts(), targets);
+        let differed = targets
+            .iter()
+            .zip(&undecided)
+            .filter(|(_, (_, _, differed))| *differed)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let mut spec = RunSpec::resumed(run.id, run.trigger, run.force, run.counts(), targets)
+            .with_differed(differed);
         if let Some(stored) = &run.rollout {
             let Some(rollout) = restored_rollout(run.id, &stored.0) else {
                 // Nothing of it is pushed, nothing is lost: the run stays
@@ -339,7 +360,7 @@ pub async fn unfinished_runs(
                 .targets
                 .iter()
                 .zip(&undecided)
-                .filter_map(|(id, (_, wave))| {
+                .filter_map(|(id, (_, wave, _))| {
                     wave.and_then(|w| usize::try_from(w).ok())
                         .map(|w| (id.clone(), w))
                 })

@@ -3,7 +3,7 @@
 //! what the machine knows of it once it ended (`CompletedRun`, with the data
 //! of its `run.completed` event).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use idem_protocol::DeviceId;
@@ -58,6 +58,11 @@ pub struct RunSpec {
     pub rollout: Option<Box<RunRollout>>,
     /// Carried on from an earlier process (after a restart or a takeover).
     pub resumed: bool,
+    /// Targets whose report differed from their desired spec when the run
+    /// was created: one found converged later in the run got there during
+    /// it (by a push of the run, perhaps one an earlier engine sent), so it
+    /// counts `provisioned`, never `already_converged`.
+    pub differed: HashSet<DeviceId>,
 }
 
 impl RunSpec {
@@ -82,6 +87,7 @@ impl RunSpec {
             converged,
             rollout: None,
             resumed: false,
+            differed: HashSet::new(),
         }
     }
 
@@ -109,7 +115,15 @@ impl RunSpec {
             converged: Vec::new(),
             rollout: None,
             resumed: true,
+            differed: HashSet::new(),
         }
+    }
+
+    /// The run with `differed`, the targets whose report differed from
+    /// their desired spec at its creation.
+    pub fn with_differed(mut self, differed: HashSet<DeviceId>) -> Self {
+        self.differed = differed;
+        self
     }
 
     /// Every target: those still to decide and those decided.
@@ -154,6 +168,8 @@ pub struct RunProgress {
     counts: OutcomeCounts,
     started: Instant,
     sample: OutcomeSample,
+    /// [`RunSpec::differed`].
+    differed: HashSet<DeviceId>,
 }
 
 impl RunProgress {
@@ -171,7 +187,20 @@ impl RunProgress {
             counts: spec.decided,
             started: now,
             sample,
+            differed: HashSet::new(),
         }
+    }
+
+    /// The run's [`RunSpec::differed`], taken from its spec.
+    pub fn with_differed(mut self, differed: HashSet<DeviceId>) -> Self {
+        self.differed = differed;
+        self
+    }
+
+    /// Whether `device`'s report differed from its desired spec when the
+    /// run was created.
+    pub fn differed(&self, device: &DeviceId) -> bool {
+        self.differed.contains(device)
     }
 
     /// True once every target has its outcome.

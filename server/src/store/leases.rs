@@ -26,6 +26,40 @@ pub struct Held {
     pub epoch: i64,
 }
 
+/// Until when a lease held is surely still ours, on this process's
+/// monotonic clock (which runs on while the process is paused): the time
+/// its last successful take or renewal was asked for, plus its time to
+/// live. The database's own expiry comes later than that, never earlier.
+/// Side effects a write's fence cannot cover (publishing to the broker)
+/// check it first.
+#[derive(Debug, Clone)]
+pub struct LeaseDeadline(std::sync::Arc<std::sync::Mutex<std::time::Instant>>);
+
+impl LeaseDeadline {
+    /// A deadline for a lease taken by a request asked at `asked`.
+    pub fn new(asked: std::time::Instant, ttl: Duration) -> Self {
+        Self(std::sync::Arc::new(std::sync::Mutex::new(asked + ttl)))
+    }
+
+    /// A renewal asked at `asked` succeeded.
+    pub fn renewed(&self, asked: std::time::Instant, ttl: Duration) {
+        let mut until = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *until = (*until).max(asked + ttl);
+    }
+
+    /// Whether the lease may have lapsed by now.
+    pub fn lapsed(&self) -> bool {
+        let until = *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        std::time::Instant::now() >= until
+    }
+}
+
 /// What a write fenced by a lease checks in its own transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fence {

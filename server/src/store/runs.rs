@@ -73,12 +73,13 @@ pub struct ConvergedTarget<'a> {
 }
 
 /// Inserts the run and its targets: `undecided` without an outcome (each
-/// with its rollout wave, if any), `converged` already decided (and
-/// counted in the run's row).
+/// with its rollout wave, if any, and whether its report differed from its
+/// desired spec), `converged` already decided (and counted in the run's
+/// row).
 pub async fn create(
     tx: &mut Transaction<'_, Postgres>,
     run: NewRunRow<'_>,
-    undecided: &[(String, Option<usize>)],
+    undecided: &[(String, Option<usize>, bool)],
     converged: &[ConvergedTarget<'_>],
 ) -> Result<(), StoreError> {
     let id = run.id;
@@ -107,18 +108,28 @@ pub async fn create(
     let decided_at = decided_at.to_rfc3339_opts(SecondsFormat::Micros, true);
     // Collected: a lazy iterator of closures would be held across the
     // COPY's awaits, which the futures of axum handlers cannot carry.
-    type TargetToCopy<'a> = (&'a str, Option<usize>, Option<&'a ConvergedTarget<'a>>);
+    type TargetToCopy<'a> = (
+        &'a str,
+        Option<usize>,
+        bool,
+        Option<&'a ConvergedTarget<'a>>,
+    );
     let rows: Vec<TargetToCopy<'_>> = undecided
         .iter()
-        .map(|(device, wave)| (device.as_str(), *wave, None))
-        .chain(converged.iter().map(|t| (t.device_id, None, Some(t))))
+        .map(|(device, wave, differed)| (device.as_str(), *wave, *differed, None))
+        .chain(
+            converged
+                .iter()
+                .map(|t| (t.device_id, None, false, Some(t))),
+        )
         .collect();
     copy_in(
         tx,
-        "COPY run_targets (run_id, device_id, outcome, generation, health, decided_at, wave) FROM STDIN",
+        "COPY run_targets (run_id, device_id, outcome, generation, health, decided_at, wave, \
+         differed) FROM STDIN",
         "recording run targets",
         rows,
-        |row, (device, wave, converged)| {
+        |row, (device, wave, differed, converged)| {
             row.plain(id).text(device);
             match converged {
                 None => row.null().null().null().null(),
@@ -132,6 +143,7 @@ pub async fn create(
                 Some(wave) => row.plain(wave),
                 None => row.null(),
             };
+            row.plain(if differed { "t" } else { "f" });
         },
     )
     .await?;
@@ -288,13 +300,15 @@ pub async fn unfinished(pool: &PgPool) -> Result<Vec<RunRow>, StoreError> {
     .context("listing unfinished runs")
 }
 
-/// Targets of a rollout run that have no outcome yet, with their waves.
+/// Targets of a run that have no outcome yet, with their waves and whether
+/// their report differed from their desired spec when the run was created.
 pub async fn undecided_waves(
     pool: &PgPool,
     run_id: Uuid,
-) -> Result<Vec<(String, Option<i16>)>, StoreError> {
+) -> Result<Vec<(String, Option<i16>, bool)>, StoreError> {
     sqlx::query_as(
-        "SELECT device_id, wave FROM run_targets WHERE run_id = $1 AND outcome IS NULL ORDER BY device_id",
+        "SELECT device_id, wave, differed FROM run_targets WHERE run_id = $1 AND outcome IS NULL \
+         ORDER BY device_id",
     )
     .bind(run_id)
     .fetch_all(pool)

@@ -44,6 +44,7 @@ use sqlx::PgPool;
 
 mod instance_names;
 mod instances_killed;
+mod owner_paused;
 mod postgres_stopped;
 mod rollout_killed;
 mod server_killed;

@@ -6,6 +6,7 @@ use std::time::Instant;
 use uuid::Uuid;
 
 use crate::reconcile::decide::Attempt;
+use crate::reconcile::outcome::Outcome;
 
 /// Where one device's attempt stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,6 +46,25 @@ pub(super) struct InFlight {
     /// When the run that started this attempt began (convergence latency).
     pub since: Instant,
     pub phase: Phase,
+    /// A run waiting on it found the device's report differing from its
+    /// desired spec when it was created ([`converged_in_run`]).
+    pub differed: bool,
+}
+
+/// The outcome a run records for a decided attempt: a device whose report
+/// differed from its desired spec when the run was created and that is
+/// found converged later got there during the run (by one of its pushes,
+/// perhaps one an earlier engine holder sent before it lost the engine),
+/// so it is `provisioned`, never `already_converged`.
+pub(super) fn converged_in_run(outcome: Outcome, differed: bool) -> Outcome {
+    match outcome {
+        Outcome::AlreadyConverged if differed => Outcome::Provisioned,
+        Outcome::AlreadyConverged
+        | Outcome::Provisioned
+        | Outcome::Failed(_)
+        | Outcome::Skipped(_)
+        | Outcome::Superseded => outcome,
+    }
 }
 
 impl InFlight {

@@ -38,7 +38,7 @@ pub use effect::{
     AskReason, Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason,
     RecheckTrigger, RolloutStats,
 };
-use flight::{InFlight, Phase};
+use flight::{converged_in_run, InFlight, Phase};
 use gaps::Gaps;
 pub use record::{AttemptRecord, OutcomeRecord, Record};
 use waves::{FollowUp, RolloutHold, RolloutRun};
@@ -379,8 +379,9 @@ impl Machine {
             .map(|(run_id, _)| *run_id)
     }
 
-    fn start_run(&mut self, spec: RunSpec, now: Now, out: &mut Vec<Effect>) {
-        let progress = RunProgress::new(&spec, now.at);
+    fn start_run(&mut self, mut spec: RunSpec, now: Now, out: &mut Vec<Effect>) {
+        let differed = std::mem::take(&mut spec.differed);
+        let progress = RunProgress::new(&spec, now.at).with_differed(differed);
         if spec.trigger == Trigger::Manual && spec.is_new() && !progress.is_complete() {
             let runs = &self.runs;
             self.manual.retain(|run_id, _| runs.contains_key(run_id));
@@ -419,7 +420,11 @@ impl Machine {
                 return;
             };
             let entry = self.entry(&id).unwrap_or_default();
+            let differed = self.runs.get(&run_id).is_some_and(|run| run.differed(&id));
             if self.join_attempt_in_flight(&id, run_id, &entry, now, out) {
+                if let Some(flight) = self.in_flight.get_mut(&id) {
+                    flight.differed |= differed;
+                }
                 continue;
             }
             self.in_flight.insert(
@@ -430,6 +435,7 @@ impl Machine {
                     generation: entry.desired.as_ref().map(|d| d.generation),
                     since: now.at,
                     phase: Phase::Fresh,
+                    differed,
                 },
             );
             if let Some(phase) = self.pushed_before_restart(run_id, &id, &entry, now.at) {
@@ -559,7 +565,10 @@ impl Machine {
             | Phase::Held => {}
         }
         match decide(&desired, &entry.actual(), &flight.attempt(now.at)) {
-            Decision::Finish(outcome) => self.conclude(id, outcome, &entry, now, out),
+            Decision::Finish(outcome) => {
+                let outcome = converged_in_run(outcome, flight.differed);
+                self.conclude(id, outcome, &entry, now, out)
+            }
             Decision::Push => {
                 match self.rollout_hold(id) {
                     RolloutHold::Free => {}
