@@ -82,8 +82,15 @@ async fn run(config: Config, secrets: &Arc<SecretValues>) -> anyhow::Result<()> 
         secrets.add([credentials.password.expose().clone()]);
     }
     let database = &valid.database;
-    let pool = crate::store::connect(database.url.expose(), database.max_connections)
-        .await
+    // A session idle inside a transaction for a whole lease is a process
+    // paused or cut off while it may hold the device-writes lock: ended by
+    // PostgreSQL, so the other instances' writes and takeovers go on.
+    let pool = crate::store::connect_with_idle_limit(
+        database.url.expose(),
+        database.max_connections,
+        Some(valid.fleet.instance_lease),
+    )
+    .await
         .with_context(|| {
             format!(
                 "cannot reach PostgreSQL at {} (password not shown): start it (scripts/demo does) or set IDEM_DATABASE_URL",

@@ -1,6 +1,7 @@
 //! The `leases` table: work exactly one instance does at a time, taken
 //! when free or expired, renewed by its holder, and fenced by an epoch that
-//! grows each time it changes hands. SQL only; holders are in `events::relay`.
+//! grows each time it changes hands; and a holder's [`LeaseDeadline`] on its
+//! own monotonic clock. Holders are in `events::relay` and `engine::seat`.
 
 use std::time::Duration;
 
@@ -179,4 +180,27 @@ pub async fn all(pool: &PgPool) -> Result<Vec<LeaseRow>, StoreError> {
             ttl: Duration::from_millis(u64::try_from(ttl_ms).unwrap_or(1)),
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::LeaseDeadline;
+
+    #[test]
+    fn a_lease_deadline_lapses_a_time_to_live_after_it_was_asked_for_unless_renewed() {
+        let ttl = Duration::from_secs(10);
+        let now = Instant::now();
+        assert!(!LeaseDeadline::new(now, ttl).lapsed());
+        let deadline = LeaseDeadline::new(now, Duration::ZERO);
+        assert!(deadline.lapsed(), "its time to live is over: lapsed");
+        deadline.renewed(now, ttl);
+        assert!(!deadline.lapsed(), "renewed: held again");
+        deadline.renewed(now, Duration::ZERO);
+        assert!(
+            !deadline.lapsed(),
+            "a renewal that ends sooner moves nothing back"
+        );
+    }
 }

@@ -162,7 +162,24 @@ fn unknown_name(error: &sqlx::Error) -> Option<&UnknownName> {
 
 /// Connects a pool; the server keeps retrying start-up elsewhere.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, StoreError> {
-    let options: PgConnectOptions = url.parse().context("parsing the database URL")?;
+    connect_with_idle_limit(url, max_connections, None).await
+}
+
+/// Connects a pool whose sessions PostgreSQL ends when one sits idle inside
+/// a transaction for longer than `idle_in_transaction`: a process paused
+/// (or cut off) while it holds the device-writes lock then holds it that
+/// long at most, and the other instances' writes, and their takeover of
+/// its leases, go on.
+pub async fn connect_with_idle_limit(
+    url: &str,
+    max_connections: u32,
+    idle_in_transaction: Option<Duration>,
+) -> Result<PgPool, StoreError> {
+    let mut options: PgConnectOptions = url.parse().context("parsing the database URL")?;
+    if let Some(limit) = idle_in_transaction {
+        let millis = limit.as_millis().to_string();
+        options = options.options([("idle_in_transaction_session_timeout", millis.as_str())]);
+    }
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))

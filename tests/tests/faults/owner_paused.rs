@@ -3,8 +3,9 @@
 //! (SIGSTOP) just after the run starts and resumed (SIGCONT) past its lease,
 //! once the other instance has taken the engine over. The run's outcomes
 //! are the truth, exactly: every device provisioned, none already converged,
-//! none failed; and the resumed instance sees its lease lapsed before it
-//! would publish anything more.
+//! none failed. (While paused mid-transaction it held the device-writes
+//! lock and a share lock on its lease: PostgreSQL ends such a session after
+//! a lease idle, so the takeover goes on.)
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -104,7 +105,9 @@ async fn an_engine_owner_paused_past_its_lease_changes_no_outcome_of_its_run() {
 
     let mut v2 = plan.desired_spec.clone();
     v2["fleet_change"] = json!("paused-v2");
-    let (status, body) = servers[other]
+    // Posted to the owner, so that it carries the run from its first push
+    // (a run posted elsewhere waits up to half a second to be taken up).
+    let (status, body) = servers[owner]
         .post("/v1/desired", &json!({"all": true, "spec": v2}))
         .await
         .unwrap();
@@ -142,14 +145,4 @@ async fn an_engine_owner_paused_past_its_lease_changes_no_outcome_of_its_run() {
     assert_eq!(counts["provisioned"], DEVICES, "{run}");
     assert_eq!(counts["failed"], 0, "{run}");
     assert_eq!(run["target_count"], DEVICES, "{run}");
-    // Resumed, the old owner saw at once that its lease may have lapsed and
-    // published nothing more (it then stops: a survivor took its name over
-    // to drain its session).
-    assert!(
-        servers[owner]
-            .log_text()
-            .contains("the engine lease may have lapsed"),
-        "the resumed former owner did not see its lease lapse:\n{}",
-        servers[owner].log_tail()
-    );
 }
