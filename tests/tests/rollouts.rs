@@ -316,3 +316,110 @@ async fn a_rollout_with_nothing_to_push_completes_at_once_and_waits_for_no_appro
     }
     fleet.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_without_the_engine_approves_resumes_and_refuses_rollout_actions_as_the_holder_would(
+) {
+    let scenario = Scenario::start(ServerSettings {
+        share_group: Some("rollout-any".to_owned()),
+        ..ServerSettings::default()
+    })
+    .await
+    .unwrap();
+    let plan = FleetPlan::new("ra-", 10).build().unwrap();
+    let fleet = scenario.register_and_start(&plan, 10).await.unwrap();
+    let other = idem_tests::TestServer::start(
+        &scenario.db,
+        &scenario.broker,
+        ServerSettings {
+            topic_root: Some(scenario.server.topic_root.to_string()),
+            share_group: Some("rollout-any".to_owned()),
+            ..ServerSettings::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (_, ready) = other.get("/readyz").await.unwrap();
+    let owns = ready["owns"].as_array().cloned().unwrap_or_default();
+    assert!(
+        !owns.contains(&json!("engine")),
+        "the second instance must not hold the engine: {ready}"
+    );
+    let alice = scenario
+        .server
+        .client_for_role("alice", "operator")
+        .await
+        .unwrap();
+    let bob = scenario
+        .server
+        .client_for_role("bob", "operator")
+        .await
+        .unwrap();
+    let (alice_there, bob_there) = (
+        other.with_token(alice.token()),
+        other.with_token(bob.token()),
+    );
+    let mut v2 = plan.desired_spec.clone();
+    v2["firmware"] = json!("2.0.0");
+    let rollout = json!({"waves": [{"size": "10%", "approve": true}, {"size": "50%", "pause": "manual"}, "100%"]});
+    let (status, started) = alice
+        .post(
+            "/v1/desired",
+            &json!({"all": true, "spec": v2, "rollout": rollout}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{started}");
+    let run_id = started["run_id"].as_str().unwrap().to_owned();
+    let paused_for = |reason: &'static str| {
+        let run_id = run_id.clone();
+        let scenario = &scenario;
+        async move {
+            wait_until(
+                Duration::from_secs(20),
+                &format!("the rollout to pause for {reason}"),
+                || async { run(scenario, &run_id).await["rollout"]["paused"]["reason"] == reason },
+            )
+            .await
+            .unwrap();
+        }
+    };
+    paused_for("approval").await;
+
+    // Through the instance without the engine: the author's approval is
+    // refused as the holder refuses it, another operator's is carried out.
+    let approve = format!("/v1/rollouts/{run_id}/approve");
+    let (status, answer) = alice_there.post(&approve, &json!({})).await.unwrap();
+    assert_eq!(
+        (status, answer["error"]["code"].clone()),
+        (403, json!("self_approval")),
+        "{answer}"
+    );
+    let (status, acted) = bob_there.post(&approve, &json!({})).await.unwrap();
+    assert_eq!(status, 200, "{acted}");
+    assert_eq!(acted["run_id"], run_id.as_str(), "{acted}");
+    paused_for("manual").await;
+    let (status, acted) = bob_there
+        .post(&format!("/v1/rollouts/{run_id}/resume"), &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{acted}");
+    let done = scenario
+        .server
+        .wait_run_completed(&run_id, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(done["rollout"]["state"], "completed", "{done}");
+    assert_eq!(done["counts"]["provisioned"], 10, "{done}");
+    // Once completed, the holder's refusal comes back through the other.
+    let (status, answer) = bob_there
+        .post(&format!("/v1/rollouts/{run_id}/abort"), &json!({}))
+        .await
+        .unwrap();
+    assert_eq!(
+        (status, answer["error"]["code"].clone()),
+        (409, json!("rollout_state")),
+        "{answer}"
+    );
+    fleet.shutdown().await.unwrap();
+}

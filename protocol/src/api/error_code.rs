@@ -214,6 +214,9 @@ error_codes! {
     DatabaseUnavailable = "database_unavailable",
     /// The server is stopping.
     ShuttingDown = "shutting_down",
+    /// The instance holding the engine did not take up or answer an action
+    /// asked through another instance in time (the message says which).
+    EngineNotAnswering = "engine_not_answering",
     /// A fault of the server; the details are in its log.
     Internal = "internal",
 }

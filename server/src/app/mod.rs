@@ -333,6 +333,7 @@ impl Workers {
             held: state.engine_held.clone(),
             startup_reconcile: config.engine.startup_reconcile,
             settled: std::sync::Mutex::new(Some(settled_tx)),
+            rollout_requests: state.rollout_requests.clone(),
         };
         let engine = tokio::spawn(seat.run(engine_inbox, engine_token.clone()));
         let ingest = Ingest {

@@ -13,7 +13,9 @@
 //! dropped — the holder learns the same from the database (its cache follows
 //! the table and tells its engine); a run an API call asks for is committed
 //! here, judged on the cache (up to date under the writer), and the holder
-//! takes it up; an action on a rollout is refused with where to send it.
+//! takes it up; an action on a rollout is answered `CarriedElsewhere`, and
+//! the API asks the holder through the database (`store::rollout_actions`),
+//! which the holder's seat claims and hands to its engine.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -56,6 +58,9 @@ pub struct EngineSeat {
     /// Told once the first try for the lease is done and, if it succeeded,
     /// what start-up asks of the engine is committed.
     pub settled: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    /// This process's engine inbox for rollout actions: those other
+    /// instances asked for go in here while this one holds the lease.
+    pub rollout_requests: mpsc::Sender<super::RolloutRequest>,
 }
 
 impl EngineSeat {
@@ -169,6 +174,12 @@ impl EngineSeat {
             (epoch, deadline),
             holding.clone(),
         ));
+        let answerer = tokio::spawn(answer_asked_rollout_actions(
+            self.pool.clone(),
+            self.lease.id,
+            self.rollout_requests.clone(),
+            holding.clone(),
+        ));
         let finder = tokio::spawn(find_runs_to_take_up(
             self.pool.clone(),
             self.ctx.writer.clone(),
@@ -209,6 +220,7 @@ impl EngineSeat {
         holding.cancel();
         let _ = renewer.await;
         let _ = finder.await;
+        let _ = answerer.await;
         exit
     }
 
@@ -276,6 +288,79 @@ async fn renew(
                     holding.cancel();
                     return;
                 }
+            }
+        }
+    }
+}
+
+/// How often the holder looks for rollout actions other instances asked for.
+pub const ASKED_ACTIONS_EVERY: Duration = Duration::from_millis(100);
+
+/// Carries out the rollout actions other instances asked for (claimed in
+/// the database, handed to this engine) and writes their answers, every
+/// [`ASKED_ACTIONS_EVERY`] while `holding`.
+async fn answer_asked_rollout_actions(
+    pool: PgPool,
+    me: Uuid,
+    engine: mpsc::Sender<super::RolloutRequest>,
+    holding: CancellationToken,
+) {
+    use crate::reconcile::machine::RolloutAction;
+    use store::rollout_actions::{self as asked, ActionAnswer};
+    loop {
+        tokio::select! {
+            () = holding.cancelled() => return,
+            () = tokio::time::sleep(ASKED_ACTIONS_EVERY) => {}
+        }
+        let claimed = match asked::claim(&pool, me).await {
+            Ok(claimed) => claimed,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not look for rollout actions asked elsewhere");
+                continue;
+            }
+        };
+        for row in claimed {
+            let action = match row.action.as_str() {
+                "resume" => RolloutAction::Resume,
+                "abort" => RolloutAction::Abort,
+                _ => RolloutAction::Approve { by: row.by.clone() },
+            };
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            let request = super::RolloutRequest {
+                run_id: row.run_id,
+                action,
+                reply,
+            };
+            if engine.send(request).await.is_err() {
+                return;
+            }
+            let answer = match answer.await {
+                Ok(Ok(stored)) => ActionAnswer::Done(stored.to_json()),
+                Ok(Err(RolloutActionError::NotNow(
+                    crate::reconcile::rollout::NotNow::SelfApproval,
+                ))) => ActionAnswer::Refused {
+                    refusal: "self_approval".to_owned(),
+                    message: String::new(),
+                },
+                Ok(Err(RolloutActionError::NotNow(e))) => ActionAnswer::Refused {
+                    refusal: "not_now".to_owned(),
+                    message: e.to_string(),
+                },
+                Ok(Err(RolloutActionError::NotInProgress)) => ActionAnswer::Refused {
+                    refusal: "not_in_progress".to_owned(),
+                    message: String::new(),
+                },
+                // The engine stopped carrying (the lease went) before it
+                // acted: the next holder claims it.
+                Ok(Err(RolloutActionError::CarriedElsewhere)) | Err(_) => {
+                    if let Err(e) = asked::unclaim(&pool, row.id).await {
+                        tracing::warn!(error = %e, "could not hand a rollout action back");
+                    }
+                    return;
+                }
+            };
+            if let Err(e) = asked::answer(&pool, row.id, &answer).await {
+                tracing::warn!(error = %e, run_id = %row.run_id, "could not write the answer to a rollout action asked elsewhere");
             }
         }
     }

@@ -1,7 +1,9 @@
 //! Staged rollouts over the API: the `rollout` of a desired change,
 //! checked into waves (400 `invalid_rollout` naming the field), and
 //! `POST /v1/rollouts/{run_id}/resume|abort|approve`, carried out by the
-//! engine and answered with the rollout as it stands.
+//! engine — this process's, or through the database the engine's holder's
+//! when another instance holds it — and answered with the rollout as it
+//! stands.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -152,9 +154,11 @@ fn checked_gates(field: &str, gates: &GatesRequest) -> Result<Gates, ApiError> {
     responses((status = 200, body = RolloutActed), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn resume_rollout(
     State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Response, ApiError> {
-    act(&state, &raw, RolloutAction::Resume, "resume").await
+    let asked = ("resume", call.actor.name.as_str());
+    act(&state, &raw, RolloutAction::Resume, asked).await
 }
 
 /// `POST /v1/rollouts/{run_id}/abort`: nothing more is pushed; the devices
@@ -165,9 +169,11 @@ pub(super) async fn resume_rollout(
     responses((status = 200, body = RolloutActed), (status = "4XX", body = ErrorBody)))]
 pub(super) async fn abort_rollout(
     State(state): State<Arc<AppState>>,
+    Extension(call): Extension<Call>,
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Response, ApiError> {
-    act(&state, &raw, RolloutAction::Abort, "abort").await
+    let asked = ("abort", call.actor.name.as_str());
+    act(&state, &raw, RolloutAction::Abort, asked).await
 }
 
 /// `POST /v1/rollouts/{run_id}/approve`: a rollout waiting after a wave
@@ -184,14 +190,14 @@ pub(super) async fn approve_rollout(
     let action = RolloutAction::Approve {
         by: call.actor.name.clone(),
     };
-    act(&state, &raw, action, "approve").await
+    act(&state, &raw, action, ("approve", call.actor.name.as_str())).await
 }
 
 async fn act(
     state: &AppState,
     raw: &str,
     action: RolloutAction,
-    verb: &str,
+    (verb, by): (&str, &str),
 ) -> Result<Response, ApiError> {
     let run_id = parse_run_id(raw)?;
     let row = store::runs::get(&state.pool, run_id)
@@ -222,7 +228,13 @@ async fn act(
         .await
         .map_err(|_| shutting_down())?;
     let acted = answer.await.map_err(|_| shutting_down())?;
-    let stored = acted.map_err(|e| refused(run_id, &stored.0, e))?;
+    let stored = match acted {
+        Ok(acted) => acted,
+        Err(RolloutActionError::CarriedElsewhere) => {
+            ask_the_holder(state, run_id, verb, by, &stored.0).await?
+        }
+        Err(e) => return Err(refused(run_id, &stored.0, e)),
+    };
     let view = stored.view();
     let note = AuditNote {
         run_id: Some(run_id),
@@ -241,6 +253,78 @@ async fn act(
             rollout: view,
         },
     ))
+}
+
+/// How long an action asked of the engine's holder through the database
+/// waits to be claimed, and then to be answered.
+const HOLDER_CLAIMS_WITHIN: Duration = Duration::from_secs(10);
+const HOLDER_ANSWERS_WITHIN: Duration = Duration::from_secs(10);
+/// How often the answer is looked for.
+const ANSWER_POLL: Duration = Duration::from_millis(50);
+
+/// Asks the instance that holds the engine for `verb` on `run_id` (by the
+/// token `by`), through the database, and waits for its answer.
+async fn ask_the_holder(
+    state: &AppState,
+    run_id: uuid::Uuid,
+    verb: &str,
+    by: &str,
+    stored: &serde_json::Value,
+) -> Result<StoredRollout, ApiError> {
+    use store::rollout_actions::{self as asked, ActionAnswer};
+    let id = asked::ask(&state.pool, run_id, verb, by).await?;
+    let started = tokio::time::Instant::now();
+    let mut withdrawn_tried = false;
+    loop {
+        if let Some(answer) = asked::take_answer(&state.pool, id).await? {
+            return match answer {
+                ActionAnswer::Done(raw) => serde_json::from_value(raw).map_err(|e| {
+                    tracing::error!(error = %e, %run_id, "the engine holder's answer to a rollout action is not a rollout");
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        ErrorCode::Internal,
+                        "the engine holder's answer could not be read; GET /v1/runs/{run_id} shows the rollout",
+                    )
+                }),
+                ActionAnswer::Refused { refusal, message } => Err(match refusal.as_str() {
+                    "self_approval" => refused(
+                        run_id,
+                        stored,
+                        RolloutActionError::NotNow(NotNow::SelfApproval),
+                    ),
+                    "not_in_progress" => {
+                        refused(run_id, stored, RolloutActionError::NotInProgress)
+                    }
+                    _ => ApiError::new(StatusCode::CONFLICT, ErrorCode::RolloutState, message),
+                }),
+            };
+        }
+        let waited = started.elapsed();
+        if waited >= HOLDER_CLAIMS_WITHIN && !withdrawn_tried {
+            withdrawn_tried = true;
+            if asked::withdraw(&state.pool, id).await? {
+                return Err(holder_silent(
+                    "no instance holding the engine took the action up within 10 s; nothing \
+                     was done: retry once GET /v1/cluster lists an engine holder",
+                ));
+            }
+        }
+        if waited >= HOLDER_CLAIMS_WITHIN + HOLDER_ANSWERS_WITHIN {
+            return Err(holder_silent(
+                "the instance holding the engine took the action up but did not answer within \
+                 20 s; GET /v1/runs/{run_id} shows whether it was carried out",
+            ));
+        }
+        tokio::time::sleep(ANSWER_POLL).await;
+    }
+}
+
+fn holder_silent(message: &'static str) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorCode::EngineNotAnswering,
+        message,
+    )
 }
 
 /// The answer to an action the rollout's state does not allow.
