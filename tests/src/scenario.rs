@@ -151,46 +151,7 @@ impl Scenario {
     /// outcomes would be), each carrying `padding` bytes of data, and returns
     /// the sequence of the last one. The relay picks them up like any commit.
     pub async fn append_events(&self, count: usize, padding: usize) -> Result<i64> {
-        use idem_server::store::events::{insert, reserve_sequences, EventRow};
-        let mut tx = self
-            .db
-            .pool()
-            .begin()
-            .await
-            .context("starting a transaction")?;
-        let first = reserve_sequences(&mut tx, count)
-            .await
-            .context("reserving sequences")?;
-        let first = i64::try_from(first).context("sequence out of range")?;
-        let pad = "x".repeat(padding);
-        let rows: Vec<EventRow> = (0..count)
-            .map(|i| {
-                let sequence = first + i64::try_from(i).unwrap_or(i64::MAX);
-                let subject = format!("filler-{}", i % 100);
-                EventRow {
-                    sequence,
-                    id: uuid::Uuid::new_v4(),
-                    event_type: "io.idem.device.already_converged".to_owned(),
-                    subject: subject.clone(),
-                    run_id: None,
-                    time: chrono::Utc::now(),
-                    cloudevent: json!({
-                        "specversion": "1.0",
-                        "type": "io.idem.device.already_converged",
-                        "source": "/idem/test-filler",
-                        "id": sequence.to_string(),
-                        "subject": subject,
-                        "sequence": sequence.to_string(),
-                        "data": {"padding": pad},
-                    }),
-                }
-            })
-            .collect();
-        for chunk in rows.chunks(5_000) {
-            insert(&mut tx, chunk).await.context("appending events")?;
-        }
-        tx.commit().await.context("committing events")?;
-        Ok(first + i64::try_from(count).unwrap_or(i64::MAX) - 1)
+        append_events_to(self.db.pool(), count, padding).await
     }
 
     /// Event log entries of one run: type → count.
@@ -230,4 +191,46 @@ impl Scenario {
         }
         Ok(view)
     }
+}
+
+/// Appends `count` events straight to the event log of `pool`'s database
+/// (as committed outcomes would be), each carrying `padding` bytes of data,
+/// and returns the sequence of the last one; the relay picks them up like
+/// any commit. Each event's CloudEvent `id` is its sequence.
+pub async fn append_events_to(pool: &sqlx::PgPool, count: usize, padding: usize) -> Result<i64> {
+    use idem_server::store::events::{insert, reserve_sequences, EventRow};
+    let mut tx = pool.begin().await.context("starting a transaction")?;
+    let first = reserve_sequences(&mut tx, count)
+        .await
+        .context("reserving sequences")?;
+    let first = i64::try_from(first).context("sequence out of range")?;
+    let pad = "x".repeat(padding);
+    let rows: Vec<EventRow> = (0..count)
+        .map(|i| {
+            let sequence = first + i64::try_from(i).unwrap_or(i64::MAX);
+            let subject = format!("filler-{}", i % 100);
+            EventRow {
+                sequence,
+                id: uuid::Uuid::new_v4(),
+                event_type: "io.idem.device.already_converged".to_owned(),
+                subject: subject.clone(),
+                run_id: None,
+                time: chrono::Utc::now(),
+                cloudevent: json!({
+                    "specversion": "1.0",
+                    "type": "io.idem.device.already_converged",
+                    "source": "/idem/test-filler",
+                    "id": sequence.to_string(),
+                    "subject": subject,
+                    "sequence": sequence.to_string(),
+                    "data": {"padding": pad},
+                }),
+            }
+        })
+        .collect();
+    for chunk in rows.chunks(5_000) {
+        insert(&mut tx, chunk).await.context("appending events")?;
+    }
+    tx.commit().await.context("committing events")?;
+    Ok(first + i64::try_from(count).unwrap_or(i64::MAX) - 1)
 }

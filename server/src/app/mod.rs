@@ -296,6 +296,7 @@ impl Workers {
                 recheck: recheck.clone(),
                 sys_topics: config.mqtt.sys_topics,
                 share_group: config.mqtt.share_group.clone(),
+                pub_acks: state.publisher.pub_acks(),
             },
             mqtt_token.clone(),
         ));

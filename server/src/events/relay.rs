@@ -37,6 +37,9 @@ const CURSOR_NAME: &str = "relay";
 /// The lease whose holder publishes the log to MQTT.
 pub const RELAY_LEASE: &str = "relay";
 const READ_BATCH: i64 = 2_000;
+/// How long a published batch waits for the broker's PUBACKs before it is
+/// published again.
+const ACKED_WITHIN: Duration = Duration::from_secs(10);
 /// Fallback poll when no commit woke the relay (e.g. another instance wrote).
 const POLL_INTERVAL: Duration = Duration::from_millis(500);
 const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
@@ -232,21 +235,47 @@ impl EventRelay {
             return Ok(None);
         };
         let publish_after = cursors.held.map(|(_, published)| published);
+        let mut last_ticket = None;
         for event in batch {
             if publish_after.is_some_and(|after| event.sequence > after) {
                 if let Some((publisher, qos)) = &self.mqtt {
                     let topic = publisher
                         .root()
                         .event_topic(&event.event_type, &event.subject);
-                    publisher
-                        .publish_event(topic, *qos, event.cloudevent.to_string().into_bytes())
-                        .await;
+                    let ticket = publisher.publish_event(
+                        topic,
+                        *qos,
+                        event.cloudevent.to_string().into_bytes(),
+                    );
+                    last_ticket = ticket.or(last_ticket);
                 }
                 self.metrics.events_published.increment(1);
             }
             if event.sequence > cursors.live {
                 // No live subscriber is fine.
                 let _ = self.live.send(Arc::new(event));
+            }
+        }
+        // The cursor moves past the batch only once the broker has it: a
+        // holder killed with publishes still in its client leaves them to
+        // the next holder (published twice, at most this one batch), never
+        // skipped.
+        if let (Some(ticket), Some((publisher, _))) = (last_ticket, &self.mqtt) {
+            let acks = publisher.pub_acks();
+            if !acks.wait_through(ticket, ACKED_WITHIN).await {
+                // Published again; that time the cursor is saved after it
+                // whatever the count says (a publish the client dropped is
+                // never answered, and would hold every batch back).
+                acks.forgive(ticket);
+                tracing::warn!(
+                    "the broker did not acknowledge a batch of events within {ACKED_WITHIN:?}; \
+                     publishing it again"
+                );
+                // Live streams have the batch; MQTT gets it again.
+                return Ok(Some(Cursors {
+                    live: last.max(cursors.live),
+                    held: cursors.held,
+                }));
             }
         }
         let held = match cursors.held {

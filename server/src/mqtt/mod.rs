@@ -174,6 +174,8 @@ pub struct EventLoopHooks {
     pub sys_topics: bool,
     /// Subscribe to the fleet's messages through this shared-subscription group.
     pub share_group: Option<ShareGroup>,
+    /// Where the PUBACKs the broker sends are counted.
+    pub pub_acks: Arc<outbox::PubAcks>,
 }
 
 /// The filters of the fleet's `reported` and `status` messages, shared
@@ -250,6 +252,7 @@ pub async fn run_event_loop(
         recheck,
         sys_topics,
         share_group,
+        pub_acks,
     } = hooks;
     let (broker_host, broker_port) = eventloop.mqtt_options.broker_address();
     let mut filters: Vec<SubscribeFilter> = fleet_filters(&root, share_group.as_ref())
@@ -359,6 +362,7 @@ pub async fn run_event_loop(
             Ok(Event::Incoming(Packet::SubAck(_))) => {
                 status.subscribed.store(true, Ordering::Release);
             }
+            Ok(Event::Incoming(Packet::PubAck(_))) => pub_acks.received(),
             Ok(Event::Outgoing(Outgoing::Disconnect)) => {
                 tracing::debug!("DISCONNECT sent; waiting for the broker to close the connection");
                 disconnected = true;
@@ -540,15 +544,21 @@ impl Publisher {
     /// Sends one message of dynamic-security commands (waits for room in
     /// the client's channel: never called from the engine or the ingest).
     pub async fn publish_control(&self, payload: Vec<u8>) -> Result<(), String> {
-        self.client
-            .publish(
-                crate::broker::accounts::CONTROL_TOPIC,
-                QoS::AtLeastOnce,
-                false,
-                payload,
-            )
-            .await
-            .map_err(|e| e.to_string())
+        // Through the outbox, as every QoS 1 publish: its ticket keeps the
+        // count of PUBACKs exact (`outbox::PubAcks`).
+        self.outbox.publish(
+            crate::broker::accounts::CONTROL_TOPIC.to_owned(),
+            QoS::AtLeastOnce,
+            false,
+            payload,
+            "a dynamic-security command",
+        );
+        Ok(())
+    }
+
+    /// The PUBACKs counted for this publisher's client.
+    pub fn pub_acks(&self) -> Arc<outbox::PubAcks> {
+        self.outbox.acks()
     }
 
     /// Clears the retained `desired` and `status` messages of a deleted
@@ -578,8 +588,9 @@ impl Publisher {
         );
     }
 
-    /// Publishes one CloudEvent (structured JSON) on an event topic.
-    pub async fn publish_event(&self, topic: String, qos: QoS, payload: Vec<u8>) {
+    /// Publishes one CloudEvent (structured JSON) on an event topic; with
+    /// QoS 1, its ticket (`outbox::PubAcks::wait_through`).
+    pub fn publish_event(&self, topic: String, qos: QoS, payload: Vec<u8>) -> Option<u64> {
         if payload.len() > MAX_EVENT_PAYLOAD_BYTES {
             self.metrics.publish_refused("event");
             tracing::warn!(
@@ -587,11 +598,9 @@ impl Publisher {
                 bytes = payload.len(),
                 "event too large for MQTT; it stays in the event log and on SSE"
             );
-            return;
+            return None;
         }
-        if let Err(e) = self.client.publish(topic, qos, false, payload).await {
-            tracing::warn!(error = %e, "could not publish an event");
-        }
+        self.outbox.publish(topic, qos, false, payload, "an event")
     }
 
     /// Acknowledges an inbound publish (manual acks), without waiting.

@@ -13,10 +13,18 @@
 //! At shutdown [`Outbox::close`] waits until the task has handed over
 //! everything that waits and ended, so a DISCONNECT queued after it follows
 //! every send.
+//!
+//! Every QoS 1 publish of the server goes through here, so each gets a
+//! ticket: its place in the order the client sends them. A broker answers
+//! QoS 1 publishes of one connection in the order it received them (MQTT
+//! 3.1.1 §4.6), so once [`PubAcks`] has counted `n` PUBACKs, every publish
+//! with a ticket up to `n` has reached the broker: the event relay saves its
+//! cursor only that far.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use rumqttc::{AsyncClient, ClientError, Publish, QoS, Request};
 use tokio::sync::Notify;
@@ -38,12 +46,54 @@ struct Queue {
     /// Set by the task, under this lock, as it ends: nothing queued after
     /// that would ever be handed over.
     ended: bool,
+    /// QoS 1 publishes ticketed so far (the last ticket given).
+    tickets: u64,
+}
+
+/// The PUBACKs the broker sent the server's client, counted by its event
+/// loop.
+#[derive(Debug, Default)]
+pub struct PubAcks {
+    received: AtomicU64,
+    wake: Notify,
+}
+
+impl PubAcks {
+    /// One PUBACK arrived.
+    pub fn received(&self) {
+        self.received.fetch_add(1, Ordering::AcqRel);
+        self.wake.notify_waiters();
+    }
+
+    /// Whether the publish with `ticket`, and every one before it, reached
+    /// the broker within `limit`.
+    pub async fn wait_through(&self, ticket: u64, limit: Duration) -> bool {
+        let wait = async {
+            loop {
+                let notified = self.wake.notified();
+                if self.received.load(Ordering::Acquire) >= ticket {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        tokio::time::timeout(limit, wait).await.is_ok()
+    }
+
+    /// Counts every publish up to `ticket` as answered: after a wait that
+    /// timed out (a publish the client dropped is never answered), so that
+    /// the count does not stay behind for good.
+    pub fn forgive(&self, ticket: u64) {
+        self.received.fetch_max(ticket, Ordering::AcqRel);
+        self.wake.notify_waiters();
+    }
 }
 
 /// See the module documentation. Shared by every clone of the publisher.
 #[derive(Debug)]
 pub struct Outbox {
     client: AsyncClient,
+    acks: Arc<PubAcks>,
     waiting: Mutex<Queue>,
     wake: Notify,
     /// Set by [`Outbox::close`]: the task ends once nothing waits.
@@ -57,6 +107,7 @@ impl Outbox {
     pub fn start(client: AsyncClient) -> Arc<Self> {
         let outbox = Arc::new(Self {
             client,
+            acks: Arc::default(),
             waiting: Mutex::new(Queue::default()),
             wake: Notify::new(),
             closing: AtomicBool::new(false),
@@ -67,7 +118,13 @@ impl Outbox {
         outbox
     }
 
-    /// Publishes without waiting. `what` names the message in the log if
+    /// The PUBACKs counted for this client.
+    pub fn acks(&self) -> Arc<PubAcks> {
+        self.acks.clone()
+    }
+
+    /// Publishes without waiting; a QoS 1 publish gets its ticket
+    /// ([`PubAcks::wait_through`]). `what` names the message in the log if
     /// the client is gone.
     pub fn publish(
         &self,
@@ -76,16 +133,25 @@ impl Outbox {
         retain: bool,
         payload: Vec<u8>,
         what: &'static str,
-    ) {
-        let waiting = self.lock();
+    ) -> Option<u64> {
+        let mut waiting = self.lock();
+        let ticket = match qos {
+            QoS::AtMostOnce => None,
+            QoS::AtLeastOnce | QoS::ExactlyOnce => Some(waiting.tickets + 1),
+        };
         let publish = if waiting.items.is_empty() {
             match self.client.try_publish(topic, qos, retain, payload) {
-                Ok(()) => return,
+                Ok(()) => {
+                    if let Some(ticket) = ticket {
+                        waiting.tickets = ticket;
+                    }
+                    return ticket;
+                }
                 // The channel is full: the client hands the publish back.
                 Err(ClientError::TryRequest(Request::Publish(publish))) => publish,
                 Err(e) => {
                     tracing::error!(error = %e, what, "could not publish");
-                    return;
+                    return None;
                 }
             }
         } else {
@@ -93,7 +159,19 @@ impl Outbox {
             publish.retain = retain;
             publish
         };
+        if waiting.ended {
+            drop(waiting);
+            tracing::warn!(
+                what,
+                "the MQTT client's channel is full after shutdown began; not sent"
+            );
+            return None;
+        }
+        if let Some(ticket) = ticket {
+            waiting.tickets = ticket;
+        }
         self.enqueue(waiting, Pending::Publish(publish), what);
+        ticket
     }
 
     /// Acknowledges an inbound QoS 1 publish without waiting.

@@ -31,7 +31,8 @@
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem_device_sim::{
@@ -39,6 +40,7 @@ use idem_device_sim::{
 };
 use idem_protocol::TopicRoot;
 use idem_tests::{PrivateMosquitto, ProcessServer, ReportWitness, TestDatabase};
+use rumqttc::{AsyncClient, Event, Packet, QoS};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
@@ -46,6 +48,7 @@ mod instance_names;
 mod instances_killed;
 mod owner_paused;
 mod postgres_stopped;
+mod relay_killed;
 mod rollout_killed;
 mod server_killed;
 mod shared_sessions;
@@ -340,4 +343,87 @@ async fn wait_stored_equals_published(
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Every event the relay publishes to MQTT: sequence → how many times, and the
+/// outcome events' (run id, device) → how many.
+#[derive(Default)]
+pub(crate) struct Published {
+    pub by_id: BTreeMap<i64, usize>,
+    /// The CloudEvent ids published with each sequence (one, unless a
+    /// repeat carried another).
+    pub ids: BTreeMap<i64, BTreeSet<String>>,
+    pub outcomes: HashMap<(String, String), usize>,
+    /// The witness's connection broke: its counts are worthless.
+    pub lost: Option<String>,
+}
+
+pub(crate) async fn event_witness(
+    broker: &PrivateMosquitto,
+    root: &TopicRoot,
+) -> Arc<Mutex<Published>> {
+    let mut options =
+        broker.mqtt_options(format!("events-witness-{}", uuid::Uuid::new_v4().simple()));
+    // Events go up to 1 MiB on MQTT (a run's start lists its targets).
+    options.set_max_packet_size(2 << 20, 2 << 20);
+    let (client, mut eventloop) = AsyncClient::new(options, 1_000);
+    client
+        .subscribe(root.events_filter(), QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    let published = Arc::new(Mutex::new(Published::default()));
+    let sink = published.clone();
+    let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
+    let mut subscribed_tx = Some(subscribed_tx);
+    tokio::spawn(async move {
+        let _client = client;
+        loop {
+            let event = match eventloop.poll().await {
+                Ok(event) => event,
+                Err(e) => {
+                    sink.lock().unwrap().lost = Some(e.to_string());
+                    return;
+                }
+            };
+            match event {
+                Event::Incoming(Packet::Publish(p)) => {
+                    let event: Value = serde_json::from_slice(&p.payload).unwrap();
+                    let id = event["sequence"]
+                        .as_i64()
+                        .or_else(|| event["sequence"].as_str().and_then(|s| s.parse().ok()))
+                        .unwrap();
+                    let mut published = sink.lock().unwrap();
+                    *published.by_id.entry(id).or_insert(0) += 1;
+                    if let Some(event_id) = event["id"].as_str() {
+                        published
+                            .ids
+                            .entry(id)
+                            .or_default()
+                            .insert(event_id.to_owned());
+                    }
+                    let is_outcome = event["type"]
+                        .as_str()
+                        .is_some_and(|t| t.starts_with("io.idem.device."));
+                    if let (true, Some(run), Some(device)) = (
+                        is_outcome,
+                        event["runid"].as_str(),
+                        event["subject"].as_str(),
+                    ) {
+                        *published
+                            .outcomes
+                            .entry((run.to_owned(), device.to_owned()))
+                            .or_insert(0) += 1;
+                    }
+                }
+                Event::Incoming(Packet::SubAck(_)) => {
+                    if let Some(tx) = subscribed_tx.take() {
+                        let _ = tx.send(());
+                    }
+                }
+                Event::Incoming(_) | Event::Outgoing(_) => {}
+            }
+        }
+    });
+    subscribed.await.unwrap();
+    published
 }
