@@ -242,11 +242,9 @@ impl EventRelay {
                     let topic = publisher
                         .root()
                         .event_topic(&event.event_type, &event.subject);
-                    let ticket = publisher.publish_event(
-                        topic,
-                        *qos,
-                        event.cloudevent.to_string().into_bytes(),
-                    );
+                    let ticket = publisher
+                        .publish_event(topic, *qos, event.cloudevent.to_string().into_bytes())
+                        .await;
                     last_ticket = ticket.or(last_ticket);
                 }
                 self.metrics.events_published.increment(1);

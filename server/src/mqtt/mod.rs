@@ -588,9 +588,11 @@ impl Publisher {
         );
     }
 
-    /// Publishes one CloudEvent (structured JSON) on an event topic; with
-    /// QoS 1, its ticket (`outbox::PubAcks::wait_through`).
-    pub fn publish_event(&self, topic: String, qos: QoS, payload: Vec<u8>) -> Option<u64> {
+    /// Publishes one CloudEvent (structured JSON) on an event topic. With
+    /// QoS 1, through the outbox, and its ticket is returned
+    /// (`outbox::PubAcks::wait_through`); with QoS 0, once the client's
+    /// channel has room (the relay goes no faster than the client sends).
+    pub async fn publish_event(&self, topic: String, qos: QoS, payload: Vec<u8>) -> Option<u64> {
         if payload.len() > MAX_EVENT_PAYLOAD_BYTES {
             self.metrics.publish_refused("event");
             tracing::warn!(
@@ -600,7 +602,17 @@ impl Publisher {
             );
             return None;
         }
-        self.outbox.publish(topic, qos, false, payload, "an event")
+        match qos {
+            QoS::AtMostOnce => {
+                if let Err(e) = self.client.publish(topic, qos, false, payload).await {
+                    tracing::warn!(error = %e, "could not publish an event");
+                }
+                None
+            }
+            QoS::AtLeastOnce | QoS::ExactlyOnce => {
+                self.outbox.publish(topic, qos, false, payload, "an event")
+            }
+        }
     }
 
     /// Acknowledges an inbound publish (manual acks), without waiting.
