@@ -95,7 +95,15 @@ fn set(items: &[(&str, &str)]) -> BTreeSet<(String, String)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plan_over_two_thousand_devices_is_exact_changes_nothing_and_applies_only_while_fresh() {
-    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    // Drift runs wait long enough that the device which reports a change
+    // below is not brought back before the plan is applied (a busy
+    // machine's polling took longer than the default 200 ms).
+    let scenario = Scenario::start(ServerSettings {
+        debounce: Duration::from_secs(20),
+        ..ServerSettings::default()
+    })
+    .await
+    .unwrap();
     let mut fleet_plan = FleetPlan::new("plan-", 2_000).seed(3).build().unwrap();
     let desired = fleet_plan.desired_spec.clone();
     let mut next = desired.clone();
