@@ -212,9 +212,19 @@ async fn a_plan_over_two_thousand_devices_is_exact_changes_nothing_and_applies_o
         (&json!(offline_id), &json!("offline"))
     );
 
-    // Planning and reading the plan wrote nothing anywhere.
-    let after = footprint(scenario.db.pool()).await;
-    assert_eq!(after, before, "row counts and the last event seq");
+    // Planning and reading the plan wrote nothing but the plan itself.
+    let (mut after, last_after) = footprint(scenario.db.pool()).await;
+    let (mut before, last_before) = before;
+    assert_eq!(
+        after.remove("plans"),
+        before.remove("plans").map(|n| n + 1),
+        "the plan is kept in the database"
+    );
+    assert_eq!(
+        (after, last_after),
+        (before, last_before),
+        "row counts and the last event seq"
+    );
 
     // Applying it pushes to exactly the devices it listed.
     let (status, started) = scenario
@@ -463,17 +473,31 @@ async fn an_operators_plans_never_evict_anothers_and_a_full_book_refuses_the_nex
     assert_eq!(status, 201, "{made}");
     let waiting_plan = made["plan_id"].as_str().unwrap().to_owned();
 
-    // One operator makes more plans than it may keep: its own oldest go.
+    // One operator makes as many plans as it may keep; the next is
+    // refused, and no plan, its own or another's, is forgotten for it.
     let busy = server
         .client_for_role("kept-busy", "operator")
         .await
         .unwrap();
     let mut busy_plans = Vec::new();
-    for _ in 0..MAX_PLANS_PER_AUTHOR + 3 {
+    for _ in 0..MAX_PLANS_PER_AUTHOR {
         let (status, made) = make(busy.clone()).await;
         assert_eq!(status, 201, "{made}");
         busy_plans.push(made["plan_id"].as_str().unwrap().to_owned());
     }
+    let (status, answer) = make(busy.clone()).await;
+    assert_eq!(
+        (status, answer["error"]["code"].as_str()),
+        (409, Some("too_many_plans")),
+        "{answer}"
+    );
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!(
+            "kept-busy keeps {MAX_PLANS_PER_AUTHOR} plans in use"
+        )),
+        "the refusal names the bound reached: {message}"
+    );
     let status_of =
         |id: String| async move { server.get(&format!("/v1/plans/{id}")).await.unwrap().0 };
     assert_eq!(
@@ -481,8 +505,9 @@ async fn an_operators_plans_never_evict_anothers_and_a_full_book_refuses_the_nex
         200,
         "another operator's plan, waiting for approval, is kept"
     );
-    assert_eq!(status_of(busy_plans[0].clone()).await, 404);
-    assert_eq!(status_of(busy_plans.last().unwrap().clone()).await, 200);
+    for plan in &busy_plans {
+        assert_eq!(status_of(plan.clone()).await, 200, "its own plan {plan}");
+    }
 
     // Filled by others, the book refuses a new plan with the reason.
     let kept_now = 1 + MAX_PLANS_PER_AUTHOR;

@@ -26,7 +26,6 @@ use crate::ingest::intake::{intake, IntakeGauge, IntakeReceiver, IntakeSender};
 use crate::ingest::Ingest;
 use crate::mqtt::{self, MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
-use crate::reconcile::plan::PlanBook;
 use crate::store::cache::FleetCache;
 use crate::store::{self, DeviceWriter, StoreError};
 
@@ -208,10 +207,7 @@ fn shared_state(
         rollout_requests,
         auth,
         dynsec,
-        plans: std::sync::Mutex::new(PlanBook::new(
-            crate::config::MAX_PLANS_PER_AUTHOR,
-            crate::config::MAX_PLANS_KEPT,
-        )),
+        plans: crate::store::plans::PlanContents::new(crate::config::PLAN_CONTENTS_CACHED),
         large_reads: crate::http::large_reads::LargeReads::default(),
     }
 }

@@ -3,7 +3,7 @@
 //! holds and imports no handler, middleware or HTTP code, so `api`, `auth`,
 //! `sse` and `app` can all depend on it without a cycle.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use sqlx::PgPool;
 use tokio::sync::{broadcast, mpsc, Notify};
@@ -14,7 +14,6 @@ use crate::http::sse::SseClients;
 use crate::mqtt::{MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
 use crate::ops::stall::Stall;
-use crate::reconcile::plan::PlanBook;
 use crate::store::cache::FleetCache;
 use crate::store::events::StoredEvent;
 use crate::store::DeviceWriter;
@@ -56,8 +55,9 @@ pub struct AppState {
     pub run_requests: mpsc::Sender<RunRequest>,
     /// Operators' resumes, aborts and approvals of rollouts, to the engine.
     pub rollout_requests: mpsc::Sender<RolloutRequest>,
-    /// The plans made and not yet forgotten (`POST /v1/plans`).
-    pub plans: Mutex<PlanBook>,
+    /// The contents of plans read lately (`POST /v1/plans`; the plans
+    /// themselves are in PostgreSQL).
+    pub plans: crate::store::plans::PlanContents,
     /// Turns of the reads whose answers can be large (plan and device pages).
     pub large_reads: crate::http::large_reads::LargeReads,
 }

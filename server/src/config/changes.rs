@@ -7,13 +7,18 @@ use std::time::Duration;
 
 use super::{parse_duration, ConfigError};
 
-/// Plans the server keeps at most, of all operators together (each holds
-/// one entry per targeted device, so this bounds their memory).
+/// Plans in use (open, or being applied) the server keeps at most, of all
+/// operators together (each holds one entry per targeted device).
 pub const MAX_PLANS_KEPT: usize = 32;
 
-/// Plans one operator token keeps at most: its newest; an older one of its
-/// own is forgotten for a new one, never another operator's.
+/// Plans in use one operator token keeps at most: a new one beyond is
+/// refused until one of its own is applied or expires, and never makes
+/// room by forgetting another operator's.
 pub const MAX_PLANS_PER_AUTHOR: usize = 8;
+
+/// Plan contents an instance holds in memory for reading their pages
+/// (each an entry per targeted device); the rest are read from PostgreSQL.
+pub const PLAN_CONTENTS_CACHED: usize = 4;
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Changes")]

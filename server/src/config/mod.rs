@@ -33,7 +33,9 @@ mod retention;
 mod security;
 mod values;
 
-pub use changes::{ChangesArgs, ChangesSettings, MAX_PLANS_KEPT, MAX_PLANS_PER_AUTHOR};
+pub use changes::{
+    ChangesArgs, ChangesSettings, MAX_PLANS_KEPT, MAX_PLANS_PER_AUTHOR, PLAN_CONTENTS_CACHED,
+};
 pub use database::{DatabaseArgs, DatabaseSettings};
 pub use engine::{EngineArgs, ReconcileSettings};
 pub use events::{EventsArgs, EventsSettings};

@@ -94,6 +94,11 @@ impl OwnedFields {
         self.paths.is_empty()
     }
 
+    /// The owned paths, sorted.
+    pub fn paths(&self) -> &[FieldPath] {
+        &self.paths
+    }
+
     /// Whether `path` is an owned path or lies under one.
     pub fn covers(&self, path: &FieldPath) -> bool {
         self.paths

@@ -1,8 +1,8 @@
 //! Plans: what a desired change would do to each targeted device, decided
 //! by the very functions a run decides with (`policy::blocked`,
 //! `decide::first_look`) before anything moves; whether the state a plan
-//! was computed on still holds when it is applied; and the book of recent
-//! plans. Pure: no IO, and time is an input.
+//! was computed on still holds when it is applied; and the rules of the
+//! plan book (`book`). Pure: no IO, and time is an input.
 
 use std::collections::HashSet;
 use std::fmt;
@@ -349,219 +349,6 @@ impl Plan {
     }
 }
 
-/// Where a plan stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PlanState {
-    Open,
-    /// Applied by this run.
-    Applied(Uuid),
-    Expired,
-}
-
-/// Why a plan cannot be applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unusable {
-    Unknown,
-    Expired(DateTime<Utc>),
-    Applied(Uuid),
-    /// Another call is applying it now.
-    Applying,
-}
-
-/// A plan's approval by a token other than its author's.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlanApproval {
-    pub by: String,
-    pub at: DateTime<Utc>,
-}
-
-/// Why a plan cannot be approved.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ApproveRefusal {
-    Unusable(Unusable),
-    /// The approving token is the plan's author.
-    SelfApproval,
-    Approved(PlanApproval),
-}
-
-/// A kept plan's own state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Slot {
-    Open,
-    /// Claimed by a call that is starting its run.
-    Applying,
-    Applied(Uuid),
-}
-
-/// The plans kept, each until it expires and for as long again (so that
-/// applying it late says "expired", not "unknown"): an author's newest
-/// `per_author`, and at most `capacity` in all. A new plan forgets only
-/// its own author's oldest, never another's: when the book is full of
-/// plans still in use, it is refused ([`BookFull`]).
-#[derive(Debug)]
-pub struct PlanBook {
-    per_author: usize,
-    capacity: usize,
-    /// Oldest first.
-    plans: Vec<Kept>,
-}
-
-/// A plan refused because the book holds `capacity` plans still in use
-/// (open, or being applied).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BookFull {
-    pub capacity: usize,
-}
-
-#[derive(Debug)]
-struct Kept {
-    plan: Arc<Plan>,
-    slot: Slot,
-    approval: Option<PlanApproval>,
-}
-
-impl PlanBook {
-    pub fn new(per_author: usize, capacity: usize) -> Self {
-        Self {
-            per_author: per_author.max(1),
-            capacity: capacity.max(1),
-            plans: Vec::new(),
-        }
-    }
-
-    /// Keeps `plan`, forgetting its author's oldest beyond `per_author`;
-    /// refused when `capacity` plans of others are still in use.
-    pub fn insert(&mut self, plan: Plan, now: DateTime<Utc>) -> Result<Arc<Plan>, BookFull> {
-        self.plans.retain(|k| {
-            k.slot == Slot::Applying
-                || now < k.plan.expires_at + (k.plan.expires_at - k.plan.created_at)
-        });
-        let forgettable = |k: &Kept| k.slot != Slot::Applying && k.plan.author == plan.author;
-        while self.plans.iter().filter(|k| forgettable(k)).count() >= self.per_author {
-            let Some(oldest) = self.plans.iter().position(forgettable) else {
-                break;
-            };
-            self.plans.remove(oldest);
-        }
-        if self.plans.len() >= self.capacity {
-            // Expired and applied plans are kept only to say so: room
-            // comes from them before a plan is refused.
-            self.plans.retain(|k| match k.slot {
-                Slot::Applying => true,
-                Slot::Open => now < k.plan.expires_at,
-                Slot::Applied(_) => false,
-            });
-        }
-        if self.plans.len() >= self.capacity {
-            return Err(BookFull {
-                capacity: self.capacity,
-            });
-        }
-        let plan = Arc::new(plan);
-        self.plans.push(Kept {
-            plan: plan.clone(),
-            slot: Slot::Open,
-            approval: None,
-        });
-        Ok(plan)
-    }
-
-    fn kept(&mut self, id: Uuid) -> Option<&mut Kept> {
-        self.plans.iter_mut().find(|k| k.plan.id == id)
-    }
-
-    /// A kept plan, where it stands and its approval.
-    pub fn get(
-        &self,
-        id: Uuid,
-        now: DateTime<Utc>,
-    ) -> Option<(Arc<Plan>, PlanState, Option<PlanApproval>)> {
-        let kept = self.plans.iter().find(|k| k.plan.id == id)?;
-        let state = match kept.slot {
-            Slot::Applied(run) => PlanState::Applied(run),
-            Slot::Open | Slot::Applying if now >= kept.plan.expires_at => PlanState::Expired,
-            Slot::Open | Slot::Applying => PlanState::Open,
-        };
-        Some((kept.plan.clone(), state, kept.approval.clone()))
-    }
-
-    /// Approves an open plan by `by`, who must not be its author; an
-    /// approval is given once.
-    pub fn approve(
-        &mut self,
-        id: Uuid,
-        by: &str,
-        now: DateTime<Utc>,
-    ) -> Result<PlanApproval, ApproveRefusal> {
-        let Some(kept) = self.kept(id) else {
-            return Err(ApproveRefusal::Unusable(Unusable::Unknown));
-        };
-        match kept.slot {
-            Slot::Applied(run) => return Err(ApproveRefusal::Unusable(Unusable::Applied(run))),
-            Slot::Applying => return Err(ApproveRefusal::Unusable(Unusable::Applying)),
-            Slot::Open if now >= kept.plan.expires_at => {
-                return Err(ApproveRefusal::Unusable(Unusable::Expired(
-                    kept.plan.expires_at,
-                )))
-            }
-            Slot::Open => {}
-        }
-        if kept.plan.author == by {
-            return Err(ApproveRefusal::SelfApproval);
-        }
-        if let Some(given) = &kept.approval {
-            return Err(ApproveRefusal::Approved(given.clone()));
-        }
-        let approval = PlanApproval {
-            by: by.to_owned(),
-            at: now,
-        };
-        kept.approval = Some(approval.clone());
-        Ok(approval)
-    }
-
-    /// The plan, claimed for one call to apply it: a second call is refused
-    /// until [`PlanBook::applied`] or [`PlanBook::release`].
-    /// With its approval, if it has one.
-    pub fn claim(
-        &mut self,
-        id: Uuid,
-        now: DateTime<Utc>,
-    ) -> Result<(Arc<Plan>, Option<PlanApproval>), Unusable> {
-        let Some(kept) = self.kept(id) else {
-            return Err(Unusable::Unknown);
-        };
-        match kept.slot {
-            Slot::Applied(run) => Err(Unusable::Applied(run)),
-            Slot::Applying => Err(Unusable::Applying),
-            Slot::Open if now >= kept.plan.expires_at => {
-                Err(Unusable::Expired(kept.plan.expires_at))
-            }
-            Slot::Open => {
-                kept.slot = Slot::Applying;
-                Ok((kept.plan.clone(), kept.approval.clone()))
-            }
-        }
-    }
-
-    /// The claiming call's run applied the plan.
-    pub fn applied(&mut self, id: Uuid, run: Uuid) {
-        if let Some(kept) = self.kept(id) {
-            kept.slot = Slot::Applied(run);
-        }
-    }
-
-    /// The claiming call did not apply it (refused, or the engine stopped):
-    /// it is open again.
-    pub fn release(&mut self, id: Uuid) {
-        if let Some(kept) = self.kept(id) {
-            if kept.slot == Slot::Applying {
-                kept.slot = Slot::Open;
-            }
-        }
-    }
-}
-
 /// How the devices a plan's targeting matches `now` differ from those it
 /// matched: `(joined, left)`, devices matched now and not then, and planned
 /// devices `registered` still that it matches no more (a deleted one is
@@ -584,6 +371,10 @@ pub fn retargeted(
         .count() as u64;
     (joined, left)
 }
+
+pub mod book;
+
+pub use book::{ApproveRefusal, PlanApproval, PlanState, Unusable};
 
 #[cfg(test)]
 mod tests;

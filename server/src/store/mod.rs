@@ -15,6 +15,7 @@ pub mod follow;
 pub mod instances;
 pub mod leases;
 pub mod owned;
+pub mod plans;
 pub mod rollout_actions;
 pub mod runs;
 pub mod writer;

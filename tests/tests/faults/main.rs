@@ -25,7 +25,9 @@
 //! `rollout_killed` (SIGKILLed mid-wave), `instance_names` (a name claimed
 //! by a live, a killed or a silent process), `shared_sessions` (an instance
 //! sharing the subscriptions killed and never restarted), `instances_killed`
-//! (of three instances, the one carrying a run killed and never restarted)
+//! (of three instances, the one carrying a run killed and never restarted),
+//! `plans_shared` (a plan made, approved and applied through different
+//! instances, kept across a restart of both)
 //! and `postgres_stopped` (the database stopped mid-run).
 
 // Test code: a panic with its message is the failure report.
@@ -47,6 +49,7 @@ use sqlx::PgPool;
 mod instance_names;
 mod instances_killed;
 mod owner_paused;
+mod plans_shared;
 mod postgres_stopped;
 mod relay_killed;
 mod rollout_killed;

@@ -1,7 +1,8 @@
 //! Plans: `POST /v1/plans` computes what a desired change would do, device
 //! by device, with the decision a run takes (`reconcile::plan`), and changes
-//! nothing — no device row, run, event, audit record or MQTT message;
-//! `GET /v1/plans/{id}` and `GET /v1/plans/{id}/devices` read it with
+//! nothing in the fleet — no device row, run, event, audit record or MQTT
+//! message — but keeps the plan in PostgreSQL (`store::plans`), where every
+//! instance reads it; `GET /v1/plans/{id}` and `GET /v1/plans/{id}/devices` read it with
 //! field-level diffs; `POST /v1/plans/{id}/approve` records another
 //! operator's approval; `POST /v1/plans/{id}/apply` applies it (in waves,
 //! if asked) through the command layer, refused when anything it was
@@ -37,8 +38,9 @@ use crate::http::extract::{ApiJson, ApiJsonOrEmpty, ApiPath, ApiQuery};
 use crate::http::input;
 use crate::http::large_reads::MAX_PAGE_BYTES;
 use crate::reconcile::owned::NewSpecDigests;
+use crate::reconcile::plan::book::{self, BookRefusal};
 use crate::reconcile::plan::{
-    self, plan_devices, ApproveRefusal, Plan, PlanApproval, PlanSkip, PlanState, Unusable, Verdict,
+    plan_devices, ApproveRefusal, Plan, PlanApproval, PlanSkip, PlanState, Unusable, Verdict,
 };
 use crate::reconcile::policy::Blocked;
 use crate::reconcile::rollout::RolloutSpec;
@@ -95,20 +97,19 @@ pub(super) async fn create_plan(
         Ok(turn) => turn,
         Err(refused) => return Ok(refused),
     };
-    let inserted = book(&state).insert(plan, now);
-    let plan = inserted.map_err(|full| {
-        ApiError::new(
-            StatusCode::CONFLICT,
-            ErrorCode::TooManyPlans,
-            format!(
-                "the server keeps {} plans in use, the most it keeps of all operators together \
-                 (each operator's newest {}); apply or wait out one of yours, or try again once \
-                 others' expire (--plan-ttl)",
-                full.capacity,
-                crate::config::MAX_PLANS_PER_AUTHOR
-            ),
+    let admitted = store::plans::keep(&state.pool, &plan, |kept| {
+        book::admit(
+            kept,
+            &plan.author,
+            now,
+            crate::config::MAX_PLANS_PER_AUTHOR,
+            crate::config::MAX_PLANS_KEPT,
         )
-    })?;
+    })
+    .await?;
+    admitted.map_err(|refusal| too_many_plans(&plan.author, refusal))?;
+    let plan = Arc::new(plan);
+    state.plans.remember(plan.clone());
     state.metrics.plan("created");
     let view = plan_view(&state, &plan, PlanState::Open, None).await?;
     Ok((StatusCode::CREATED, Extension(DryRun), Json(view)).into_response())
@@ -125,15 +126,17 @@ pub(super) async fn get_plan(
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let id = plan_id(&raw)?;
-    let (plan, plan_state, approval) = book(&state)
-        .get(id, Utc::now())
+    let kept = store::plans::kept(&state.pool, id)
+        .await?
         .ok_or_else(|| unknown_plan(id))?;
     let token = actor.as_deref().map(|actor| actor.name.as_str());
     let _turn = match state.large_reads.turn_for(token).await {
         Ok(turn) => turn,
         Err(refused) => return Ok(refused),
     };
-    Ok(Json(plan_view(&state, &plan, plan_state, approval).await?).into_response())
+    let plan = content(&state, id).await?;
+    let view = plan_view(&state, &plan, kept.state(Utc::now()), kept.approval).await?;
+    Ok(Json(view).into_response())
 }
 
 /// `GET /v1/plans/{id}/devices`: a page of a plan's devices in id order.
@@ -153,14 +156,12 @@ pub(super) async fn plan_devices_page(
     if let Some(after) = &query.after {
         input::check_query_text("after", after)?;
     }
-    let (plan, _, _) = book(&state)
-        .get(id, Utc::now())
-        .ok_or_else(|| unknown_plan(id))?;
     let token = actor.as_deref().map(|actor| actor.name.as_str());
     let _turn = match state.large_reads.turn_for(token).await {
         Ok(turn) => turn,
         Err(refused) => return Ok(refused),
     };
+    let plan = content(&state, id).await?;
     let (devices, next_after) =
         page(&state, &plan, query.change, query.after.as_deref(), limit).await?;
     Ok(Json(PlanDevicePage {
@@ -191,23 +192,42 @@ pub(super) async fn apply_plan(
         .as_ref()
         .map(super::rollouts::checked_rollout)
         .transpose()?;
-    let (plan, approval) = book(&state)
-        .claim(id, Utc::now())
-        .map_err(|unusable| refused(&state, id, unusable))?;
-    let count = plan.devices.len() as u64;
-    let started = apply_claimed(&state, &call, plan, approval, rollout, body).await;
-    match &started {
-        Ok(run) => book(&state).applied(id, *run),
-        Err(_) => book(&state).release(id),
-    }
-    let run = started?;
+    let now = Utc::now();
+    let claimed = store::plans::claim(&state.pool, id, now, |kept| book::claim(kept, now)).await?;
+    let approval = claimed.map_err(|unusable| refused(&state, id, unusable))?;
+    let started = match content(&state, id).await {
+        Ok(plan) => apply_claimed(&state, &call, plan, approval, rollout, body).await,
+        Err(e) => Err(e),
+    };
+    // The run's row names the plan, which says it was applied whatever
+    // the plan's own row says; an unreleased claim lapses (`CLAIM_LAPSE`).
+    let run = match started {
+        Ok(run) => {
+            if let Err(e) = store::plans::applied(&state.pool, id, run.id).await {
+                tracing::warn!(plan = %id, error = %e, "could not record the plan applied");
+            }
+            run
+        }
+        Err(e) => {
+            if let Err(release) = store::plans::release(&state.pool, id).await {
+                tracing::warn!(plan = %id, error = %release, "could not release the plan's claim");
+            }
+            return Err(e);
+        }
+    };
     state.metrics.plan("applied");
     let answer = RunStarted {
-        run_id: run,
-        targets: count,
+        run_id: run.id,
+        targets: run.targets,
         joined: None,
     };
     Ok(recorded(StatusCode::OK, answer))
+}
+
+/// The run that applies a plan, and how many devices it covers.
+struct Applied {
+    id: Uuid,
+    targets: u64,
 }
 
 /// Starts the run of a plan this call claimed, once its approval (if it
@@ -219,7 +239,7 @@ async fn apply_claimed(
     approval: Option<PlanApproval>,
     rollout: Option<RolloutSpec>,
     body: PlanApplyRequest,
-) -> Result<Uuid, ApiError> {
+) -> Result<Applied, ApiError> {
     let devices: Vec<String> = plan.devices.iter().map(|d| d.id.to_string()).collect();
     // An approval given when none was needed is recorded all the same.
     if approval.is_none() {
@@ -251,7 +271,10 @@ async fn apply_claimed(
             state.metrics.plan("refused_stale");
         }
     })?;
-    Ok(run)
+    Ok(Applied {
+        id: run,
+        targets: count as u64,
+    })
 }
 
 /// `POST /v1/plans/{id}/approve`: approves an open plan, by a token other
@@ -266,7 +289,13 @@ pub(super) async fn approve_plan(
     ApiPath(raw): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let id = plan_id(&raw)?;
-    let approved = book(&state).approve(id, &call.actor.name, Utc::now());
+    let now = Utc::now();
+    let mut author = None;
+    let approved = store::plans::approve(&state.pool, id, |kept| {
+        author = kept.map(|k| k.author.clone());
+        book::approve(kept, &call.actor.name, now)
+    })
+    .await?;
     let approval = approved.map_err(|refusal| match refusal {
         ApproveRefusal::Unusable(unusable) => unusable_plan(id, unusable),
         ApproveRefusal::SelfApproval => ApiError::new(
@@ -288,9 +317,6 @@ pub(super) async fn approve_plan(
         ),
     })?;
     state.metrics.plan("approved");
-    let author = book(&state)
-        .get(id, Utc::now())
-        .map(|(plan, _, _)| plan.author.clone());
     let note = AuditNote {
         detail: Some(json!({
             "plan_id": id,
@@ -310,13 +336,35 @@ pub(super) async fn approve_plan(
     ))
 }
 
-fn book(state: &AppState) -> std::sync::MutexGuard<'_, plan::PlanBook> {
-    // A panic while the lock was held cannot leave the book half-changed:
-    // each of its methods changes it in one step.
+/// Plan `id`'s content, kept (its row was read just before) or not.
+async fn content(state: &AppState, id: Uuid) -> Result<Arc<Plan>, ApiError> {
     state
         .plans
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&state.pool, id)
+        .await?
+        .ok_or_else(|| unknown_plan(id))
+}
+
+/// The refusal of a new plan the book has no room for.
+fn too_many_plans(author: &str, refusal: BookRefusal) -> ApiError {
+    let message = match refusal {
+        BookRefusal::AuthorFull {
+            per_author,
+            oldest_expires,
+        } => format!(
+            "{author} keeps {per_author} plans in use, the most one operator keeps (open or \
+             being applied); apply one, or make this one once the oldest expires at \
+             {oldest_expires} (--plan-ttl). Another operator's plans are never forgotten to \
+             make room"
+        ),
+        BookRefusal::BookFull { capacity } => format!(
+            "the server keeps {capacity} plans in use, the most it keeps of all operators \
+             together (each operator's {} at most); try again once some are applied or expire \
+             (--plan-ttl)",
+            crate::config::MAX_PLANS_PER_AUTHOR
+        ),
+    };
+    ApiError::new(StatusCode::CONFLICT, ErrorCode::TooManyPlans, message)
 }
 
 fn plan_id(raw: &str) -> Result<Uuid, ApiError> {
@@ -331,9 +379,8 @@ fn unknown_plan(id: Uuid) -> ApiError {
     ApiError::not_found(
         ErrorCode::UnknownPlan,
         format!(
-            "no plan {id}: plans are kept in the server's memory until they expire (each \
-             operator's newest {}, not across restarts); make a new one with POST /v1/plans",
-            crate::config::MAX_PLANS_PER_AUTHOR
+            "no plan {id}: a plan is kept until it expired as long ago as it lived \
+             (--plan-ttl); make a new one with POST /v1/plans"
         ),
     )
 }

@@ -261,74 +261,6 @@ fn a_page_continues_after_the_last_id_and_filters_by_verdict() {
 }
 
 #[test]
-fn a_plan_expires_and_once_applied_cannot_be_applied_again() {
-    let now = Utc::now();
-    let mut book = PlanBook::new(4, 8);
-    let plan = book.insert(plan_of(&fleet(), now), now).unwrap();
-    let later = plan.expires_at;
-    assert_eq!(
-        book.claim(plan.id, later).map(|(p, _)| p.id),
-        Err(Unusable::Expired(plan.expires_at))
-    );
-    assert_eq!(book.claim(plan.id, now).map(|(p, _)| p.id), Ok(plan.id));
-    let run = Uuid::now_v7();
-    book.applied(plan.id, run);
-    assert_eq!(
-        book.claim(plan.id, now).map(|(p, _)| p.id),
-        Err(Unusable::Applied(run))
-    );
-    assert_eq!(
-        book.claim(Uuid::now_v7(), now).map(|(p, _)| p.id),
-        Err(Unusable::Unknown)
-    );
-}
-
-#[test]
-fn an_authors_plans_never_evict_anothers_and_a_book_full_of_plans_in_use_refuses_more() {
-    let now = Utc::now();
-    let by = |author: &str, at| Plan {
-        author: author.into(),
-        ..plan_of(&fleet(), at)
-    };
-    let mut book = PlanBook::new(2, 3);
-    let bobs = book.insert(by("bob", now), now).unwrap();
-    for _ in 0..5 {
-        book.insert(by("alice", now), now).unwrap();
-    }
-    assert!(
-        book.get(bobs.id, now).is_some(),
-        "alice's plans evicted only her own"
-    );
-    // Two of alice's and bob's one: full of open plans, carol's is refused.
-    assert_eq!(
-        book.insert(by("carol", now), now).map(|p| p.id),
-        Err(BookFull { capacity: 3 })
-    );
-    // Once bob's plan is applied, it is only kept to say so: room for carol.
-    assert!(book.claim(bobs.id, now).is_ok());
-    book.applied(bobs.id, Uuid::now_v7());
-    assert!(book.insert(by("carol", now), now).is_ok());
-}
-
-#[test]
-fn the_book_keeps_the_newest_plans_and_forgets_long_expired_ones() {
-    let now = Utc::now();
-    let mut book = PlanBook::new(2, 8);
-    let oldest = book.insert(plan_of(&fleet(), now), now).unwrap();
-    let middle = book.insert(plan_of(&fleet(), now), now).unwrap();
-    let newest = book.insert(plan_of(&fleet(), now), now).unwrap();
-    assert!(book.get(oldest.id, now).is_none());
-    assert!(book.get(middle.id, now).is_some());
-    let much_later = now + chrono::Duration::hours(2);
-    let fresh = book
-        .insert(plan_of(&fleet(), much_later), much_later)
-        .unwrap();
-    assert!(book.get(middle.id, much_later).is_none());
-    assert!(book.get(newest.id, much_later).is_none());
-    assert!(book.get(fresh.id, much_later).is_some());
-}
-
-#[test]
 fn a_plan_is_stale_when_what_a_device_owns_changed() {
     let mut fleet = fleet();
     let plan = plan_of(&fleet, Utc::now());
@@ -389,26 +321,6 @@ fn a_device_differing_only_in_a_field_it_owns_is_planned_converged_with_its_gene
 }
 
 #[test]
-fn a_plan_is_claimed_by_one_call_at_a_time_and_applies_once() {
-    let now = Utc::now();
-    let mut book = PlanBook::new(4, 8);
-    let plan = book.insert(plan_of(&fleet(), now), now).unwrap();
-    assert!(book.claim(plan.id, now).is_ok());
-    // A second call while the first starts its run.
-    assert_eq!(book.claim(plan.id, now).unwrap_err(), Unusable::Applying);
-    // The first was refused (say, stale): the plan is open again.
-    book.release(plan.id);
-    assert!(book.claim(plan.id, now).is_ok());
-    let run = Uuid::now_v7();
-    book.applied(plan.id, run);
-    assert_eq!(
-        book.claim(plan.id, now).unwrap_err(),
-        Unusable::Applied(run)
-    );
-    assert_eq!(book.get(plan.id, now).unwrap().1, PlanState::Applied(run));
-}
-
-#[test]
 fn a_planned_device_relabelled_out_of_its_selector_makes_the_plan_stale_a_deleted_one_counts_gone()
 {
     let mut fleet = fleet();
@@ -446,47 +358,4 @@ fn a_report_that_says_the_same_again_leaves_the_plan_fresh() {
     let mut staleness = Staleness::default();
     staleness.compare(&plan.devices, |id| fleet.get(id).cloned());
     assert!(staleness.is_fresh(), "{staleness}");
-}
-
-#[test]
-fn a_plan_is_approved_once_by_a_token_other_than_its_author_and_applied_with_that_approval() {
-    let now = Utc::now();
-    let mut book = PlanBook::new(4, 8);
-    let plan = book.insert(plan_of(&fleet(), now), now).unwrap();
-    assert_eq!(
-        book.approve(plan.id, &plan.author, now),
-        Err(ApproveRefusal::SelfApproval)
-    );
-    assert_eq!(book.get(plan.id, now).unwrap().2, None);
-    let approval = book.approve(plan.id, "second-operator", now).unwrap();
-    assert_eq!(approval.by, "second-operator");
-    assert_eq!(
-        book.approve(plan.id, "third-operator", now),
-        Err(ApproveRefusal::Approved(approval.clone()))
-    );
-    assert_eq!(book.get(plan.id, now).unwrap().2, Some(approval.clone()));
-    let (_, claimed_with) = book.claim(plan.id, now).unwrap();
-    assert_eq!(claimed_with, Some(approval));
-}
-
-#[test]
-fn an_expired_applied_or_unknown_plan_cannot_be_approved() {
-    let now = Utc::now();
-    let mut book = PlanBook::new(4, 8);
-    let plan = book.insert(plan_of(&fleet(), now), now).unwrap();
-    assert_eq!(
-        book.approve(plan.id, "second-operator", plan.expires_at),
-        Err(ApproveRefusal::Unusable(Unusable::Expired(plan.expires_at)))
-    );
-    let run = Uuid::now_v7();
-    book.claim(plan.id, now).unwrap();
-    book.applied(plan.id, run);
-    assert_eq!(
-        book.approve(plan.id, "second-operator", now),
-        Err(ApproveRefusal::Unusable(Unusable::Applied(run)))
-    );
-    assert_eq!(
-        book.approve(Uuid::now_v7(), "second-operator", now),
-        Err(ApproveRefusal::Unusable(Unusable::Unknown))
-    );
 }
