@@ -156,11 +156,11 @@ error_codes! {
     UnknownExemption = "unknown_exemption",
     /// As many exemptions are in force as the server allows.
     TooManyExemptions = "too_many_exemptions",
-    /// No plan has this id (plans live in the server's memory until they
-    /// expire, each operator's newest few, and not across restarts).
+    /// No plan has this id (a plan is kept until it expired as long ago as
+    /// it lived).
     UnknownPlan = "unknown_plan",
-    /// The server keeps as many plans in use as it allows (of all
-    /// operators together).
+    /// The operator keeps as many plans in use as one may, or the server as
+    /// many as it keeps of all operators together.
     TooManyPlans = "too_many_plans",
     /// The token has as many large reads (plan or device pages) in
     /// progress as one token may: wait for one to finish.
