@@ -226,7 +226,7 @@ fn event_relay(state: &AppState) -> EventRelay {
         lease: crate::store::leases::LeaseHolder {
             instance: fleet.instance.clone(),
             id: uuid::Uuid::new_v4(),
-            ttl: fleet.instance_lease,
+            ttl: crate::store::leases::time_to_live(fleet.instance_lease),
         },
         held: state.relay_held.clone(),
     }
@@ -325,7 +325,7 @@ impl Workers {
             lease: crate::store::leases::LeaseHolder {
                 instance: config.fleet.instance.clone(),
                 id: uuid::Uuid::new_v4(),
-                ttl: config.fleet.instance_lease,
+                ttl: crate::store::leases::time_to_live(config.fleet.instance_lease),
             },
             held: state.engine_held.clone(),
             startup_reconcile: config.engine.startup_reconcile,

@@ -21,6 +21,15 @@ pub struct LeaseHolder {
     pub ttl: Duration,
 }
 
+/// The time to live of a lease whose work must be taken over within
+/// `bound` (`--instance-lease`) of its holder's death: three quarters of
+/// it. A holder killed just before renewing leaves the lease to expire
+/// that long after its last renewal; the last quarter is the successor's
+/// (its tries every 250 ms, taking up the work and deciding on it).
+pub fn time_to_live(bound: Duration) -> Duration {
+    bound * 3 / 4
+}
+
 /// A lease held: the epoch every fenced write checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {

@@ -47,6 +47,37 @@ async fn engine_owner(servers: &[ProcessServer], within: Duration) -> usize {
     }
 }
 
+/// How long after `killed_at` the run's decided count first grew past what
+/// the database held just after the kill: the new owner's first decision.
+fn first_decision_after(
+    pool: PgPool,
+    run_id: String,
+    killed_at: Instant,
+) -> tokio::task::JoinHandle<Duration> {
+    tokio::spawn(async move {
+        let decided = || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM run_targets WHERE run_id = $1::uuid AND outcome IS NOT NULL",
+            )
+            .bind(&run_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        };
+        let at_kill = decided().await;
+        loop {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            if decided().await > at_kill {
+                return killed_at.elapsed();
+            }
+            assert!(
+                killed_at.elapsed() < Duration::from_secs(60),
+                "no decision after the kill"
+            );
+        }
+    })
+}
+
 async fn deadlocks(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
         .fetch_one(pool)
@@ -138,6 +169,7 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
 
     servers[owner].kill().unwrap();
     let killed_at = Instant::now();
+    let first_decision = first_decision_after(db.pool().clone(), run_id.clone(), killed_at);
     let highest_at_kill = reports.highest();
     wait_each_published_since(&reports, &leaving_fleet, &highest_at_kill, "after the kill").await;
     let leaving_final = take_all_offline(&leaving_fleet).await;
@@ -173,6 +205,13 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let completed_after = killed_at.elapsed();
+    // Taken over within the configured lease: from the kill to the new
+    // owner's first decision (an outcome the dead one did not write).
+    let takeover_decided = first_decision.await.unwrap();
+    assert!(
+        takeover_decided <= LEASE,
+        "the new owner decided first {takeover_decided:?} after the kill; the lease is {LEASE:?}"
+    );
 
     // Exactly one outcome per device, and the summary says so.
     let counts = &run["counts"];
@@ -294,6 +333,7 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
     println!(
         "three instances, {DEVICES} devices: the carrier was killed with {decided_at_kill} \
          outcomes decided; the engine was taken over {takeover:?} after the kill (lease {LEASE:?}) \
+         and its first decision came {takeover_decided:?} after it \
          and the run completed {completed_after:?} after it ({}); {} events relayed once each; \
          {drained} messages drained from the dead instance's session; test took {:?}",
         run["summary"],
