@@ -354,6 +354,11 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
             .unwrap()
             .unwrap_or(0.0);
     }
+    assert!(
+        drained > 0.0,
+        "no survivor drained a message from the dead instance's session: the reports the \
+         leaving devices sent after the kill never waited there, so that path went untested"
+    );
     println!(
         "three instances, {DEVICES} devices: the carrier was killed with {decided_at_kill} \
          outcomes decided; the engine was taken over {takeover:?} after the kill (lease {LEASE:?}) \
