@@ -40,8 +40,20 @@ impl ReportWitness {
     /// Subscribes (clean session, QoS 1) and waits for the SUBACK, so every
     /// report the broker accepts afterwards is seen.
     pub async fn start(broker: &PrivateMosquitto, root: &TopicRoot) -> Result<Self> {
-        let mut options =
-            broker.mqtt_options(format!("report-witness-{}", uuid::Uuid::new_v4().simple()));
+        Self::start_as(broker, root, None).await
+    }
+
+    /// [`ReportWitness::start`], logged in as `login` (user, password).
+    pub async fn start_as(
+        broker: &PrivateMosquitto,
+        root: &TopicRoot,
+        login: Option<(&str, &str)>,
+    ) -> Result<Self> {
+        let client_id = format!("report-witness-{}", uuid::Uuid::new_v4().simple());
+        let mut options = match login {
+            Some((user, password)) => broker.mqtt_options_as(client_id, user, password),
+            None => broker.mqtt_options(client_id),
+        };
         options.set_max_packet_size(1 << 20, 1 << 20);
         let (client, mut eventloop) = AsyncClient::new(options, 100);
         subscribe_acknowledged(

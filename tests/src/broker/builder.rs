@@ -17,6 +17,9 @@ pub struct MosquittoBuilder {
     pub(super) require_client_cert: bool,
     /// `(user, password)` accounts of the password file.
     pub(super) accounts: Vec<(String, String)>,
+    /// With a password file, clients choose their client ids (no
+    /// `use_username_as_clientid`).
+    pub(super) client_ids_chosen: bool,
     /// The text of an `acl_file`.
     pub(super) acl: Option<String>,
     /// `max_queued_messages` / `max_inflight_messages`.
@@ -86,6 +89,15 @@ impl MosquittoBuilder {
     /// Mosquitto's per-client queue limits (default: 100,000 queued, no
     /// in-flight limit, as the fleet's configs size them). Small limits make
     /// the broker drop QoS 1 messages for a client that does not keep up.
+    /// With [`MosquittoBuilder::password_file`], every client keeps the
+    /// client id it asks for (no `use_username_as_clientid`): the setup
+    /// OPERATIONS gives several server instances sharing one account, so
+    /// that a survivor may connect with a dead instance's client id.
+    pub fn client_ids_chosen_by_clients(mut self) -> Self {
+        self.client_ids_chosen = true;
+        self
+    }
+
     pub fn queue_limits(mut self, max_queued_messages: u32, max_inflight_messages: u32) -> Self {
         self.queue = QueueLimits {
             max_queued_messages,

@@ -56,6 +56,9 @@ impl PrivateMosquitto {
             // The client id is the user name, whatever the client sends: a
             // device logged in with its own password cannot take another
             // device's session, nor the server's.
+            Some(path) if self.settings.client_ids_chosen => {
+                format!("password_file {}\n", path.display())
+            }
             Some(path) => format!(
                 "password_file {}\nuse_username_as_clientid true\n",
                 path.display()

@@ -104,13 +104,29 @@ async fn start_fleet(
     devices: Vec<SimDevice>,
     heartbeat: Option<Duration>,
 ) -> Fleet {
+    start_fleet_as(broker, root, devices, heartbeat, None).await
+}
+
+/// [`start_fleet`], each device logged in with its password in
+/// `credentials`, over TLS trusting the broker's CA when it has one.
+async fn start_fleet_as(
+    broker: &PrivateMosquitto,
+    root: &TopicRoot,
+    devices: Vec<SimDevice>,
+    heartbeat: Option<Duration>,
+    credentials: Option<idem_device_sim::Credentials>,
+) -> Fleet {
     let n = devices.len();
-    let mut config = FleetConfig::new(
-        BrokerAddr::new(broker.host(), broker.port()),
-        root.clone(),
-        devices,
-    );
+    let address = match broker.ca_file() {
+        Some(_) => BrokerAddr::tls(broker.host(), broker.port()),
+        None => BrokerAddr::new(broker.host(), broker.port()),
+    };
+    let mut config = FleetConfig::new(address, root.clone(), devices);
     config.report_interval = heartbeat;
+    config.credentials = credentials;
+    if let Some(ca) = broker.ca_file() {
+        config.tls = Some(idem_device_sim::SimTls::from_files(Some(ca), None).unwrap());
+    }
     let fleet = Fleet::start(config).unwrap();
     fleet
         .wait_connected(n, Duration::from_secs(30))
