@@ -73,8 +73,6 @@ async fn in_the_secured_setup_the_survivor_drains_the_killed_instances_session_w
     idem_tests::raise_fd_limit().unwrap();
     let tag = crate::unique_tag();
     let root = TopicRoot::new(format!("idem-shared-tls/{tag}")).unwrap();
-    // As the scenario names it.
-    let group = format!("g{tag}");
     let password = |who: &str| format!("{who}-{tag}");
     let plan = FleetPlan::new("secured-shared-", DEVICES)
         .seed(7)
