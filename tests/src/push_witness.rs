@@ -20,6 +20,8 @@ use crate::broker::{subscribe_acknowledged, PrivateMosquitto};
 struct Pushes {
     /// (device id, generation) → live desired messages delivered.
     by_generation: HashMap<(String, u64), u32>,
+    /// Every live desired message as it arrived: when, device, generation.
+    arrivals: Vec<(std::time::Instant, String, u64)>,
     /// Set when the connection broke: the counts are then worthless.
     lost: Option<String>,
 }
@@ -60,8 +62,10 @@ impl PushWitness {
                             let mut pushes = sink.lock().unwrap_or_else(PoisonError::into_inner);
                             *pushes
                                 .by_generation
-                                .entry((device, desired.generation))
+                                .entry((device.clone(), desired.generation))
                                 .or_insert(0) += 1;
+                            let at = std::time::Instant::now();
+                            pushes.arrivals.push((at, device, desired.generation));
                         }
                     }
                     Ok(_) => {}
@@ -78,6 +82,17 @@ impl PushWitness {
             client,
             task,
         })
+    }
+
+    /// Every push delivered so far in the order it arrived, with when:
+    /// `(arrived, device id, generation)`; fails if the witness's
+    /// connection broke.
+    pub fn arrivals(&self) -> Result<Vec<(std::time::Instant, String, u64)>> {
+        let pushes = self.pushes.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(error) = &pushes.lost {
+            bail!("the push witness lost its connection: {error}");
+        }
+        Ok(pushes.arrivals.clone())
     }
 
     /// (device id, generation) → pushes delivered so far; fails if the

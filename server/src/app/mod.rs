@@ -373,9 +373,14 @@ impl Workers {
             )),
         ];
         let mut intake = intake;
+        let following = crate::store::follow::Following {
+            every: config.fleet.follow_every,
+            notifications: config.fleet.follow_notifications,
+        };
         intake.push(tokio::spawn(crate::store::follow::run(
             state.writer.clone(),
             state.pool.clone(),
+            following,
             intake_token.clone(),
         )));
         intake.push(tokio::spawn(tell_engine_what_others_wrote(

@@ -30,6 +30,18 @@ pub struct FleetArgs {
     #[arg(long, env = "IDEM_INSTANCE_LEASE", default_value = "10s", value_parser = parse_duration)]
     pub instance_lease: Duration,
 
+    /// How often the instance catches up with the device rows other
+    /// instances wrote when no notification woke it, e.g. `1s` (100ms to
+    /// 10m). Its own writes catch up too, and the engine before any push.
+    #[arg(long, env = "IDEM_FOLLOW_EVERY", default_value = "1s", value_parser = parse_duration)]
+    pub follow_every: Duration,
+
+    /// Wake on PostgreSQL's notification of another instance's device
+    /// write (`LISTEN idem_devices`); off, only the catch-up every
+    /// `--follow-every` and the instance's own writes follow them.
+    #[arg(long, env = "IDEM_FOLLOW_NOTIFICATIONS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub follow_notifications: bool,
+
     /// Topic root shared with the devices.
     #[arg(long, env = "IDEM_TOPIC_ROOT", default_value = idem_protocol::DEFAULT_TOPIC_ROOT)]
     pub topic_root: String,
@@ -52,6 +64,10 @@ pub struct FleetSettings {
     pub instance: String,
     /// The instance name's claim lasts this long without a heartbeat.
     pub instance_lease: Duration,
+    /// The catch-up with other instances' device writes, at least this often.
+    pub follow_every: Duration,
+    /// Whether their notifications wake the catch-up.
+    pub follow_notifications: bool,
     pub topic_root: TopicRoot,
     /// The one size budget every limit derives from.
     pub budget: SpecBudget,
@@ -81,12 +97,17 @@ impl FleetArgs {
         if !INSTANCE_LEASE_RANGE.contains(&self.instance_lease) {
             return Err(ConfigError::InstanceLease(self.instance_lease));
         }
+        if !(Duration::from_millis(100)..=Duration::from_secs(600)).contains(&self.follow_every) {
+            return Err(ConfigError::FollowEvery(self.follow_every));
+        }
         if !(MIN_MAX_SPEC_BYTES..=MAX_MAX_SPEC_BYTES).contains(&self.max_spec_bytes) {
             return Err(ConfigError::MaxSpec(self.max_spec_bytes));
         }
         Ok(FleetSettings {
             instance: self.instance.clone(),
             instance_lease: self.instance_lease,
+            follow_every: self.follow_every,
+            follow_notifications: self.follow_notifications,
             topic_root,
             budget: SpecBudget::new(self.max_spec_bytes),
             auto_register: self.auto_register,

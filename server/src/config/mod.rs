@@ -173,6 +173,8 @@ pub enum ConfigError {
     Instance(String),
     #[error("IDEM_INSTANCE_LEASE / --instance-lease must be between 1s and 10m (got {0:?})")]
     InstanceLease(Duration),
+    #[error("IDEM_FOLLOW_EVERY / --follow-every must be between 100ms and 10m (got {0:?})")]
+    FollowEvery(Duration),
     #[error(
         "IDEM_MAX_SPEC_BYTES / --max-spec-bytes must be between {MIN_MAX_SPEC_BYTES} and {MAX_MAX_SPEC_BYTES} (got {0})"
     )]

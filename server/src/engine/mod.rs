@@ -274,7 +274,8 @@ impl Engine {
     /// them is carried out next.
     async fn carry(&mut self, effects: Vec<Effect>) {
         let mut batches = std::collections::VecDeque::from([effects]);
-        while let Some(batch) = batches.pop_front() {
+        while let Some(mut batch) = batches.pop_front() {
+            let withdrawn = self.withdraw_stale_pushes(&mut batch).await;
             let mut runs = Vec::new();
             for effect in batch {
                 match effect {
@@ -303,6 +304,12 @@ impl Engine {
                     Effect::Record(record) => self.write(record).await,
                 }
             }
+            if !withdrawn.is_empty() {
+                // Re-decided on the desired state they were overtaken by:
+                // an attempt for the old generation ends superseded.
+                let command = EngineCommand::DesiredChanged(withdrawn);
+                batches.push_back(self.machine.on_command(command, now()));
+            }
             for (trigger, targets) in runs {
                 let command = self.start_own_run(trigger, targets).await;
                 if let EngineCommand::StartRun(run) = &command {
@@ -312,6 +319,59 @@ impl Engine {
                 batches.push_back(self.machine.on_command(command, now()));
             }
         }
+    }
+
+    /// Takes out of `batch` the pushes decided on a cache another
+    /// instance's device write has overtaken (a desired change committed
+    /// elsewhere that no notification or catch-up brought in yet): when the
+    /// change log is ahead of the cache, the cache catches up first, and
+    /// the machine says which pushes are for a generation that is no longer
+    /// desired. Their devices, returned, are re-decided. When the database
+    /// cannot say, the pushes go as decided.
+    async fn withdraw_stale_pushes(&self, batch: &mut Vec<Effect>) -> Vec<DeviceId> {
+        let pushes = batch.iter().any(|effect| {
+            matches!(
+                effect,
+                Effect::Publish {
+                    reason: PublishReason::Attempt,
+                    ..
+                }
+            )
+        });
+        if !pushes {
+            return Vec::new();
+        }
+        let caught_up = match self.ctx.writer.overtaken().await {
+            Ok(false) => return Vec::new(),
+            Ok(true) => self.ctx.writer.follow().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = caught_up {
+            tracing::warn!(error = %e, "could not check the cache against other instances' writes before pushing");
+            return Vec::new();
+        }
+        let stale = self.machine.stale_pushes(batch);
+        if stale.is_empty() {
+            return stale;
+        }
+        let withdrawn: HashSet<&DeviceId> = stale.iter().collect();
+        batch.retain(|effect| match effect {
+            Effect::Publish {
+                device,
+                reason: PublishReason::Attempt,
+                ..
+            } => !withdrawn.contains(device),
+            Effect::Publish { .. }
+            | Effect::AskForReport { .. }
+            | Effect::StartRun { .. }
+            | Effect::Record(_) => true,
+        });
+        self.ctx.metrics.stale_pushes.increment(stale.len() as u64);
+        tracing::info!(
+            devices = stale.len(),
+            "pushes withdrawn: another instance changed these devices' desired state since they were decided"
+        );
+        stale
     }
 
     /// Counts a started run, and the outcomes and events its creation

@@ -1,7 +1,8 @@
 //! Keeps this process's fleet cache following what other processes write to
 //! `devices`: woken by the table's `NOTIFY idem_devices` (skipping the
-//! notifications of its own writes), and at least every [`CATCH_UP_EVERY`]
-//! so a lost notification (a dropped listener connection) only delays. The
+//! notifications of its own writes; unless `--follow-notifications false`),
+//! and at least every `--follow-every` so a lost notification (a dropped
+//! listener connection) only delays. The
 //! catching up itself is the device writer's (`DeviceWriter::follow`).
 
 use std::sync::Arc;
@@ -15,26 +16,41 @@ use super::{Context, DeviceWriter, StoreError};
 
 /// The channel the `devices` triggers notify.
 pub const CHANNEL: &str = "idem_devices";
-/// The catch-up scan runs at least this often.
-pub const CATCH_UP_EVERY: Duration = Duration::from_secs(1);
 /// The change log keeps this much (an instance that did not look for
 /// longer reloads every device).
 const KEEP_CHANGES: Duration = Duration::from_secs(600);
 /// Pruning of the change log runs every this many catch-ups.
 const PRUNE_EVERY: u32 = 60;
 
+/// How the cache follows: at least `every`, and woken by notifications
+/// when `notifications`.
+#[derive(Debug, Clone, Copy)]
+pub struct Following {
+    pub every: Duration,
+    pub notifications: bool,
+}
+
 /// Follows until `token` is cancelled.
-pub async fn run(writer: Arc<DeviceWriter>, pool: PgPool, token: CancellationToken) {
+pub async fn run(
+    writer: Arc<DeviceWriter>,
+    pool: PgPool,
+    following: Following,
+    token: CancellationToken,
+) {
     let me = writer.id().to_string();
-    let mut listener = match listen(&pool).await {
-        Ok(listener) => Some(listener),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for other instances' device writes; following them every {CATCH_UP_EVERY:?}");
-            None
-        }
+    let every = following.every;
+    let mut listener = match following.notifications {
+        false => None,
+        true => match listen(&pool).await {
+            Ok(listener) => Some(listener),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for other instances' device writes; following them every {every:?}");
+                None
+            }
+        },
     };
     let mut ticks = 0u32;
-    let mut timer = tokio::time::interval(CATCH_UP_EVERY);
+    let mut timer = tokio::time::interval(every);
     timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let woken_by_other = tokio::select! {
@@ -45,7 +61,10 @@ pub async fn run(writer: Arc<DeviceWriter>, pool: PgPool, token: CancellationTok
                 None => {
                     // The listener failed: drop it and rely on the timer
                     // until it connects again.
-                    listener = listen(&pool).await.ok();
+                    listener = match following.notifications {
+                        true => listen(&pool).await.ok(),
+                        false => None,
+                    };
                     true
                 }
             },

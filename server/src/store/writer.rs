@@ -136,6 +136,18 @@ impl DeviceWriter {
         Ok(write)
     }
 
+    /// Whether a device change was committed that this cache has not
+    /// caught up with (one read of the change log's last version, without
+    /// the device-writes lock). What is committed after the read is not
+    /// seen.
+    pub async fn overtaken(&self) -> Result<bool, StoreError> {
+        let high: i64 = sqlx::query_scalar("SELECT coalesce(max(version), 0) FROM device_changes")
+            .fetch_one(&self.pool)
+            .await
+            .context("reading the device change log's last version")?;
+        Ok(high > self.seen.load(Ordering::Acquire))
+    }
+
     /// Brings the cache up to date with what other writers committed.
     pub async fn follow(&self) -> Result<(), StoreError> {
         let write = self.begin().await?;

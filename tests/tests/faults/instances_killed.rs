@@ -346,13 +346,32 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
         pushes.pushes().unwrap().keys().map(|(_, g)| *g).collect();
     assert_eq!(generations, [2].into(), "generations pushed");
     assert_eq!(deadlocks(db.pool()).await, deadlocks_before, "deadlocks");
-    let mut drained = 0.0;
+    // A drain is counted once it ended (a second without messages, then
+    // the session removed), which may come after the run completed.
+    let counted = |name: &'static str| {
+        let survivors = &survivors;
+        async move {
+            let mut sum = 0.0;
+            for survivor in survivors {
+                let metrics = survivor.api().metrics().await.unwrap();
+                sum += idem_device_sim::api::metric_value(&metrics, name)
+                    .unwrap()
+                    .unwrap_or(0.0);
+            }
+            sum
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while counted("idem_sessions_drained_total").await < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "no survivor finished draining the dead instance's session"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let drained = counted("idem_drained_messages_total").await;
     for survivor in &survivors {
         assert_eq!(survivor.panics(), Vec::<String>::new());
-        let metrics = survivor.api().metrics().await.unwrap();
-        drained += idem_device_sim::api::metric_value(&metrics, "idem_drained_messages_total")
-            .unwrap()
-            .unwrap_or(0.0);
     }
     assert!(
         drained > 0.0,

@@ -21,7 +21,8 @@
 //!
 //! Here: what the tests share (the binary, one-at-a-time, registering and
 //! starting fleets, waiting on what Postgres and the witness saw). By
-//! topic: `server_killed` (the server SIGKILLed mid-run),
+//! topic: `decisions_fresh` (a change posted to one instance never
+//! overtaken by an older push of the engine's holder), `server_killed` (the server SIGKILLed mid-run),
 //! `rollout_killed` (SIGKILLed mid-wave), `instance_names` (a name claimed
 //! by a live, a killed or a silent process), `shared_sessions` (an instance
 //! sharing the subscriptions killed and never restarted), `instances_killed`
@@ -46,6 +47,7 @@ use rumqttc::{AsyncClient, Event, Packet, QoS};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
+mod decisions_fresh;
 mod instance_names;
 mod instances_killed;
 mod owner_paused;

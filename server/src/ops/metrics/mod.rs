@@ -52,6 +52,8 @@ pub struct Metrics {
     /// Retained desired messages refreshed without a push (the device
     /// already ran the new desired spec, or was not attempted).
     pub retained_updates: Counter,
+    /// Pushes withdrawn: decided on a desired state another instance had changed.
+    pub stale_pushes: Counter,
     pub pushes: Counter,
     pub report_requests: Counter,
     pub sessions_drained: Counter,
@@ -155,6 +157,7 @@ impl Metrics {
             plans: PLAN_ACTIONS.map(|action| PLANS.register(r, &[("action", action)])),
             ingest_batch_splits: INGEST_BATCH_SPLITS.register(r, &[]),
             retained_updates: RETAINED_UPDATES.register(r, &[]),
+            stale_pushes: STALE_PUSHES.register(r, &[]),
             pushes: PUSHES.register(r, &[]),
             report_requests: REPORT_REQUESTS.register(r, &[]),
             sessions_drained: SESSIONS_DRAINED.register(r, &[]),

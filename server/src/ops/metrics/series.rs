@@ -40,6 +40,10 @@ pub(super) const RETAINED_UPDATES: Family<Counter> = Family::new(
     "idem_retained_updates_total",
     "Retained desired messages refreshed without a push, so the retained state is always current",
 );
+pub(super) const STALE_PUSHES: Family<Counter> = Family::new(
+    "idem_stale_pushes_total",
+    "Pushes not sent because another instance changed the device's desired state after they were decided (the device is re-decided)",
+);
 pub(super) const PUSHES: Family<Counter> =
     Family::new("idem_pushes_total", "Desired-state publishes to devices");
 pub(super) const REPORT_REQUESTS: Family<Counter> = Family::new(

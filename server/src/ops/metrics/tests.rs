@@ -27,7 +27,7 @@ fn every_exposed_family_has_its_help_text() {
         .filter_map(|l| l.strip_prefix("# TYPE "))
         .filter_map(|l| l.split(' ').next())
         .collect();
-    assert_eq!(typed.len(), 52, "{text}");
+    assert_eq!(typed.len(), 53, "{text}");
     for name in typed {
         assert!(
             text.lines()

@@ -10,6 +10,7 @@
 mod effect;
 mod ending;
 mod flight;
+mod fresh;
 mod gaps;
 pub mod record;
 #[cfg(test)]
