@@ -14,7 +14,7 @@ use idem_device_sim::FleetPlan;
 use idem_tests::{ProcessServer, PushWitness};
 use serde_json::json;
 
-use crate::{private_services, register, start_fleet, SERIAL, SERVER_BIN};
+use crate::{owns, private_services, register, start_fleet, SERIAL, SERVER_BIN};
 
 const DEVICES: usize = 200;
 /// Changes posted to B while A pushes.
@@ -22,14 +22,6 @@ const CHANGES: u64 = 8;
 /// A push that arrives this soon after a change's call returned may have
 /// left before the change committed.
 const IN_FLIGHT: Duration = Duration::from_millis(5);
-
-async fn owns_engine(server: &ProcessServer) -> bool {
-    server.readyz().await.is_ok_and(|(_, ready)| {
-        ready["owns"]
-            .as_array()
-            .is_some_and(|owns| owns.contains(&json!("engine")))
-    })
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_older_generation() {
@@ -54,7 +46,7 @@ async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_
     .await
     .unwrap();
     let deadline = Instant::now() + Duration::from_secs(15);
-    while !owns_engine(&a).await {
+    while !owns(&a, "engine").await {
         assert!(
             Instant::now() < deadline,
             "the first instance never took the engine"

@@ -6,7 +6,6 @@
 //! accepted stored, a gap-free SSE stream on a survivor, only the new
 //! generation pushed, no deadlock.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use idem_device_sim::{DeviceSnapshot, FleetPlan};
@@ -15,37 +14,15 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 
 use crate::{
-    event_witness, private_services, register, run_progress, start_fleet, take_all_offline,
-    wait_decided, wait_each_published_since, wait_stored_equals_published, wait_witness_saw_final,
-    SERIAL, SERVER_BIN,
+    event_witness, holder_of, private_services, register, run_progress, start_fleet, start_servers,
+    take_all_offline, wait_decided, wait_each_published_since, wait_stored_equals_published,
+    wait_witness_saw_final, SERIAL,
 };
 
 const DEVICES: usize = 2_000;
 const LEASE: Duration = Duration::from_secs(3);
 const PUSH_TIMEOUT: Duration = Duration::from_secs(10);
 const HEARTBEAT: Duration = Duration::from_millis(250);
-
-/// The index of the instance whose `/readyz` says it owns the engine.
-async fn engine_owner(servers: &[ProcessServer], within: Duration) -> usize {
-    let deadline = Instant::now() + within;
-    loop {
-        for (i, server) in servers.iter().enumerate() {
-            if let Ok((_, ready)) = server.readyz().await {
-                if ready["owns"]
-                    .as_array()
-                    .is_some_and(|owns| owns.contains(&json!("engine")))
-                {
-                    return i;
-                }
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no instance owns the engine after {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// Returns just after the engine lease's holder renewed it.
 async fn just_renewed(pool: &PgPool) {
@@ -123,21 +100,7 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
     ];
     let reports = ReportWitness::start(&broker, &root).await.unwrap();
     let events = event_witness(&broker, &root).await;
-    let mut servers: Vec<ProcessServer> = Vec::new();
-    for name in ["a", "b", "c"] {
-        servers.push(
-            ProcessServer::start(
-                Path::new(SERVER_BIN),
-                db.url(),
-                &broker.url(),
-                &root,
-                &format!("{name}-{tag}"),
-                &env,
-            )
-            .await
-            .unwrap(),
-        );
-    }
+    let mut servers = start_servers(&["a", "b", "c"], (&broker, &db, &tag, &root), &env).await;
     let deadlocks_before = deadlocks(db.pool()).await;
     // Every device runs v1 and applies a push after 1–3 s, so the run is
     // in flight when its carrier dies.
@@ -165,7 +128,7 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
     let fleet = start_fleet(&broker, &root, staying, None).await;
     crate::wait_reports_stored(db.pool(), DEVICES, Duration::from_secs(60)).await;
 
-    let owner = engine_owner(&servers, Duration::from_secs(10)).await;
+    let owner = holder_of(&servers, "engine", Duration::from_secs(10)).await;
     let poster = (owner + 1) % 3;
     let watcher = (owner + 2) % 3;
     let pushes = PushWitness::start(&broker, &root).await.unwrap();
@@ -210,7 +173,7 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
         .enumerate()
         .filter_map(|(i, s)| (i != owner).then_some(s))
         .collect();
-    let new_owner = engine_owner(&survivors, LEASE * 3).await;
+    let new_owner = holder_of(&survivors, "engine", LEASE * 3).await;
     let takeover = killed_at.elapsed();
     let deadline = killed_at + LEASE + PUSH_TIMEOUT + Duration::from_secs(30);
     let run = loop {

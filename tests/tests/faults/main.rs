@@ -84,6 +84,57 @@ async fn private_services(prefix: &str) -> (PrivateMosquitto, TestDatabase, Stri
     (broker, db, tag, root)
 }
 
+/// Whether `server`'s `/readyz` says it holds `lease` (`engine`, `relay`).
+async fn owns(server: &ProcessServer, lease: &str) -> bool {
+    server.readyz().await.is_ok_and(|(_, ready)| {
+        ready["owns"]
+            .as_array()
+            .is_some_and(|owns| owns.contains(&json!(lease)))
+    })
+}
+
+/// The index of the server that holds `lease`, waiting up to `within`.
+async fn holder_of(servers: &[ProcessServer], lease: &str, within: Duration) -> usize {
+    let deadline = Instant::now() + within;
+    loop {
+        for (i, server) in servers.iter().enumerate() {
+            if owns(server, lease).await {
+                return i;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no instance holds the {lease} lease after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One real server process per name (instance `{name}-{tag}`), on `db`
+/// and `broker` under `root`, each with `env`.
+async fn start_servers(
+    names: &[&str],
+    (broker, db, tag, root): (&PrivateMosquitto, &TestDatabase, &str, &TopicRoot),
+    env: &[(&str, &str)],
+) -> Vec<ProcessServer> {
+    let mut servers = Vec::new();
+    for name in names {
+        servers.push(
+            ProcessServer::start(
+                std::path::Path::new(SERVER_BIN),
+                db.url(),
+                &broker.url(),
+                root,
+                &format!("{name}-{tag}"),
+                env,
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    servers
+}
+
 /// Registers the plan's devices with the plan's desired spec.
 async fn register(server: &ProcessServer, plan: &Plan) {
     let body: Vec<Value> = plan

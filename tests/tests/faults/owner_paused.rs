@@ -7,14 +7,12 @@
 //! lock and a share lock on its lease: PostgreSQL ends such a session after
 //! a lease idle, so the takeover goes on.)
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use idem_device_sim::FleetPlan;
-use idem_tests::ProcessServer;
 use serde_json::{json, Value};
 
-use crate::{private_services, register, start_fleet, SERIAL, SERVER_BIN};
+use crate::{holder_of, owns, private_services, register, start_fleet, start_servers, SERIAL};
 
 const DEVICES: usize = 2_000;
 const LEASE: Duration = Duration::from_secs(3);
@@ -46,14 +44,6 @@ fn signal(pid: u32, which: &str) {
     assert!(status.success(), "kill {which} {pid} failed");
 }
 
-async fn owns_engine(server: &ProcessServer) -> bool {
-    server.readyz().await.is_ok_and(|(_, ready)| {
-        ready["owns"]
-            .as_array()
-            .is_some_and(|owns| owns.contains(&json!("engine")))
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_owner_paused_past_its_lease_changes_no_outcome_of_its_run() {
     let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
@@ -67,21 +57,7 @@ async fn an_engine_owner_paused_past_its_lease_changes_no_outcome_of_its_run() {
         ("IDEM_INSTANCE_LEASE", lease.as_str()),
         ("IDEM_PUSH_TIMEOUT", "20s"),
     ];
-    let mut servers: Vec<ProcessServer> = Vec::new();
-    for name in ["a", "b"] {
-        servers.push(
-            ProcessServer::start(
-                Path::new(SERVER_BIN),
-                db.url(),
-                &broker.url(),
-                &root,
-                &format!("{name}-{tag}"),
-                &env,
-            )
-            .await
-            .unwrap(),
-        );
-    }
+    let servers = start_servers(&["a", "b"], (&broker, &db, &tag, &root), &env).await;
     let plan = FleetPlan::new("paused-", DEVICES)
         .apply_latency(Duration::ZERO, Duration::ZERO)
         .seed(46)
@@ -90,17 +66,7 @@ async fn an_engine_owner_paused_past_its_lease_changes_no_outcome_of_its_run() {
     register(&servers[0], &plan).await;
     let _fleet = start_fleet(&broker, &root, plan.devices.clone(), None).await;
     crate::wait_reports_stored(db.pool(), DEVICES, Duration::from_secs(60)).await;
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let owner = loop {
-        if owns_engine(&servers[0]).await {
-            break 0;
-        }
-        if owns_engine(&servers[1]).await {
-            break 1;
-        }
-        assert!(Instant::now() < deadline, "no instance owns the engine");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let owner = holder_of(&servers, "engine", Duration::from_secs(15)).await;
     let other = 1 - owner;
 
     let mut v2 = plan.desired_spec.clone();
@@ -118,7 +84,7 @@ async fn an_engine_owner_paused_past_its_lease_changes_no_outcome_of_its_run() {
     let paused = Paused::pause(pid);
     let paused_at = Instant::now();
     let deadline = paused_at + PAUSED + Duration::from_secs(10);
-    while !owns_engine(&servers[other]).await {
+    while !owns(&servers[other], "engine").await {
         assert!(
             Instant::now() < deadline,
             "the other instance did not take the engine over"

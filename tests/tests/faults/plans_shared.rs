@@ -4,24 +4,15 @@
 //! the instance without the engine, and the applied plan is applied on
 //! neither again.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use idem_device_sim::FleetPlan;
 use idem_tests::{ApiClient, ProcessServer};
 use serde_json::{json, Value};
 
-use crate::{private_services, register, start_fleet, SERIAL, SERVER_BIN};
+use crate::{owns, private_services, register, start_fleet, start_servers, SERIAL};
 
 const DEVICES: usize = 20;
-
-async fn owns_engine(server: &ProcessServer) -> bool {
-    server.readyz().await.is_ok_and(|(_, ready)| {
-        ready["owns"]
-            .as_array()
-            .is_some_and(|owns| owns.contains(&json!("engine")))
-    })
-}
 
 async fn run_of(client: &ApiClient, run_id: &str) -> Value {
     let (status, run) = client.get(&format!("/v1/runs/{run_id}")).await.unwrap();
@@ -41,21 +32,7 @@ async fn a_plan_made_on_one_instance_is_approved_on_another_kept_across_restarts
         ("IDEM_SHARE_GROUP", group.as_str()),
         ("IDEM_INSTANCE_LEASE", "3s"),
     ];
-    let mut servers: Vec<ProcessServer> = Vec::new();
-    for name in ["a", "b"] {
-        servers.push(
-            ProcessServer::start(
-                Path::new(SERVER_BIN),
-                db.url(),
-                &broker.url(),
-                &root,
-                &format!("{name}-{tag}"),
-                &env,
-            )
-            .await
-            .unwrap(),
-        );
-    }
+    let mut servers = start_servers(&["a", "b"], (&broker, &db, &tag, &root), &env).await;
     let fleet_plan = FleetPlan::new("shared-plan-", DEVICES)
         .seed(46)
         .build()
@@ -150,9 +127,13 @@ async fn a_plan_made_on_one_instance_is_approved_on_another_kept_across_restarts
         assert!(Instant::now() < deadline, "the rollout did not pause");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let without_engine = if owns_engine(&servers[0]).await { 1 } else { 0 };
+    let without_engine = if owns(&servers[0], "engine").await {
+        1
+    } else {
+        0
+    };
     assert!(
-        !owns_engine(&servers[without_engine]).await,
+        !owns(&servers[without_engine], "engine").await,
         "one instance holds the engine"
     );
     let (status, resumed) = as_on(&bob, &servers[without_engine])

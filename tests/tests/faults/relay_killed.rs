@@ -6,28 +6,18 @@
 //! an SSE client that followed the killed instance resumes on the other with
 //! `Last-Event-ID` and gets every later event once, in order.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use idem_tests::scenario::append_events_to;
-use idem_tests::{ProcessServer, SseClient};
-use serde_json::json;
+use idem_tests::SseClient;
 
-use crate::{event_witness, private_services, SERIAL, SERVER_BIN};
+use crate::{event_witness, holder_of, private_services, start_servers, SERIAL};
 
 const LEASE: Duration = Duration::from_secs(3);
 const EVENTS: usize = 30_000;
 /// The relay publishes at most this many events between two saves of its
 /// cursor (`READ_BATCH` in `server/src/events/relay.rs`).
 const RELAY_BATCH: usize = 2_000;
-
-async fn owns(server: &ProcessServer, lease: &str) -> bool {
-    server.readyz().await.is_ok_and(|(_, ready)| {
-        ready["owns"]
-            .as_array()
-            .is_some_and(|owns| owns.contains(&json!(lease)))
-    })
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_holder_killed_mid_stream_loses_no_event_and_repeats_at_most_one_batch() {
@@ -42,32 +32,8 @@ async fn the_relay_holder_killed_mid_stream_loses_no_event_and_repeats_at_most_o
         ("IDEM_INSTANCE_LEASE", lease.as_str()),
         ("IDEM_MQTT_EVENTS_QOS", "1"),
     ];
-    let mut servers: Vec<ProcessServer> = Vec::new();
-    for name in ["a", "b"] {
-        servers.push(
-            ProcessServer::start(
-                Path::new(SERVER_BIN),
-                db.url(),
-                &broker.url(),
-                &root,
-                &format!("{name}-{tag}"),
-                &env,
-            )
-            .await
-            .unwrap(),
-        );
-    }
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let holder = loop {
-        if owns(&servers[0], "relay").await {
-            break 0;
-        }
-        if owns(&servers[1], "relay").await {
-            break 1;
-        }
-        assert!(Instant::now() < deadline, "no instance holds the relay");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let mut servers = start_servers(&["a", "b"], (&broker, &db, &tag, &root), &env).await;
+    let holder = holder_of(&servers, "relay", Duration::from_secs(15)).await;
     let other = 1 - holder;
     let events = event_witness(&broker, &root).await;
     let first: i64 = sqlx::query_scalar("SELECT coalesce(max(sequence), 0) FROM events")
