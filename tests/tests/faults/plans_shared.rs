@@ -40,6 +40,24 @@ async fn a_plan_made_on_one_instance_is_approved_on_another_kept_across_restarts
     register(&servers[0], &fleet_plan).await;
     let _fleet = start_fleet(&broker, &root, fleet_plan.devices.clone(), None).await;
     crate::wait_reports_stored(db.pool(), DEVICES, Duration::from_secs(30)).await;
+    // The engine writes each device `converged` after its first report: a
+    // plan made before that would be stale by the time it is applied.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let converged: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM devices WHERE status = 'converged'")
+                .fetch_one(db.pool())
+                .await
+                .unwrap();
+        if converged == DEVICES as i64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{converged} of {DEVICES} devices converged"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let alice = idem_tests::server::create_token(db.pool(), "alice", "operator")
         .await
         .unwrap();
