@@ -196,17 +196,21 @@ pub(super) async fn apply_plan(
     let claimed = store::plans::claim(&state.pool, id, now, |kept| book::claim(kept, now)).await?;
     let approval = claimed.map_err(|unusable| refused(&state, id, unusable))?;
     let started = match content(&state, id).await {
-        Ok(plan) => apply_claimed(&state, &call, plan, approval, rollout, body).await,
+        Ok(plan) => {
+            let targets = plan.devices.len() as u64;
+            let run = apply_claimed(&state, &call, plan, approval, rollout, body).await;
+            run.map(|run| (run, targets))
+        }
         Err(e) => Err(e),
     };
     // The run's row names the plan, which says it was applied whatever
     // the plan's own row says; an unreleased claim lapses (`CLAIM_LAPSE`).
-    let run = match started {
-        Ok(run) => {
-            if let Err(e) = store::plans::applied(&state.pool, id, run.id).await {
+    let (run, targets) = match started {
+        Ok((run, targets)) => {
+            if let Err(e) = store::plans::applied(&state.pool, id, run).await {
                 tracing::warn!(plan = %id, error = %e, "could not record the plan applied");
             }
-            run
+            (run, targets)
         }
         Err(e) => {
             if let Err(release) = store::plans::release(&state.pool, id).await {
@@ -217,17 +221,11 @@ pub(super) async fn apply_plan(
     };
     state.metrics.plan("applied");
     let answer = RunStarted {
-        run_id: run.id,
-        targets: run.targets,
+        run_id: run,
+        targets,
         joined: None,
     };
     Ok(recorded(StatusCode::OK, answer))
-}
-
-/// The run that applies a plan, and how many devices it covers.
-struct Applied {
-    id: Uuid,
-    targets: u64,
 }
 
 /// Starts the run of a plan this call claimed, once its approval (if it
@@ -239,7 +237,7 @@ async fn apply_claimed(
     approval: Option<PlanApproval>,
     rollout: Option<RolloutSpec>,
     body: PlanApplyRequest,
-) -> Result<Applied, ApiError> {
+) -> Result<Uuid, ApiError> {
     let devices: Vec<String> = plan.devices.iter().map(|d| d.id.to_string()).collect();
     // An approval given when none was needed is recorded all the same.
     if approval.is_none() {
@@ -271,10 +269,7 @@ async fn apply_claimed(
             state.metrics.plan("refused_stale");
         }
     })?;
-    Ok(Applied {
-        id: run,
-        targets: count as u64,
-    })
+    Ok(run)
 }
 
 /// `POST /v1/plans/{id}/approve`: approves an open plan, by a token other
