@@ -1,18 +1,25 @@
 //! Two instances on one broker and one database. The engine's holder (A)
 //! learns of the other instance's device writes only through its own
-//! writes (notifications off, the catch-up every ten minutes) and pushes a
-//! fleet-wide change slowly (5 a second) to devices that never answer.
-//! Desired changes posted to the other instance (B) meanwhile are never
-//! overtaken by a push of an older generation from A: a push that leaves
-//! after a change was committed carries that change's generation or a
-//! later one.
+//! writes (notifications off, the catch-up every ten minutes), so its cache
+//! lags whatever is posted to the other instance (B). Decisions are made on
+//! fresh data all the same:
+//! - desired changes posted to B while A pushes a fleet-wide change slowly
+//!   (5 a second) to devices that never answer are never overtaken by a
+//!   push of an older generation from A: a push that leaves after a change
+//!   was committed carries that change's generation or a later one;
+//! - a run A creates after B changed some devices, and a run B creates that
+//!   A carries, never count a device `already_converged` (or record any
+//!   outcome) against the spec B replaced: every outcome is for the
+//!   generation desired when its run was created.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use idem_device_sim::FleetPlan;
 use idem_tests::{ProcessServer, PushWitness};
 use serde_json::json;
+use sqlx::PgPool;
 
 use crate::{owns, private_services, register, start_fleet, SERIAL, SERVER_BIN};
 
@@ -25,13 +32,15 @@ const CHANGES: u64 = 8;
 /// change overtook arrives up to that long after it.
 const IN_FLIGHT: Duration = Duration::from_millis(80);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_older_generation() {
-    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
-        .await
-        .unwrap();
-    let (broker, db, tag, root) = private_services("idem-fresh").await;
-    let common = [("IDEM_PUSH_TIMEOUT", "60s"), ("IDEM_PUSH_RATE", "5")];
+/// A, the engine's holder whose cache follows B only through its own
+/// writes, and B, started in that order with `common` settings for both.
+async fn lagging_holder_and_other(
+    db_url: &str,
+    broker_url: &str,
+    root: &idem_protocol::TopicRoot,
+    tag: &str,
+    common: &[(&str, &str)],
+) -> (ProcessServer, ProcessServer) {
     let mut a_env = common.to_vec();
     a_env.extend([
         ("IDEM_FOLLOW_NOTIFICATIONS", "false"),
@@ -39,9 +48,9 @@ async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_
     ]);
     let a = ProcessServer::start(
         Path::new(SERVER_BIN),
-        db.url(),
-        &broker.url(),
-        &root,
+        db_url,
+        broker_url,
+        root,
         &format!("a-{tag}"),
         &a_env,
     )
@@ -57,14 +66,25 @@ async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_
     }
     let b = ProcessServer::start(
         Path::new(SERVER_BIN),
-        db.url(),
-        &broker.url(),
-        &root,
+        db_url,
+        broker_url,
+        root,
         &format!("b-{tag}"),
-        &common,
+        common,
     )
     .await
     .unwrap();
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_older_generation() {
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
+    let (broker, db, tag, root) = private_services("idem-fresh").await;
+    let common = [("IDEM_PUSH_TIMEOUT", "60s"), ("IDEM_PUSH_RATE", "5")];
+    let (a, b) = lagging_holder_and_other(db.url(), &broker.url(), &root, &tag, &common).await;
     let plan = FleetPlan::new("fresh-", DEVICES)
         .ignoring_pushes(DEVICES)
         .seed(46)
@@ -135,4 +155,129 @@ async fn a_change_posted_to_another_instance_is_never_overtaken_by_a_push_of_an_
     );
     assert_eq!(a.panics(), Vec::<String>::new());
     assert_eq!(b.panics(), Vec::<String>::new());
+}
+
+/// Devices in each part of the converged-fleet test.
+const PART: usize = 20;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_carried_by_an_instance_whose_cache_lags_never_count_a_device_converged_on_a_replaced_spec(
+) {
+    let _serial = idem_tests::deadline::turn(&SERIAL, "fault tests")
+        .await
+        .unwrap();
+    let (broker, db, tag, root) = private_services("idem-fresh-converged").await;
+    let (a, b) = lagging_holder_and_other(db.url(), &broker.url(), &root, &tag, &[]).await;
+    let plan = FleetPlan::new("fresh-c-", 3 * PART)
+        .seed(46)
+        .build()
+        .unwrap();
+    register(&a, &plan).await;
+    let _fleet = start_fleet(&broker, &root, plan.devices.clone(), None).await;
+    crate::wait_reports_stored(db.pool(), 3 * PART, Duration::from_secs(30)).await;
+    let witness = PushWitness::start(&broker, &root).await.unwrap();
+    let mut ids: Vec<String> = plan.devices.iter().map(|d| d.id.to_string()).collect();
+    ids.sort();
+    let replaced_on_b = &ids[..PART];
+    let changed_by_a_run_on_b = &ids[PART..2 * PART];
+    let mut spec = plan.desired_spec.clone();
+    spec["firmware"] = json!("fresh-converged-2");
+
+    // B replaces the spec of the first part (no run); A, whose cache still
+    // holds the old spec, re-checks the whole fleet at once.
+    let body: Vec<_> = replaced_on_b
+        .iter()
+        .map(|id| json!({"id": id, "spec": spec}))
+        .collect();
+    let (status, answer) = b.post("/v1/devices", &json!(body)).await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["desired_changed"], json!(PART), "{answer}");
+    let recheck = a.start_run(&json!({"all": true})).await.unwrap();
+    let recheck_run = a
+        .wait_run_completed(&recheck, Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    // B changes the second part in a run of its own, which A carries.
+    let (status, answer) = b
+        .post(
+            "/v1/desired",
+            &json!({"devices": changed_by_a_run_on_b, "spec": spec}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let change = answer["run_id"].as_str().unwrap().to_owned();
+    let change_run = a
+        .wait_run_completed(&change, Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    let changed = |id: &String| replaced_on_b.contains(id) || changed_by_a_run_on_b.contains(id);
+    let expected_recheck: BTreeMap<String, (String, i64)> = ids
+        .iter()
+        .map(|id| {
+            let expected = if replaced_on_b.contains(id) {
+                ("provisioned", 2)
+            } else {
+                ("already_converged", 1)
+            };
+            (id.clone(), (expected.0.to_owned(), expected.1))
+        })
+        .collect();
+    let expected_change: BTreeMap<String, (String, i64)> = changed_by_a_run_on_b
+        .iter()
+        .map(|id| (id.clone(), ("provisioned".to_owned(), 2)))
+        .collect();
+    let old_pushes: Vec<(String, u64)> = witness
+        .arrivals()
+        .unwrap()
+        .into_iter()
+        .filter(|(_, device, generation)| !changed(device) || *generation != 2)
+        .map(|(_, device, generation)| (device, generation))
+        .collect();
+    println!(
+        "converged on fresh data: the re-check on the lagging instance {}, the other \
+         instance's change carried by it {}",
+        recheck_run["counts"], change_run["counts"]
+    );
+    assert_eq!(
+        outcomes(db.pool(), &recheck).await,
+        expected_recheck,
+        "the re-check A created after B replaced the first part's spec"
+    );
+    assert_eq!(
+        outcomes(db.pool(), &change).await,
+        expected_change,
+        "B's change of the second part, carried by A"
+    );
+    assert_eq!(
+        old_pushes,
+        Vec::new(),
+        "pushes of a replaced or unchanged spec"
+    );
+    assert_eq!(a.panics(), Vec::<String>::new());
+    assert_eq!(b.panics(), Vec::<String>::new());
+}
+
+/// Every target's outcome in run `run_id`, with the generation it was for.
+async fn outcomes(pool: &PgPool, run_id: &str) -> BTreeMap<String, (String, i64)> {
+    let id: uuid::Uuid = run_id.parse().unwrap();
+    let rows: Vec<(String, Option<String>, Option<i64>)> =
+        sqlx::query_as("SELECT device_id, outcome, generation FROM run_targets WHERE run_id = $1")
+            .bind(id)
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    rows.into_iter()
+        .map(|(device, outcome, generation)| {
+            (
+                device,
+                (
+                    outcome.unwrap_or_else(|| "none".to_owned()),
+                    generation.unwrap_or(0),
+                ),
+            )
+        })
+        .collect()
 }
