@@ -5,7 +5,6 @@
 
 pub mod instance;
 pub mod session_drains;
-pub mod state;
 
 use std::sync::Arc;
 
@@ -14,7 +13,6 @@ use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
-use crate::app::state::{AppState, Stalls};
 use crate::config::ValidConfig;
 use crate::engine::seat::EngineSeat;
 use crate::engine::{
@@ -22,8 +20,9 @@ use crate::engine::{
 };
 use crate::events::relay::EventRelay;
 use crate::http::sse::SseClients;
-use crate::ingest::intake::{intake, IntakeGauge, IntakeReceiver, IntakeSender};
+use crate::http::state::{AppState, Stalls};
 use crate::ingest::Ingest;
+use crate::mqtt::intake::{intake, IntakeGauge, IntakeReceiver, IntakeSender};
 use crate::mqtt::{self, MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
 use crate::store::cache::FleetCache;
@@ -85,7 +84,7 @@ pub async fn run(
     let rows = store::devices::load_all(&pool).await?;
     let owned = store::owned::declared_set(&pool).await?;
     let mut resolver = crate::reconcile::owned::OwnedResolver::new(owned.clone());
-    let mut entries = store::devices::cache_entries(&rows, &mut resolver)?;
+    let mut entries = store::device_rows::cache_entries(&rows, &mut resolver)?;
     drop(rows);
     let exempt: std::collections::HashSet<String> = store::exemptions::exempt_devices(&pool, None)
         .await?
@@ -264,7 +263,7 @@ impl Workers {
         let relay_token = CancellationToken::new();
         let mqtt_token = CancellationToken::new();
         let config = &state.config;
-        let recheck = crate::engine::recheck::RecheckSignal::new();
+        let recheck = crate::mqtt::recheck_signal::RecheckSignal::new();
         let drains =
             config
                 .mqtt

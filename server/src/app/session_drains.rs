@@ -14,8 +14,8 @@ use uuid::Uuid;
 
 use crate::app::instance::host_name;
 use crate::config::ValidConfig;
-use crate::ingest::intake::IntakeSender;
 use crate::mqtt::adopt::{drain_session, DrainError, Drained};
+use crate::mqtt::intake::IntakeSender;
 use crate::ops::metrics::Metrics;
 use crate::store::instances::{self, Claimant};
 

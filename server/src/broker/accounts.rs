@@ -13,14 +13,14 @@ use idem_protocol::{Channel, DeviceId, TopicRoot};
 use serde_json::{json, Value};
 use sha2::Sha512;
 
+pub use crate::config::{password_file_accounts, BUILT_IN_RESERVED_USERNAMES};
+pub use crate::mqtt::{CONTROL_TOPIC, RESPONSE_TOPIC};
+
 /// The server's own role: publish desired state, report requests, events
 /// and status clears; subscribe to reports and status; manage accounts.
 pub const SERVER_ROLE: &str = "idem-server";
 /// Read-only access to the outcome events, for dashboards.
 pub const EVENTS_READER_ROLE: &str = "idem-events-reader";
-/// The dynamic-security plugin's command and response topics.
-pub const CONTROL_TOPIC: &str = "$CONTROL/dynamic-security/v1";
-pub const RESPONSE_TOPIC: &str = "$CONTROL/dynamic-security/v1/response";
 /// PBKDF2 rounds of Mosquitto's `$7$` password hashes (its default).
 const PBKDF2_ROUNDS: u32 = 101;
 const SALT_BYTES: usize = 12;
@@ -101,19 +101,16 @@ pub fn server_acls(root: &TopicRoot) -> Vec<Value> {
         // The broker's counters, to notice dropped messages.
         acl(
             "subscribePattern",
-            crate::broker::SYS_DROPPED_TOPIC.to_owned(),
+            crate::mqtt::SYS_DROPPED_TOPIC.to_owned(),
         ),
         acl(
             "publishClientReceive",
-            crate::broker::SYS_DROPPED_TOPIC.to_owned(),
+            crate::mqtt::SYS_DROPPED_TOPIC.to_owned(),
         ),
-        acl(
-            "subscribePattern",
-            crate::broker::SYS_STORED_TOPIC.to_owned(),
-        ),
+        acl("subscribePattern", crate::mqtt::SYS_STORED_TOPIC.to_owned()),
         acl(
             "publishClientReceive",
-            crate::broker::SYS_STORED_TOPIC.to_owned(),
+            crate::mqtt::SYS_STORED_TOPIC.to_owned(),
         ),
     ]
 }
@@ -167,13 +164,6 @@ pub fn ensure_client(
     commands.push(json!({"command": "addClientRole", "username": username, "rolename": role}));
     commands
 }
-
-/// Broker user names no device may take whatever the configuration: the
-/// server's default account, the dashboards' reader and the usual names of
-/// a broker's admin account. The server's own `--mqtt-username` and
-/// `--reserved-broker-usernames` add to them.
-pub const BUILT_IN_RESERVED_USERNAMES: [&str; 4] =
-    ["idem-server", "dashboards", "broker-admin", "admin"];
 
 /// Asks the plugin for the account named like a device.
 pub fn get_client(id: &DeviceId) -> Value {
@@ -248,20 +238,6 @@ pub fn provision_device(
         ]),
         AccountOwner::Foreign => None,
     }
-}
-
-/// The user names of a Mosquitto `password_file` (`user:hash` lines;
-/// blank lines and `#` comments skipped), each with its line.
-pub fn password_file_accounts(text: &str) -> Result<Vec<(&str, &str)>, String> {
-    text.lines()
-        .enumerate()
-        .map(|(n, line)| (n, line.trim_end_matches('\r')))
-        .filter(|(_, line)| !line.trim().is_empty() && !line.starts_with('#'))
-        .map(|(n, line)| match line.split_once(':') {
-            Some((user, hash)) if !user.is_empty() && !hash.is_empty() => Ok((user, line)),
-            _ => Err(format!("line {} is not `user:hash`", n + 1)),
-        })
-        .collect()
 }
 
 /// The answer to one command.

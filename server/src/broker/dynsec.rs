@@ -135,7 +135,7 @@ impl Dynsec {
 
 impl ControlResponses for Dynsec {
     fn topic(&self) -> &str {
-        crate::broker::accounts::RESPONSE_TOPIC
+        crate::mqtt::RESPONSE_TOPIC
     }
 
     fn on_response(&self, payload: &[u8]) {

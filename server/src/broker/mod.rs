@@ -6,7 +6,4 @@ pub mod accounts;
 pub(crate) mod dynsec;
 pub mod sizing;
 
-/// Mosquitto's count of messages it dropped (for any client), and of the
-/// messages it holds: read when `--broker-sys-topics` is on.
-pub const SYS_DROPPED_TOPIC: &str = "$SYS/broker/publish/messages/dropped";
-pub const SYS_STORED_TOPIC: &str = "$SYS/broker/store/messages/count";
+pub use crate::mqtt::{SYS_DROPPED_TOPIC, SYS_STORED_TOPIC};

@@ -7,7 +7,13 @@ use std::time::Duration;
 use rumqttc::QoS;
 
 use super::{parse_duration, ConfigError};
-use crate::events::relay::Retention;
+
+/// Retention of the event log.
+#[derive(Debug, Clone, Copy)]
+pub struct Retention {
+    pub max_age: Duration,
+    pub max_count: i64,
+}
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Events")]

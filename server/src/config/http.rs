@@ -9,13 +9,54 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{parse_duration, quarter_of, ConfigError};
-use crate::http::connections::HttpLimits;
-use crate::http::sse::SseSettings;
 use crate::security::tls::{CertKeyFiles, ServerTls};
 
 /// Header and body timeouts.
 const TIMEOUTS: std::ops::RangeInclusive<Duration> =
     Duration::from_millis(100)..=Duration::from_secs(3_600);
+
+/// The limits one server applies to its HTTP connections.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    /// Open connections at most (as configured, until
+    /// `HttpLimits::fitted_to_open_files` (`http/connections/limits.rs`) lowers it).
+    pub max_connections: usize,
+    /// Open connections from one client address ([`crate::http::connections::PeerGroup`]) at most;
+    /// never more than `max_connections`.
+    pub max_connections_per_peer: usize,
+    pub header_timeout: Duration,
+    pub body_timeout: Duration,
+    pub max_body_bytes: u64,
+}
+
+/// Limits for the SSE clients of one server (built by the configuration,
+/// `SseArgs`).
+#[derive(Debug, Clone, Copy)]
+pub struct SseSettings {
+    pub max_clients: usize,
+    /// Streams one token (callers without a token: one client address) may
+    /// hold at once.
+    pub max_clients_per_token: usize,
+    /// Slots only admin tokens may take, so that viewers and operators
+    /// together never hold every stream.
+    pub admin_reserve: usize,
+    /// Events queued per client.
+    pub client_buffer: usize,
+    /// A client whose queue stays full this long is dropped.
+    pub send_timeout: Duration,
+    /// Events per second while replaying from the database.
+    pub replay_rate: u32,
+}
+
+/// The slots of `max_clients` only admin tokens may take: a quarter,
+/// rounded, at least one; none when there is a single slot (keeping it
+/// would refuse every other caller).
+pub fn admin_reserve(max_clients: usize) -> usize {
+    if max_clients < 2 {
+        return 0;
+    }
+    quarter_of(max_clients).min(max_clients - 1)
+}
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "HTTP API")]
@@ -199,7 +240,7 @@ impl SseArgs {
         Ok(SseSettings {
             max_clients: self.sse_max_clients,
             max_clients_per_token: self.sse_clients_per_token(),
-            admin_reserve: crate::http::sse::admin_reserve(self.sse_max_clients),
+            admin_reserve: admin_reserve(self.sse_max_clients),
             client_buffer: self.sse_client_buffer,
             send_timeout: self.sse_send_timeout,
             replay_rate: self.sse_replay_rate,

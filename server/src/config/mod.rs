@@ -17,7 +17,6 @@ use std::time::Duration;
 use clap::Parser;
 use idem_protocol::limits::{MAX_MAX_SPEC_BYTES, MIN_MAX_SPEC_BYTES};
 
-use crate::ops::retention::RunRetention;
 use crate::security::secret::SecretUrl;
 use crate::security::tls::TlsError;
 
@@ -38,15 +37,18 @@ pub use changes::{
 };
 pub use database::{DatabaseArgs, DatabaseSettings};
 pub use engine::{EngineArgs, ReconcileSettings};
-pub use events::{EventsArgs, EventsSettings};
+pub use events::{EventsArgs, EventsSettings, Retention};
 pub use fleet::{FleetArgs, FleetSettings};
-pub use http::{HttpArgs, HttpSettings, SseArgs};
+pub use http::{admin_reserve, HttpArgs, HttpLimits, HttpSettings, SseArgs, SseSettings};
 pub use mqtt::{
     parse_mqtt_url, BrokerAddr, MqttArgs, MqttCredentials, MqttSettings, MqttUrlError, ShareGroup,
 };
 pub use readiness::{ReadinessArgs, ReadinessSettings};
-pub use retention::RetentionArgs;
-pub use security::{BrokerAccounts, SecurityArgs, SecuritySettings};
+pub use retention::{RetentionArgs, RunRetention};
+pub use security::{
+    password_file_accounts, AuthSettings, BrokerAccounts, SecurityArgs, SecuritySettings,
+    BUILT_IN_RESERVED_USERNAMES,
+};
 pub use values::{
     parse_duration, parse_duration_or_off, parse_expiry, parse_rate_or_off, quarter_of,
 };

@@ -6,7 +6,21 @@
 use std::time::Duration;
 
 use super::{parse_duration, ConfigError};
-use crate::ops::retention::RunRetention;
+
+/// The configured limits.
+#[derive(Debug, Clone, Copy)]
+pub struct RunRetention {
+    /// Completed runs that finished longer ago are deleted.
+    pub max_age: Duration,
+    /// Only the newest runs whose targets add up to this many are kept.
+    pub max_targets: i64,
+    /// Attempt history older than this is deleted.
+    pub attempts_max_age: Duration,
+    /// At most this many newest attempt rows are kept.
+    pub attempts_max_count: i64,
+    /// Audit records older than this are deleted.
+    pub audit_max_age: Duration,
+}
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Retention")]

@@ -8,7 +8,37 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use super::ConfigError;
-use crate::http::auth::AuthSettings;
+
+/// How the server decides access. The default is the secure one: tokens
+/// needed everywhere but `/healthz` and `/readyz`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AuthSettings {
+    /// `--insecure-no-auth`: everyone is an anonymous admin.
+    pub disabled: bool,
+    pub open_metrics: bool,
+    pub open_events: bool,
+}
+
+/// Broker user names no device may take whatever the configuration: the
+/// server's default account, the dashboards' reader and the usual names of
+/// a broker's admin account. The server's own `--mqtt-username` and
+/// `--reserved-broker-usernames` add to them.
+pub const BUILT_IN_RESERVED_USERNAMES: [&str; 4] =
+    ["idem-server", "dashboards", "broker-admin", "admin"];
+
+/// The user names of a Mosquitto `password_file` (`user:hash` lines;
+/// blank lines and `#` comments skipped), each with its line.
+pub fn password_file_accounts(text: &str) -> Result<Vec<(&str, &str)>, String> {
+    text.lines()
+        .enumerate()
+        .map(|(n, line)| (n, line.trim_end_matches('\r')))
+        .filter(|(_, line)| !line.trim().is_empty() && !line.starts_with('#'))
+        .map(|(n, line)| match line.split_once(':') {
+            Some((user, hash)) if !user.is_empty() && !hash.is_empty() => Ok((user, line)),
+            _ => Err(format!("line {} is not `user:hash`", n + 1)),
+        })
+        .collect()
+}
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Security")]
@@ -99,7 +129,7 @@ impl SecurityArgs {
             },
             broker_accounts: self.broker_accounts,
             broker_accounts_file: self.broker_accounts_file.clone(),
-            reserved_broker_usernames: crate::broker::accounts::BUILT_IN_RESERVED_USERNAMES
+            reserved_broker_usernames: BUILT_IN_RESERVED_USERNAMES
                 .iter()
                 .map(|n| (*n).to_owned())
                 .chain(server_username.map(str::to_owned))
@@ -133,7 +163,7 @@ impl SecuritySettings {
             reason,
         };
         let text = std::fs::read_to_string(path).map_err(|e| error(e.to_string()))?;
-        let accounts = crate::broker::accounts::password_file_accounts(&text).map_err(error)?;
+        let accounts = password_file_accounts(&text).map_err(error)?;
         Ok(accounts
             .into_iter()
             .map(|(user, _)| user.to_owned())

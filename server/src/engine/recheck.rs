@@ -9,56 +9,26 @@
 //! paced, and re-reads the retained status of every device not known to be
 //! online, a chunk at a time.
 //!
-//! It owns the signal and the cooldown only; what is asked, and how fast,
-//! is the engine's.
+//! It owns the cooldown only (the signal is `mqtt/recheck_signal.rs`);
+//! what is asked, and how fast, is the engine's.
 
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_protocol::{Channel, DeviceId, TopicRoot};
 use rumqttc::{AsyncClient, QoS, SubscribeFilter};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::EngineCommand;
+use crate::mqtt::recheck_signal::RecheckSignal;
 use crate::ops::metrics::Metrics;
-pub use crate::reconcile::machine::RecheckTrigger;
 use crate::store::cache::FleetCache;
 
 /// Rechecks start at most this often; signs meanwhile join the next one
 /// (which asks only the devices not heard from since it began).
 pub const RECHECK_COOLDOWN: Duration = Duration::from_secs(5);
-
-/// The signs, raised from anywhere without waiting.
-#[derive(Debug, Default)]
-pub struct RecheckSignal {
-    /// The first trigger raised since the last recheck started.
-    pending: Mutex<Option<RecheckTrigger>>,
-    raised: Notify,
-}
-
-impl RecheckSignal {
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
-    }
-
-    /// Asks for a recheck because of `trigger`; never blocks.
-    pub fn raise(&self, trigger: RecheckTrigger) {
-        self.pending
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get_or_insert(trigger);
-        self.raised.notify_one();
-    }
-
-    fn take(&self) -> Option<RecheckTrigger> {
-        self.pending
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-    }
-}
 
 /// Retained statuses re-read per step; steps are paced at the recheck's
 /// rate, so the broker's burst of retained messages stays within its queue.
@@ -96,7 +66,7 @@ pub async fn run(rechecker: Rechecker, token: CancellationToken) {
     loop {
         tokio::select! {
             () = token.cancelled() => return,
-            () = signal.raised.notified() => {}
+            () = signal.raised() => {}
         }
         let Some(trigger) = signal.take() else {
             continue;
@@ -149,19 +119,5 @@ async fn reread_statuses(
                 return;
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn signs_raised_before_a_recheck_starts_make_one_with_the_first_trigger() {
-        let signal = RecheckSignal::default();
-        signal.raise(RecheckTrigger::IngestStalled);
-        signal.raise(RecheckTrigger::BrokerDropped);
-        assert_eq!(signal.take(), Some(RecheckTrigger::IngestStalled));
-        assert_eq!(signal.take(), None);
     }
 }

@@ -33,6 +33,8 @@ use crate::ops::metrics::Metrics;
 use crate::store::events::{self, EventFilter, StoredEvent};
 use crate::store::leases::{self, Held, LeaseHolder};
 
+pub use crate::config::Retention;
+
 const CURSOR_NAME: &str = "relay";
 /// The lease whose holder publishes the log to MQTT.
 pub const RELAY_LEASE: &str = "relay";
@@ -43,13 +45,6 @@ const ACKED_WITHIN: Duration = Duration::from_secs(10);
 /// Fallback poll when no commit woke the relay (e.g. another instance wrote).
 const POLL_INTERVAL: Duration = Duration::from_millis(500);
 const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
-
-/// Retention of the event log.
-#[derive(Debug, Clone, Copy)]
-pub struct Retention {
-    pub max_age: Duration,
-    pub max_count: i64,
-}
 
 pub struct EventRelay {
     pub pool: PgPool,

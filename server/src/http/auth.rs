@@ -27,6 +27,8 @@ use crate::http::error::ApiError;
 use crate::ops::metrics::Metrics;
 use crate::store::{self, access::AuditRecord};
 
+pub use crate::config::AuthSettings;
+
 /// What a token may do; each role includes the ones below it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Role {
@@ -89,16 +91,6 @@ pub struct AuthState {
     pub metrics: Arc<Metrics>,
     /// The route table (`crate::http::api::routes`).
     pub routes: Arc<[Route]>,
-}
-
-/// How the server decides access. The default is the secure one: tokens
-/// needed everywhere but `/healthz` and `/readyz`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct AuthSettings {
-    /// `--insecure-no-auth`: everyone is an anonymous admin.
-    pub disabled: bool,
-    pub open_metrics: bool,
-    pub open_events: bool,
 }
 
 /// The access `method` on the route `route` needs, by the route table

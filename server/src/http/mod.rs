@@ -2,7 +2,8 @@
 //! TLS, per-peer limits), the API (`api`), Server-Sent Events (`sse`), who
 //! may call what (`auth`), the JSON error answer (`error`), the extractors
 //! whose rejections are that answer (`extract`), the bounds on operator
-//! input (`input`) and the turns of large reads (`large_reads`).
+//! input (`input`), the turns of large reads (`large_reads`) and what the
+//! handlers and the server's tasks share (`state`).
 
 pub(crate) mod api;
 pub mod auth;
@@ -12,6 +13,7 @@ pub(crate) mod extract;
 pub(crate) mod input;
 pub(crate) mod large_reads;
 pub(crate) mod sse;
+pub mod state;
 
 pub use api::routes;
 pub use auth::Route;

@@ -8,10 +8,8 @@
 //! alone; that one is dropped (counted `db_refused`, acknowledged so the
 //! broker stops redelivering it) and the rest commit.
 
-pub mod intake;
-
-use crate::engine::recheck::{RecheckSignal, RecheckTrigger};
-use crate::ingest::intake::IntakeReceiver;
+use crate::mqtt::intake::IntakeReceiver;
+use crate::mqtt::recheck_signal::{RecheckSignal, RecheckTrigger};
 use std::cell::OnceCell;
 use std::collections::HashMap;
 use std::sync::Arc;

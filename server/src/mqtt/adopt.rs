@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{fleet_filters, options, server_client_id, SessionKind};
 use crate::config::ValidConfig;
-use crate::ingest::intake::{AckVia, AdoptedAcks, IntakeSender, Received};
+use crate::mqtt::intake::{AckVia, AdoptedAcks, IntakeSender, Received};
 
 /// Nothing delivered for this long (and everything acknowledged): the
 /// session's queue is empty.

@@ -1,7 +1,7 @@
 //! MQTT adapter: the connection's event loop and the publisher.
 //!
 //! The event loop is polled continuously and never awaits the database or its
-//! own client: inbound publishes go to the intake queue (`crate::ingest::intake`),
+//! own client: inbound publishes go to the intake queue (`crate::mqtt::intake`),
 //! which it waits on only past its byte budget, so the keepalive is answered
 //! through any ingest backlog; subscriptions are (re)made with
 //! `try_subscribe_many` on every ConnAck, and a reconnect is logged with how
@@ -14,7 +14,9 @@
 //! publisher refuses to hand the client anything larger than the budget.
 
 pub mod adopt;
+pub mod intake;
 pub mod outbox;
+pub mod recheck_signal;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -32,10 +34,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::ShareGroup;
 use crate::config::ValidConfig;
-use crate::engine::recheck::{RecheckSignal, RecheckTrigger};
-use crate::ingest::intake::IntakeSender;
 use crate::mqtt::outbox::Outbox;
 use crate::ops::metrics::Metrics;
+use intake::IntakeSender;
+use recheck_signal::{RecheckSignal, RecheckTrigger};
 
 /// Requests the client may queue before `publish` waits for the event loop.
 const REQUEST_CHANNEL_CAPACITY: usize = 10_000;
@@ -48,7 +50,7 @@ const MQTT_MAX_REMAINING_LENGTH: usize = 268_435_455;
 /// `run.completed`) stays in the event log and on SSE only.
 pub const MAX_EVENT_PAYLOAD_BYTES: usize = 1024 * 1024;
 
-pub use crate::ingest::intake::{AckVia, Received};
+pub use intake::{AckVia, Received};
 
 /// Connection facts shared with readiness checks.
 #[derive(Debug, Default)]
@@ -162,7 +164,13 @@ fn log_connection_error(
 /// broker kept the session: its queue may have filled meanwhile.
 pub const LONG_ABSENCE: Duration = Duration::from_secs(30);
 
-pub use crate::broker::{SYS_DROPPED_TOPIC, SYS_STORED_TOPIC};
+/// Mosquitto's count of messages it dropped (for any client), and of the
+/// messages it holds: read when `--broker-sys-topics` is on.
+pub const SYS_DROPPED_TOPIC: &str = "$SYS/broker/publish/messages/dropped";
+pub const SYS_STORED_TOPIC: &str = "$SYS/broker/store/messages/count";
+/// The dynamic-security plugin's command topic and the topic it answers on.
+pub const CONTROL_TOPIC: &str = "$CONTROL/dynamic-security/v1";
+pub const RESPONSE_TOPIC: &str = "$CONTROL/dynamic-security/v1/response";
 
 /// What the event loop hands on besides reports and statuses.
 pub struct EventLoopHooks {
@@ -547,7 +555,7 @@ impl Publisher {
         // Through the outbox, as every QoS 1 publish: its ticket keeps the
         // count of PUBACKs exact (`outbox::PubAcks`).
         self.outbox.publish(
-            crate::broker::accounts::CONTROL_TOPIC.to_owned(),
+            CONTROL_TOPIC.to_owned(),
             QoS::AtLeastOnce,
             false,
             payload,

@@ -12,25 +12,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::store;
 
+pub use crate::config::RunRetention;
+
 /// How often the limits are enforced.
 const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
 /// Runs deleted per statement.
 const RUN_BATCH: i64 = 50;
-
-/// The configured limits.
-#[derive(Debug, Clone, Copy)]
-pub struct RunRetention {
-    /// Completed runs that finished longer ago are deleted.
-    pub max_age: Duration,
-    /// Only the newest runs whose targets add up to this many are kept.
-    pub max_targets: i64,
-    /// Attempt history older than this is deleted.
-    pub attempts_max_age: Duration,
-    /// At most this many newest attempt rows are kept.
-    pub attempts_max_count: i64,
-    /// Audit records older than this are deleted.
-    pub audit_max_age: Duration,
-}
 
 /// Prunes once now, then every [`PRUNE_INTERVAL`] until cancelled.
 pub async fn run(pool: PgPool, limits: RunRetention, token: CancellationToken) {

@@ -126,7 +126,7 @@ pub struct FleetCache {
 }
 
 impl FleetCache {
-    /// The cache of the devices `store::devices::cache_entries` read.
+    /// The cache of the devices `store::device_rows::cache_entries` read.
     pub fn from_entries(entries: Vec<(DeviceId, DeviceEntry)>) -> Self {
         let devices = DashMap::with_capacity(entries.len());
         for (id, entry) in entries {

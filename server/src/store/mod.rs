@@ -8,6 +8,7 @@ pub mod access;
 pub mod approvals;
 pub mod cache;
 pub mod copy;
+pub mod device_rows;
 pub mod devices;
 pub mod events;
 pub mod exemptions;

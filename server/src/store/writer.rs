@@ -211,7 +211,7 @@ impl DeviceWriter {
         } = &mut changed
         {
             // The engine's columns alone: no specs to read or parse.
-            for (id, change) in super::devices::engine_columns_of(tx, engine).await? {
+            for (id, change) in super::device_rows::engine_columns_of(tx, engine).await? {
                 changes.push(FleetChange::Engine(id, change));
             }
             // The reported columns alone, of devices this cache holds and
@@ -224,7 +224,7 @@ impl DeviceWriter {
                         .is_some_and(|owned| owned.is_none_or(|owned| owned.is_empty()))
                 });
             rows.extend(unknown);
-            let (reported, unparsed) = super::devices::reported_columns_of(tx, &known).await?;
+            let (reported, unparsed) = super::device_rows::reported_columns_of(tx, &known).await?;
             rows.extend(unparsed);
             for (id, report) in reported {
                 self.noticed(
@@ -242,13 +242,13 @@ impl DeviceWriter {
                 self.cache.apply(changes);
                 return Ok(followed);
             }
-            Changed::Some { rows, .. } => (super::devices::rows_of(tx, rows).await?, None),
+            Changed::Some { rows, .. } => (super::device_rows::rows_of(tx, rows).await?, None),
             Changed::Everything => {
                 let set = super::owned::load(&mut **tx)
                     .await?
                     .map(|d| d.set)
                     .unwrap_or_default();
-                (super::devices::load_all_in(tx).await?, Some(set))
+                (super::device_rows::load_all_in(tx).await?, Some(set))
             }
         };
         let found: HashSet<&str> = rows.iter().map(|row| row.id.as_str()).collect();
@@ -272,7 +272,7 @@ impl DeviceWriter {
             .collect();
         let set = owned_set.unwrap_or_else(|| (*self.cache.owned_set()).clone());
         let mut resolver = OwnedResolver::new(set.clone());
-        let mut entries = super::devices::cache_entries(&rows, &mut resolver)?;
+        let mut entries = super::device_rows::cache_entries(&rows, &mut resolver)?;
         changes.reserve(entries.len() + gone.len() + 1);
         if matches!(changed, Changed::Everything) {
             changes.push(FleetChange::OwnedSet(Arc::new(set)));

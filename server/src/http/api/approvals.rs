@@ -23,10 +23,10 @@ use uuid::Uuid;
 
 use super::command::{recorded, DeviceWrite};
 use super::params::{checked_reason, checked_selector, parse_hyphenated_id};
-use crate::app::state::AppState;
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
+use crate::http::state::AppState;
 use crate::store::approvals::{ApprovalPolicyRow, Created, NewApprovalPolicy};
 use crate::store::devices::Registration;
 use crate::store::{self, Scope};

@@ -8,10 +8,10 @@ use axum::Json;
 use idem_protocol::api::{AuditEntry, AuditPage, AuditQuery, ErrorBody};
 
 use super::params::page_limit;
-use crate::app::state::AppState;
 use crate::http::error::ApiError;
 use crate::http::extract::ApiQuery;
 use crate::http::input;
+use crate::http::state::AppState;
 use crate::store;
 use crate::store::access::{AuditFilter, AuditRow};
 

@@ -8,8 +8,8 @@ use axum::extract::State;
 use axum::Json;
 use idem_protocol::api::{ClusterInstance, ClusterLease, ClusterView, ErrorBody};
 
-use crate::app::state::AppState;
 use crate::http::error::ApiError;
+use crate::http::state::AppState;
 use crate::store;
 
 /// Seconds or milliseconds as the API gives them: whole, never negative.

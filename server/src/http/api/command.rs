@@ -17,12 +17,12 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use crate::app::state::AppState;
 use crate::engine::new_run::{CommitRunError, NewRun};
 use crate::engine::EngineCommand;
 use crate::engine::{RunAnswer, RunRequest};
 use crate::http::auth::{AuditNote, AuditWritten, Call};
 use crate::http::error::ApiError;
+use crate::http::state::AppState;
 use crate::reconcile::owned::OwnedFieldSet;
 use crate::store::access::AuditRecord;
 use crate::store::cache::FleetChange;

@@ -16,11 +16,11 @@ use serde_json::json;
 
 use super::command::{recorded, DeviceWrite};
 use super::params::registered;
-use crate::app::state::AppState;
 use crate::broker::accounts::{self, AccountOwner};
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{decode_strictly, ApiPath};
+use crate::http::state::AppState;
 use crate::store;
 
 /// A password issued to a device, shown once.

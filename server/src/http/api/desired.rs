@@ -19,12 +19,12 @@ use serde_json::{json, Value};
 use super::approvals::refuse_unapproved;
 use super::command::{audited_ids, recorded, start_run};
 use super::params::registered;
-use crate::app::state::AppState;
 use crate::engine::new_run::{NewRun, Trigger};
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
 use crate::http::input;
+use crate::http::state::AppState;
 use crate::store;
 
 /// Unknown ids named in an error message (and ids in an audit note), at most.

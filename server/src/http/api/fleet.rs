@@ -9,8 +9,8 @@ use axum::Json;
 use idem_protocol::api::{ErrorBody, FleetSummary, PushCounts};
 use idem_protocol::DeviceStatus;
 
-use crate::app::state::AppState;
 use crate::http::error::ApiError;
+use crate::http::state::AppState;
 use crate::store;
 use crate::store::to_u64;
 

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use axum::Router;
 
-use crate::app::state::AppState;
 use crate::http::auth::AuthState;
+use crate::http::state::AppState;
 
 mod approvals;
 mod audit;
@@ -42,9 +42,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         pool: state.pool.clone(),
         settings: state.auth,
         metrics: state.metrics.clone(),
-        routes: api.routes.into(),
+        routes: api.routes.clone().into(),
     };
-    api.router
+    api.serving_its_document()
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

@@ -1,18 +1,14 @@
-//! The OpenAPI 3.1 document of the HTTP API: its frame here, its paths from
-//! the route table (`routes`, the handlers' route attributes) and its
-//! schemas from the `idem_protocol::api` types; served at
-//! `GET /v1/openapi.json`.
+//! The OpenAPI 3.1 document of the HTTP API: its frame here (the route
+//! table, `routes`, adds its paths from the handlers' route attributes and
+//! its schemas from the `idem_protocol::api` types); served at
+//! `GET /v1/openapi.json` as the route table built it.
 
 use std::sync::Arc;
 
-use axum::extract::State;
-use axum::Json;
+use axum::{Extension, Json};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::OpenApi as Document;
 use utoipa::{Modify, OpenApi};
-
-use crate::app::state::AppState;
-use crate::http::auth::AuthSettings;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -44,22 +40,22 @@ pub(super) fn base() -> Document {
     ApiDoc::openapi()
 }
 
-/// The document as a server with these settings serves it.
-pub fn document(settings: AuthSettings) -> Document {
-    super::routes::build(settings).document
-}
+/// The document the route table built, which the router carries as an
+/// extension for [`openapi_json`].
+#[derive(Clone)]
+pub(super) struct Served(pub Arc<Document>);
 
 /// `GET /v1/openapi.json`: this API's OpenAPI 3.1 document.
 #[utoipa::path(get, path = "/v1/openapi.json", tag = "operations",
     responses((status = 200, content_type = "application/json", description = "OpenAPI 3.1 document")))]
-pub(super) async fn openapi_json(State(state): State<Arc<AppState>>) -> Json<Document> {
-    Json(document(state.auth))
+pub(super) async fn openapi_json(Extension(Served(document)): Extension<Served>) -> Json<Document> {
+    Json(Document::clone(&document))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::http::auth::Access;
+    use super::super::routes::document;
+    use crate::http::auth::{Access, AuthSettings};
 
     #[test]
     fn the_document_is_openapi_3_1_and_marks_exactly_the_open_routes_open() {

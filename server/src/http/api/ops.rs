@@ -11,8 +11,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use idem_protocol::api::{ErrorBody, Liveness, Readiness};
 
-use crate::app::state::AppState;
 use crate::http::error::ApiError;
+use crate::http::state::AppState;
 use crate::store;
 
 /// How long readiness waits for the database before saying not ready.

@@ -9,9 +9,9 @@ use idem_protocol::DeviceId;
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::app::state::AppState;
 use crate::http::error::ApiError;
 use crate::http::input;
+use crate::http::state::AppState;
 
 use idem_protocol::api::bounds::{PAGE_LIMIT_DEFAULT, PAGE_LIMIT_MAX};
 

@@ -30,13 +30,13 @@ use super::command::{audited, audited_ids, recorded, start_run};
 use super::desired::{checked_targeting, matching, targeting_summary};
 use super::devices::field_diffs;
 use super::params::{page_limit, parse_hyphenated_id};
-use crate::app::state::AppState;
 use crate::engine::new_run::NewRun;
 use crate::http::auth::{Actor, AuditNote, Call, DryRun};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiJsonOrEmpty, ApiPath, ApiQuery};
 use crate::http::input;
 use crate::http::large_reads::MAX_PAGE_BYTES;
+use crate::http::state::AppState;
 use crate::reconcile::owned::NewSpecDigests;
 use crate::reconcile::plan::book::{self, BookRefusal};
 use crate::reconcile::plan::{

@@ -20,12 +20,12 @@ use tokio::sync::oneshot;
 
 use super::command::audited;
 use super::params::{parse_run_id, unknown_run};
-use crate::app::state::AppState;
 use crate::config::parse_duration;
 use crate::engine::RolloutRequest as EngineRolloutRequest;
 use crate::http::auth::{AuditNote, Call};
 use crate::http::error::ApiError;
 use crate::http::extract::ApiPath;
+use crate::http::state::AppState;
 use crate::reconcile::machine::{RolloutAction, RolloutActionError};
 use crate::reconcile::rollout::{
     FailureLimit, Gates, NotNow, Pause, RolloutSpec, StoredRollout, WaveSize, WaveSpec,

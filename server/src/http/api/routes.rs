@@ -16,9 +16,9 @@ use super::{
     approvals, audit, cluster, credentials, desired, devices, exemptions, fleet, openapi, ops,
     owned, plans, rollouts, runs, tokens,
 };
-use crate::app::state::AppState;
 use crate::http::auth::{access_for, Access, AuthSettings, Role, Route};
 use crate::http::sse;
+use crate::http::state::AppState;
 
 /// Every handler of the API with the access it needs.
 fn table() -> Vec<(Access, UtoipaMethodRouter<Arc<AppState>>)> {
@@ -111,6 +111,20 @@ pub(crate) fn build(settings: AuthSettings) -> Api {
         document,
         routes: access_table,
     }
+}
+
+impl Api {
+    /// The router, carrying the document for `GET /v1/openapi.json`.
+    pub fn serving_its_document(self) -> Router<Arc<AppState>> {
+        let served = openapi::Served(Arc::new(self.document));
+        self.router.layer(axum::Extension(served))
+    }
+}
+
+/// The OpenAPI document as a server with these settings serves it.
+#[cfg(test)]
+pub fn document(settings: AuthSettings) -> OpenApi {
+    build(settings).document
 }
 
 /// Who may call what, as the server built for `settings` decides it.

@@ -15,11 +15,11 @@ use idem_protocol::api::{
 use serde_json::json;
 
 use super::command::recorded;
-use crate::app::state::AppState;
 use crate::config::parse_expiry;
 use crate::http::auth::{AuditNote, Call, Role};
 use crate::http::error::ApiError;
 use crate::http::extract::{ApiJson, ApiPath};
+use crate::http::state::AppState;
 use crate::store::access::{NewToken, TokenRow};
 use crate::store::{self, Context};
 

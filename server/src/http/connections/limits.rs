@@ -4,23 +4,11 @@
 
 use std::time::Duration;
 
+pub use crate::config::HttpLimits;
+
 /// Open files kept free for everything that is not an HTTP connection: the
 /// database pool, the MQTT connection, the listener, logs, DNS, `/proc`.
 pub const FD_RESERVE: u64 = 256;
-
-/// The limits one server applies to its HTTP connections.
-#[derive(Debug, Clone, Copy)]
-pub struct HttpLimits {
-    /// Open connections at most (as configured, until
-    /// [`HttpLimits::fitted_to_open_files`] lowers it).
-    pub max_connections: usize,
-    /// Open connections from one client address ([`super::PeerGroup`]) at most;
-    /// never more than `max_connections`.
-    pub max_connections_per_peer: usize,
-    pub header_timeout: Duration,
-    pub body_timeout: Duration,
-    pub max_body_bytes: u64,
-}
 
 impl HttpLimits {
     /// These limits with the connection cap lowered to fit the process's

@@ -56,39 +56,10 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// up at no predictable time; this keeps retries cheap and spaced.
 const REFUSED_RETRY_AFTER: Duration = Duration::from_secs(5);
 
-/// Limits for the SSE clients of one server (built by the configuration,
-/// `config::SseArgs`).
-#[derive(Debug, Clone, Copy)]
-pub struct SseSettings {
-    pub max_clients: usize,
-    /// Streams one token (callers without a token: one client address) may
-    /// hold at once.
-    pub max_clients_per_token: usize,
-    /// Slots only admin tokens may take, so that viewers and operators
-    /// together never hold every stream.
-    pub admin_reserve: usize,
-    /// Events queued per client.
-    pub client_buffer: usize,
-    /// A client whose queue stays full this long is dropped.
-    pub send_timeout: Duration,
-    /// Events per second while replaying from the database.
-    pub replay_rate: u32,
-}
-
 impl SseSettings {
     fn replay_page(&self) -> i64 {
         (i64::from(self.replay_rate) / 4).clamp(1, REPLAY_PAGE)
     }
-}
-
-/// The slots of `max_clients` only admin tokens may take: a quarter,
-/// rounded, at least one; none when there is a single slot (keeping it
-/// would refuse every other caller).
-pub fn admin_reserve(max_clients: usize) -> usize {
-    if max_clients < 2 {
-        return 0;
-    }
-    crate::config::quarter_of(max_clients).min(max_clients - 1)
 }
 
 /// The SSE clients of one server: the slots and what every stream shares.
@@ -203,6 +174,7 @@ impl Slots {
     }
 }
 
+pub use crate::config::SseSettings;
 pub use crate::ops::metrics::{DropReason, SseRefusal};
 
 impl SseRefusal {
@@ -531,6 +503,7 @@ impl Stream for ClientStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::admin_reserve;
     use tokio::time::Instant;
 
     #[tokio::test(start_paused = true)]

@@ -1,7 +1,7 @@
 //! `AppState`: what the HTTP handlers and the server's tasks share (pool,
 //! fleet cache, engine channel, publisher, settings). It names the types it
-//! holds and imports no handler, middleware or HTTP code, so `api`, `auth`,
-//! `sse` and `app` can all depend on it without a cycle.
+//! holds and imports no handler or middleware, so `api`, `auth` and `sse`
+//! can all depend on it without a cycle; `app` builds it.
 
 use std::sync::Arc;
 
@@ -46,7 +46,7 @@ pub struct AppState {
     /// Failing-write marks of the ingest and the engine, for `/readyz`.
     pub stalls: Stalls,
     /// What waits between the MQTT event loop and the ingest, for `/readyz`.
-    pub intake: crate::ingest::intake::IntakeGauge,
+    pub intake: crate::mqtt::intake::IntakeGauge,
     /// How the API decides access.
     pub auth: crate::http::auth::AuthSettings,
     /// Creates and removes device accounts on the broker (`--broker-accounts dynsec`).
