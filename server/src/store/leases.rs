@@ -195,7 +195,20 @@ pub async fn all(pool: &PgPool) -> Result<Vec<LeaseRow>, StoreError> {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::LeaseDeadline;
+    use super::{time_to_live, LeaseDeadline};
+
+    #[test]
+    fn a_lease_lives_three_quarters_of_the_takeover_bound_leaving_the_successor_the_last_quarter() {
+        assert_eq!(
+            time_to_live(Duration::from_secs(10)),
+            Duration::from_millis(7_500)
+        );
+        assert_eq!(
+            time_to_live(Duration::from_secs(3)),
+            Duration::from_millis(2_250)
+        );
+        assert_eq!(time_to_live(Duration::ZERO), Duration::ZERO);
+    }
 
     #[test]
     fn a_lease_deadline_lapses_a_time_to_live_after_it_was_asked_for_unless_renewed() {
