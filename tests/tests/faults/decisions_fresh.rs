@@ -257,6 +257,29 @@ async fn runs_carried_by_an_instance_whose_cache_lags_never_count_a_device_conve
         Vec::new(),
         "pushes of a replaced or unchanged spec"
     );
+
+    // A device registered through B is known to A at once, though A's cache
+    // has not followed B yet: a call naming it catches the cache up.
+    let (status, answer) = b
+        .post(
+            "/v1/devices",
+            &json!([{"id": "fresh-c-late", "spec": spec}]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let (status, answer) = a
+        .api()
+        .put(
+            "/v1/devices/fresh-c-late/desired",
+            &json!({"spec": plan.desired_spec}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        status, 200,
+        "a device registered through the other instance, named on the lagging one: {answer}"
+    );
     assert_eq!(a.panics(), Vec::<String>::new());
     assert_eq!(b.panics(), Vec::<String>::new());
 }

@@ -284,7 +284,7 @@ pub(super) async fn rotate(
             )
         })?
     };
-    let id = registered(&state, &raw_id)?;
+    let id = registered(&state, &raw_id).await?;
     if !state.config.security.broker_accounts.issues_passwords() {
         return Err(ApiError::new(
             StatusCode::CONFLICT,

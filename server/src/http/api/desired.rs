@@ -42,7 +42,7 @@ pub(super) async fn set_device_desired(
     ApiPath(raw_id): ApiPath<String>,
     ApiJson(body): ApiJson<DeviceDesired>,
 ) -> Result<Response, ApiError> {
-    let id = registered(&state, &raw_id)?;
+    let id = registered(&state, &raw_id).await?;
     input::check_spec(state.config.fleet.budget, &body.spec)?;
     refuse_unapproved(&state, &state.pool, &[id.to_string()]).await?;
     let note = AuditNote {
@@ -166,7 +166,7 @@ pub(super) async fn matching(
     targeting: &Targeting,
 ) -> Result<Vec<DeviceId>, ApiError> {
     let rows = match targeting {
-        Targeting::Devices(ids) => return known(state, ids.clone()),
+        Targeting::Devices(ids) => return known(state, ids.clone()).await,
         Targeting::Selector(labels) => {
             let labels = serde_json::to_value(labels).unwrap_or_default();
             store::devices::ids_matching_labels(&state.pool, &labels).await?
@@ -179,8 +179,13 @@ pub(super) async fn matching(
     )?)
 }
 
-/// `ids` when every one is registered; otherwise a 404 naming the unknown.
-fn known(state: &AppState, ids: Vec<DeviceId>) -> Result<Vec<DeviceId>, ApiError> {
+/// `ids` when every one is registered (the cache caught up first when one
+/// is missing, as in `params::registered`); otherwise a 404 naming the
+/// unknown.
+async fn known(state: &AppState, ids: Vec<DeviceId>) -> Result<Vec<DeviceId>, ApiError> {
+    if ids.iter().any(|id| !state.fleet.contains(id)) {
+        super::params::caught_up(state).await?;
+    }
     let unknown: Vec<&str> = ids
         .iter()
         .filter(|id| !state.fleet.contains(id))

@@ -365,7 +365,7 @@ pub(super) async fn delete_device(
     Extension(call): Extension<Call>,
     ApiPath(raw_id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
-    let id = registered(&state, &raw_id)?;
+    let id = registered(&state, &raw_id).await?;
     let mut write = DeviceWrite::begin(&state).await?;
     // Registered again, it stays under the policies that cover it now.
     let departures = store::approvals::record_departure(
@@ -414,7 +414,7 @@ pub(super) async fn reset_reported(
     Extension(call): Extension<Call>,
     ApiPath(raw_id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
-    let id = registered(&state, &raw_id)?;
+    let id = registered(&state, &raw_id).await?;
     let mut write = DeviceWrite::begin(&state).await?;
     store::devices::reset_reported(write.tx(), id.as_str()).await?;
     let note = AuditNote {

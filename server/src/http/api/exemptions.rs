@@ -45,7 +45,7 @@ pub(super) async fn create_exemption(
     ApiJson(body): ApiJson<ExemptionRequest>,
 ) -> Result<Response, ApiError> {
     let (device, selector) = match (&body.device, &body.selector) {
-        (Some(raw), None) => (Some(registered(&state, raw)?), None),
+        (Some(raw), None) => (Some(registered(&state, raw).await?), None),
         (None, Some(selector)) => (None, Some(checked_selector(selector)?)),
         (Some(_), Some(_)) | (None, None) => {
             return Err(ApiError::bad_request(

@@ -24,13 +24,28 @@ pub(super) fn parse_id(raw: &str) -> Result<DeviceId, ApiError> {
         .map_err(|e| ApiError::bad_request(ErrorCode::InvalidDeviceId, format!("{raw:?}: {e}")))
 }
 
-/// A valid id of a registered device, or the matching 400 / 404.
-pub(super) fn registered(state: &AppState, raw: &str) -> Result<DeviceId, ApiError> {
+/// A valid id of a registered device, or the matching 400 / 404. A device
+/// this instance's cache does not hold may have been registered through
+/// another instance a moment ago: the cache catches up first when the
+/// change log is ahead of it.
+pub(super) async fn registered(state: &AppState, raw: &str) -> Result<DeviceId, ApiError> {
     let id = parse_id(raw)?;
     if !state.fleet.contains(&id) {
-        return Err(unknown_device(&id));
+        caught_up(state).await?;
+        if !state.fleet.contains(&id) {
+            return Err(unknown_device(&id));
+        }
     }
     Ok(id)
+}
+
+/// Brings the cache up to date with what other instances wrote, when the
+/// change log says it is behind (one indexed read, no lock, when it is not).
+pub(super) async fn caught_up(state: &AppState) -> Result<(), ApiError> {
+    if state.writer.overtaken().await? {
+        state.writer.follow().await?;
+    }
+    Ok(())
 }
 
 pub(super) fn unknown_device(id: &DeviceId) -> ApiError {

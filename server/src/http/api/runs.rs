@@ -91,7 +91,7 @@ pub(super) async fn retry_device(
     Extension(call): Extension<Call>,
     ApiPath(raw_id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
-    let id = registered(&state, &raw_id)?;
+    let id = registered(&state, &raw_id).await?;
     let note = AuditNote {
         targets: Some(1),
         detail: Some(json!({"devices": audited_ids([id.as_str()])})),
