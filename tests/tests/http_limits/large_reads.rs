@@ -169,30 +169,38 @@ async fn plan_pages_stop_at_their_byte_bound_and_concurrent_viewers_leave_memory
     );
 
     // One token reads two at a time: more at once are refused, saying
-    // when to come back.
+    // when to come back. Six reads sent together overlap only as far as the
+    // machine runs them together: on a loaded machine a burst can be served
+    // one after another, so up to five bursts are sent before concluding.
     let one = viewers[0].clone();
-    let at_once: Vec<_> = (0..6)
-        .map(|_| {
-            let (one, first) = (one.clone(), first.clone());
-            tokio::spawn(async move { get_raw(&one, &first).await })
-        })
-        .collect();
     let mut refused = 0;
-    for answer in at_once {
-        let (status, retry_after, body) = answer.await.unwrap();
-        match status {
-            200 => {}
-            429 => {
-                refused += 1;
-                assert_eq!(retry_after.as_deref(), Some("1"));
-                assert!(body.contains("too_many_large_reads"), "{body}");
+    for _burst in 0..5 {
+        let at_once: Vec<_> = (0..6)
+            .map(|_| {
+                let (one, first) = (one.clone(), first.clone());
+                tokio::spawn(async move { get_raw(&one, &first).await })
+            })
+            .collect();
+        for answer in at_once {
+            let (status, retry_after, body) = answer.await.unwrap();
+            match status {
+                200 => {}
+                429 => {
+                    refused += 1;
+                    assert_eq!(retry_after.as_deref(), Some("1"));
+                    assert!(body.contains("too_many_large_reads"), "{body}");
+                }
+                other => panic!("answered {other}: {}", &body[..body.len().min(300)]),
             }
-            other => panic!("answered {other}: {}", &body[..body.len().min(300)]),
         }
+        if refused > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
     }
     assert!(
         refused > 0,
-        "six reads at once by one token were all served"
+        "five bursts of six reads at once by one token were all served"
     );
     fleet.shutdown().await.unwrap();
 }
