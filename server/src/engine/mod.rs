@@ -341,14 +341,13 @@ impl Engine {
         if !pushes {
             return Vec::new();
         }
-        let caught_up = match self.ctx.writer.overtaken().await {
+        match self.ctx.writer.follow_if_overtaken().await {
+            Ok(true) => {}
             Ok(false) => return Vec::new(),
-            Ok(true) => self.ctx.writer.follow().await,
-            Err(e) => Err(e),
-        };
-        if let Err(e) = caught_up {
-            tracing::warn!(error = %e, "could not check the cache against other instances' writes before pushing");
-            return Vec::new();
+            Err(e) => {
+                tracing::warn!(error = %e, "could not check the cache against other instances' writes before pushing");
+                return Vec::new();
+            }
         }
         let stale = self.machine.stale_pushes(batch);
         if stale.is_empty() {

@@ -148,6 +148,16 @@ impl DeviceWriter {
         Ok(high > self.seen.load(Ordering::Acquire))
     }
 
+    /// Catches the cache up ([`Self::follow`]) only when the change log is
+    /// ahead of it ([`Self::overtaken`]); true when it was.
+    pub async fn follow_if_overtaken(&self) -> Result<bool, StoreError> {
+        if !self.overtaken().await? {
+            return Ok(false);
+        }
+        self.follow().await?;
+        Ok(true)
+    }
+
     /// Brings the cache up to date with what other writers committed.
     pub async fn follow(&self) -> Result<(), StoreError> {
         let write = self.begin().await?;

@@ -184,7 +184,7 @@ pub(super) async fn matching(
 /// unknown.
 async fn known(state: &AppState, ids: Vec<DeviceId>) -> Result<Vec<DeviceId>, ApiError> {
     if ids.iter().any(|id| !state.fleet.contains(id)) {
-        super::params::caught_up(state).await?;
+        state.writer.follow_if_overtaken().await?;
     }
     let unknown: Vec<&str> = ids
         .iter()

@@ -31,21 +31,12 @@ pub(super) fn parse_id(raw: &str) -> Result<DeviceId, ApiError> {
 pub(super) async fn registered(state: &AppState, raw: &str) -> Result<DeviceId, ApiError> {
     let id = parse_id(raw)?;
     if !state.fleet.contains(&id) {
-        caught_up(state).await?;
+        state.writer.follow_if_overtaken().await?;
         if !state.fleet.contains(&id) {
             return Err(unknown_device(&id));
         }
     }
     Ok(id)
-}
-
-/// Brings the cache up to date with what other instances wrote, when the
-/// change log says it is behind (one indexed read, no lock, when it is not).
-pub(super) async fn caught_up(state: &AppState) -> Result<(), ApiError> {
-    if state.writer.overtaken().await? {
-        state.writer.follow().await?;
-    }
-    Ok(())
 }
 
 pub(super) fn unknown_device(id: &DeviceId) -> ApiError {
