@@ -18,14 +18,13 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use rumqttc::{AsyncClient, ConnectionError, Event, Packet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{fleet_filters, options, server_client_id, SessionKind};
 use crate::config::ValidConfig;
-use crate::mqtt::intake::{AckVia, AdoptedAcks, IntakeSender, Received};
+use crate::mqtt::intake::{AckVia, AdoptedAcks, Cancelled, IntakeSender, Received};
 
 /// Nothing delivered for this long (and everything acknowledged): the
 /// session's queue is empty.
@@ -78,6 +77,90 @@ enum Phase {
     Disconnecting,
 }
 
+/// Where a drain stands, from what its connection brought; it sends
+/// nothing itself (the loop of [`drain_session`] does).
+#[derive(Debug)]
+struct Progress {
+    phase: Phase,
+    last_delivery: Instant,
+    unsubacks_due: usize,
+}
+
+/// What the end of the drain's connection means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Closed {
+    /// After our DISCONNECT: the session is empty and may be removed.
+    Finished,
+    /// Before the broker accepted the connection.
+    NeverConnected,
+    /// In the middle: what the session still holds stays there.
+    CutShort,
+}
+
+impl Progress {
+    /// A drain that will unsubscribe `filters` fleet filters.
+    fn new(filters: usize, now: Instant) -> Self {
+        Self {
+            phase: Phase::Connecting,
+            last_delivery: now,
+            unsubacks_due: filters,
+        }
+    }
+
+    /// The broker accepted the connection: `true` the first time, when the
+    /// UNSUBSCRIBEs are to be sent.
+    fn connected(&mut self, now: Instant) -> bool {
+        if self.phase != Phase::Connecting {
+            return false;
+        }
+        self.phase = Phase::Unsubscribing;
+        self.last_delivery = now;
+        true
+    }
+
+    /// A message of the session arrived.
+    fn delivered(&mut self, now: Instant) {
+        self.last_delivery = now;
+    }
+
+    /// The broker acknowledged one UNSUBSCRIBE; the session is unsubscribed
+    /// once every filter was.
+    fn unsubscribed_one(&mut self, now: Instant) {
+        if self.phase != Phase::Unsubscribing {
+            return;
+        }
+        self.unsubacks_due = self.unsubacks_due.saturating_sub(1);
+        if self.unsubacks_due == 0 {
+            self.phase = Phase::Unsubscribed;
+            self.last_delivery = now;
+        }
+    }
+
+    /// Whether to disconnect now (`true` once): unsubscribed, nothing
+    /// delivered for [`QUIET`], and all that was handed over acknowledged.
+    fn time_to_disconnect(&mut self, now: Instant, unacked: usize) -> bool {
+        let quiet = now.saturating_duration_since(self.last_delivery) >= QUIET && unacked == 0;
+        match self.phase {
+            Phase::Unsubscribed if quiet => {
+                self.phase = Phase::Disconnecting;
+                true
+            }
+            Phase::Connecting
+            | Phase::Unsubscribing
+            | Phase::Unsubscribed
+            | Phase::Disconnecting => false,
+        }
+    }
+
+    fn closed(&self) -> Closed {
+        match self.phase {
+            Phase::Disconnecting => Closed::Finished,
+            Phase::Connecting => Closed::NeverConnected,
+            Phase::Unsubscribing | Phase::Unsubscribed => Closed::CutShort,
+        }
+    }
+}
+
 /// Drains the session of `instance` into `intake`, then removes it from
 /// the broker.
 pub async fn drain_session(
@@ -93,12 +176,10 @@ pub async fn drain_session(
     );
     let acks = AdoptedAcks::new(client.clone());
     let filters = fleet_filters(&config.fleet.topic_root, config.mqtt.share_group.as_ref());
-    let budget = config.fleet.budget;
+    let max_payload_bytes = config.fleet.budget.max_report_bytes();
     let deadline = Instant::now() + DRAIN_LIMIT;
     let mut drained = Drained::default();
-    let mut phase = Phase::Connecting;
-    let mut last_delivery = Instant::now();
-    let mut unsubacks_due = filters.len();
+    let mut progress = Progress::new(filters.len(), Instant::now());
     loop {
         let event = tokio::select! {
             () = token.cancelled() => return Err(DrainError::Cancelled),
@@ -109,18 +190,18 @@ pub async fn drain_session(
         };
         match event {
             Err(_silent) => {}
-            Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) if phase == Phase::Connecting => {
-                drained.session_present = ack.session_present;
-                for filter in &filters {
-                    if let Err(e) = client.try_unsubscribe(filter.clone()) {
-                        tracing::warn!(error = %e, filter, "could not queue an UNSUBSCRIBE of a drained session");
+            Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) => {
+                if progress.connected(Instant::now()) {
+                    drained.session_present = ack.session_present;
+                    for filter in &filters {
+                        if let Err(e) = client.try_unsubscribe(filter.clone()) {
+                            tracing::warn!(error = %e, filter, "could not queue an UNSUBSCRIBE of a drained session");
+                        }
                     }
                 }
-                phase = Phase::Unsubscribing;
-                last_delivery = Instant::now();
             }
-            Ok(Ok(Event::Incoming(Packet::Publish(mut publish)))) => {
-                last_delivery = Instant::now();
+            Ok(Ok(Event::Incoming(Packet::Publish(publish)))) => {
+                progress.delivered(Instant::now());
                 if publish.topic.starts_with('$') {
                     // `$SYS` counters and dynamic-security answers meant for
                     // the gone instance: nothing for the ingest.
@@ -129,51 +210,28 @@ pub async fn drain_session(
                     }
                     continue;
                 }
-                let len = publish.payload.len();
-                let oversized = (len > budget.max_report_bytes()).then(|| {
-                    publish.payload = Bytes::new();
-                    len
-                });
                 acks.handed_over();
                 drained.messages += 1;
-                let within = intake.push(Received {
-                    publish,
-                    oversized,
-                    ack_via: AckVia::Adopted(acks.clone()),
-                });
-                if !within {
-                    tokio::select! {
-                        () = token.cancelled() => return Err(DrainError::Cancelled),
-                        () = intake.wait_for_room() => {}
-                    }
+                let received =
+                    Received::new(publish, max_payload_bytes, AckVia::Adopted(acks.clone()));
+                if let Err(Cancelled) = intake.push_and_make_room(received, token, || {}).await {
+                    return Err(DrainError::Cancelled);
                 }
             }
-            Ok(Ok(Event::Incoming(Packet::UnsubAck(_)))) if phase == Phase::Unsubscribing => {
-                unsubacks_due = unsubacks_due.saturating_sub(1);
-                if unsubacks_due == 0 {
-                    phase = Phase::Unsubscribed;
-                    last_delivery = Instant::now();
-                }
+            Ok(Ok(Event::Incoming(Packet::UnsubAck(_)))) => {
+                progress.unsubscribed_one(Instant::now());
             }
             Ok(Ok(Event::Incoming(_) | Event::Outgoing(_))) => {}
-            Ok(Err(_closed)) if phase == Phase::Disconnecting => break,
-            Ok(Err(source)) if phase == Phase::Connecting => {
-                return Err(DrainError::Connect { client_id, source });
-            }
-            Ok(Err(source)) => return Err(DrainError::Lost { client_id, source }),
+            Ok(Err(source)) => match progress.closed() {
+                Closed::Finished => break,
+                Closed::NeverConnected => return Err(DrainError::Connect { client_id, source }),
+                Closed::CutShort => return Err(DrainError::Lost { client_id, source }),
+            },
         }
-        let quiet = last_delivery.elapsed() >= QUIET && acks.unacked() == 0;
-        match phase {
-            Phase::Unsubscribed if quiet => {
-                if let Err(e) = client.try_disconnect() {
-                    tracing::warn!(error = %e, "could not queue the DISCONNECT of a drained session");
-                }
-                phase = Phase::Disconnecting;
+        if progress.time_to_disconnect(Instant::now(), acks.unacked()) {
+            if let Err(e) = client.try_disconnect() {
+                tracing::warn!(error = %e, "could not queue the DISCONNECT of a drained session");
             }
-            Phase::Connecting
-            | Phase::Unsubscribing
-            | Phase::Unsubscribed
-            | Phase::Disconnecting => {}
         }
     }
     remove_session(config, &client_id, token).await?;
@@ -217,5 +275,116 @@ async fn remove_session(
                 })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TWO_FILTERS: usize = 2;
+
+    /// A drain whose connection was accepted and whose filters were all
+    /// unsubscribed at `at`.
+    fn unsubscribed_at(at: Instant) -> Progress {
+        let mut progress = Progress::new(TWO_FILTERS, at);
+        assert!(progress.connected(at));
+        progress.unsubscribed_one(at);
+        progress.unsubscribed_one(at);
+        progress
+    }
+
+    #[test]
+    fn a_drain_unsubscribes_on_its_first_connack_only() {
+        let start = Instant::now();
+        let mut progress = Progress::new(TWO_FILTERS, start);
+        assert!(
+            progress.connected(start),
+            "the first CONNACK sends the UNSUBSCRIBEs"
+        );
+        assert!(
+            !progress.connected(start + QUIET),
+            "a second one sends nothing"
+        );
+    }
+
+    #[test]
+    fn the_session_is_unsubscribed_only_once_every_filter_was_acknowledged() {
+        let start = Instant::now();
+        let mut progress = Progress::new(TWO_FILTERS, start);
+        progress.connected(start);
+        progress.unsubscribed_one(start);
+        assert!(
+            !progress.time_to_disconnect(start + QUIET * 5, 0),
+            "one filter still routes messages into the session"
+        );
+        progress.unsubscribed_one(start + QUIET * 5);
+        assert!(!progress.time_to_disconnect(start + QUIET * 5, 0));
+        assert!(progress.time_to_disconnect(start + QUIET * 6, 0));
+    }
+
+    #[test]
+    fn an_unsubscription_ack_before_the_connack_changes_nothing() {
+        let start = Instant::now();
+        let mut progress = Progress::new(TWO_FILTERS, start);
+        progress.unsubscribed_one(start);
+        progress.unsubscribed_one(start);
+        assert!(progress.connected(start));
+        assert!(!progress.time_to_disconnect(start + QUIET * 5, 0));
+    }
+
+    #[test]
+    fn a_drain_disconnects_once_after_a_quiet_second_with_nothing_left_to_acknowledge() {
+        let start = Instant::now();
+        let mut progress = unsubscribed_at(start);
+        assert!(!progress.time_to_disconnect(start, 0), "just unsubscribed");
+        assert!(
+            !progress.time_to_disconnect(start + QUIET / 2, 0),
+            "not quiet yet"
+        );
+        assert!(
+            !progress.time_to_disconnect(start + QUIET, 1),
+            "one message handed over is not acknowledged"
+        );
+        assert!(
+            progress.time_to_disconnect(start + QUIET, 0),
+            "quiet for exactly QUIET"
+        );
+        assert!(
+            !progress.time_to_disconnect(start + QUIET * 2, 0),
+            "DISCONNECT is sent once"
+        );
+        assert_eq!(progress.closed(), Closed::Finished);
+    }
+
+    #[test]
+    fn each_delivery_restarts_the_quiet_second() {
+        let start = Instant::now();
+        let mut progress = unsubscribed_at(start);
+        progress.delivered(start + QUIET / 2);
+        assert!(!progress.time_to_disconnect(start + QUIET, 0));
+        assert!(progress.time_to_disconnect(start + QUIET / 2 + QUIET, 0));
+    }
+
+    #[test]
+    fn a_late_unsubscription_ack_neither_delays_nor_undoes_the_disconnect() {
+        let start = Instant::now();
+        let mut progress = unsubscribed_at(start);
+        progress.unsubscribed_one(start + QUIET / 2);
+        assert!(progress.time_to_disconnect(start + QUIET, 0));
+        progress.unsubscribed_one(start + QUIET * 2);
+        assert_eq!(progress.closed(), Closed::Finished);
+    }
+
+    #[test]
+    fn a_connection_that_ends_before_our_disconnect_keeps_what_the_session_holds() {
+        let start = Instant::now();
+        let mut progress = Progress::new(TWO_FILTERS, start);
+        assert_eq!(progress.closed(), Closed::NeverConnected);
+        progress.connected(start);
+        assert_eq!(progress.closed(), Closed::CutShort, "unsubscribing");
+        progress.unsubscribed_one(start);
+        progress.unsubscribed_one(start);
+        assert_eq!(progress.closed(), Closed::CutShort, "still delivering");
     }
 }

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use bytes::Bytes;
 use rumqttc::{AsyncClient, Publish};
+use tokio_util::sync::CancellationToken;
 
 /// One inbound publish for the ingest. `oversized` is the original payload
 /// length when it was over the report limit; the payload itself was dropped
@@ -28,6 +30,27 @@ pub struct Received {
     pub oversized: Option<usize>,
     pub ack_via: AckVia,
 }
+
+impl Received {
+    /// `publish` for the ingest, its payload dropped at once when it is
+    /// over `max_payload_bytes` (a report exactly at the limit is kept).
+    pub fn new(mut publish: Publish, max_payload_bytes: usize, ack_via: AckVia) -> Self {
+        let len = publish.payload.len();
+        let oversized = (len > max_payload_bytes).then(|| {
+            publish.payload = Bytes::new();
+            len
+        });
+        Self {
+            publish,
+            oversized,
+            ack_via,
+        }
+    }
+}
+
+/// The server is stopping: a producer waiting for room gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cancelled;
 
 /// The connection that acknowledges a message once the ingest is done
 /// with it.
@@ -189,6 +212,25 @@ impl IntakeSender {
         within
     }
 
+    /// Queues `received`; when the queue is then past its budget, calls
+    /// `on_full` and waits for room (see [`IntakeSender::wait_for_room`])
+    /// before returning, so the producer reads nothing more meanwhile.
+    pub async fn push_and_make_room(
+        &self,
+        received: Received,
+        token: &CancellationToken,
+        on_full: impl FnOnce(),
+    ) -> Result<(), Cancelled> {
+        if self.push(received) {
+            return Ok(());
+        }
+        on_full();
+        tokio::select! {
+            () = token.cancelled() => Err(Cancelled),
+            () = self.wait_for_room() => Ok(()),
+        }
+    }
+
     /// Waits until the queue holds at most half its budget, or until the
     /// ingest is gone (shutdown): then waiting would only stop the event
     /// loop from sending what the server still has to send.
@@ -315,6 +357,71 @@ mod tests {
             .unwrap();
         drop(tx);
         assert_eq!(rx.recv_many(&mut got, 10).await, 0, "closed and empty");
+    }
+
+    #[test]
+    fn a_report_at_the_limit_keeps_its_payload_and_one_byte_more_is_dropped_at_once() {
+        let publish =
+            |len: usize| Publish::new("idem/v1/d/reported", QoS::AtLeastOnce, vec![b'x'; len]);
+        let at_limit = Received::new(publish(100), 100, AckVia::Server);
+        assert_eq!(at_limit.oversized, None);
+        assert_eq!(at_limit.publish.payload.len(), 100);
+        let over = Received::new(publish(101), 100, AckVia::Server);
+        assert_eq!(over.oversized, Some(101));
+        assert!(
+            over.publish.payload.is_empty(),
+            "the payload does not wait in the queue"
+        );
+        let small = Received::new(publish(1), 100, AckVia::Server);
+        assert_eq!((small.oversized, small.publish.payload.len()), (None, 1));
+    }
+
+    #[tokio::test]
+    async fn a_push_within_the_budget_returns_at_once_even_past_half_of_it() {
+        let (tx, _rx, _gauge) = intake(1_000);
+        let token = CancellationToken::new();
+        let mut full = false;
+        let pushed = tokio::time::timeout(
+            Duration::from_secs(5),
+            tx.push_and_make_room(message(600), &token, || full = true),
+        )
+        .await;
+        assert_eq!(pushed, Ok(Ok(())), "did not wait");
+        assert!(!full);
+    }
+
+    #[tokio::test]
+    async fn a_push_past_the_budget_says_so_and_waits_until_the_ingest_made_room() {
+        let (tx, mut rx, _gauge) = intake(1_000);
+        let waiting = tokio::spawn(async move {
+            let mut full = 0;
+            let pushed = tx
+                .push_and_make_room(message(2_000), &CancellationToken::new(), || full += 1)
+                .await;
+            (pushed, full)
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "it waits for room");
+        let mut got = Vec::new();
+        assert_eq!(rx.recv_many(&mut got, 10).await, 1);
+        let finished = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("room was not announced")
+            .unwrap();
+        assert_eq!(finished, (Ok(()), 1));
+    }
+
+    #[tokio::test]
+    async fn a_push_waiting_for_room_gives_up_when_the_server_stops() {
+        let (tx, _rx, _gauge) = intake(1_000);
+        let token = CancellationToken::new();
+        token.cancel();
+        let pushed = tokio::time::timeout(
+            Duration::from_secs(5),
+            tx.push_and_make_room(message(2_000), &token, || {}),
+        )
+        .await;
+        assert_eq!(pushed, Ok(Err(Cancelled)));
     }
 
     #[tokio::test]

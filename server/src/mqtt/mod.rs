@@ -22,7 +22,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use idem_protocol::{Backoff, Channel, DeviceId, SpecBudget, TopicRoot, GET_PAYLOAD};
 use rumqttc::{
     AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, Outgoing, Packet, Publish, QoS,
@@ -36,7 +35,7 @@ use crate::config::ShareGroup;
 use crate::config::ValidConfig;
 use crate::mqtt::outbox::Outbox;
 use crate::ops::metrics::Metrics;
-use intake::IntakeSender;
+use intake::{Cancelled, IntakeSender};
 use recheck_signal::{RecheckSignal, RecheckTrigger};
 
 /// Requests the client may queue before `publish` waits for the event loop.
@@ -313,29 +312,19 @@ pub async fn run_event_loop(
                     tracing::debug!(error = %e, "could not acknowledge a $SYS message");
                 }
             }
-            Ok(Event::Incoming(Packet::Publish(mut publish))) => {
-                let len = publish.payload.len();
-                let oversized = (len > budget.max_report_bytes()).then(|| {
-                    publish.payload = Bytes::new();
-                    len
-                });
-                let received = Received {
-                    publish,
-                    oversized,
-                    ack_via: AckVia::Server,
-                };
-                if !intake.push(received) {
-                    // Past the budget: stop reading until the ingest caught
-                    // up (the broker holds the rest meanwhile).
+            Ok(Event::Incoming(Packet::Publish(publish))) => {
+                let received = Received::new(publish, budget.max_report_bytes(), AckVia::Server);
+                // Past the budget: stop reading until the ingest caught up
+                // (the broker holds the rest meanwhile).
+                let on_full = || {
                     metrics.intake_full.increment(1);
                     tracing::warn!(
                         budget_bytes = intake_budget,
                         "the intake holds its --mqtt-intake-buffer-bytes; not reading the broker until the ingest stores half of it"
                     );
-                    tokio::select! {
-                        () = token.cancelled() => break,
-                        () = intake.wait_for_room() => {}
-                    }
+                };
+                if let Err(Cancelled) = intake.push_and_make_room(received, &token, on_full).await {
+                    break;
                 }
             }
             Ok(Event::Incoming(Packet::ConnAck(ack))) => {
