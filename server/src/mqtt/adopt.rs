@@ -213,7 +213,7 @@ pub async fn drain_session(
                 acks.handed_over();
                 drained.messages += 1;
                 let received =
-                    Received::new(publish, max_payload_bytes, AckVia::Adopted(acks.clone()));
+                    Received::bounded(publish, max_payload_bytes, AckVia::Adopted(acks.clone()));
                 if let Err(Cancelled) = intake.push_and_make_room(received, token, || {}).await {
                     return Err(DrainError::Cancelled);
                 }

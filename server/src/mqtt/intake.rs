@@ -34,7 +34,7 @@ pub struct Received {
 impl Received {
     /// `publish` for the ingest, its payload dropped at once when it is
     /// over `max_payload_bytes` (a report exactly at the limit is kept).
-    pub fn new(mut publish: Publish, max_payload_bytes: usize, ack_via: AckVia) -> Self {
+    pub fn bounded(mut publish: Publish, max_payload_bytes: usize, ack_via: AckVia) -> Self {
         let len = publish.payload.len();
         let oversized = (len > max_payload_bytes).then(|| {
             publish.payload = Bytes::new();
@@ -363,16 +363,16 @@ mod tests {
     fn a_report_at_the_limit_keeps_its_payload_and_one_byte_more_is_dropped_at_once() {
         let publish =
             |len: usize| Publish::new("idem/v1/d/reported", QoS::AtLeastOnce, vec![b'x'; len]);
-        let at_limit = Received::new(publish(100), 100, AckVia::Server);
+        let at_limit = Received::bounded(publish(100), 100, AckVia::Server);
         assert_eq!(at_limit.oversized, None);
         assert_eq!(at_limit.publish.payload.len(), 100);
-        let over = Received::new(publish(101), 100, AckVia::Server);
+        let over = Received::bounded(publish(101), 100, AckVia::Server);
         assert_eq!(over.oversized, Some(101));
         assert!(
             over.publish.payload.is_empty(),
             "the payload does not wait in the queue"
         );
-        let small = Received::new(publish(1), 100, AckVia::Server);
+        let small = Received::bounded(publish(1), 100, AckVia::Server);
         assert_eq!((small.oversized, small.publish.payload.len()), (None, 1));
     }
 

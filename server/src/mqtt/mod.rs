@@ -313,7 +313,8 @@ pub async fn run_event_loop(
                 }
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {
-                let received = Received::new(publish, budget.max_report_bytes(), AckVia::Server);
+                let received =
+                    Received::bounded(publish, budget.max_report_bytes(), AckVia::Server);
                 // Past the budget: stop reading until the ingest caught up
                 // (the broker holds the rest meanwhile).
                 let on_full = || {
