@@ -26,7 +26,7 @@ use crate::ops::metrics::Metrics;
 use crate::reconcile::machine::{
     Effect, Machine, Now, PublishReason, Record, RolloutAction, RolloutActionError,
 };
-use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
+use crate::reconcile::outcome::OutcomeCounts;
 use crate::reconcile::rollout::StoredRollout;
 use crate::reconcile::run::{CompletedRun, Trigger};
 use crate::store::cache::{FleetCache, FleetChange};
@@ -34,7 +34,7 @@ use crate::store::devices::DeviceChangeRow;
 use crate::store::leases::{Fence, LeaseDeadline};
 use crate::store::{self, DeviceWriter, StoreError};
 pub use new_run::CommitRunError;
-use new_run::{commit_run, NewRun};
+use new_run::{commit_run, count_committed, NewRun};
 
 pub use crate::reconcile::machine::{EngineCommand, EngineSettings};
 
@@ -85,6 +85,17 @@ pub struct RunAnswer {
     pub targets: usize,
     /// An identical manual run was still running: this is it.
     pub joined: bool,
+}
+
+impl RunAnswer {
+    /// The answer for the run `spec` just committed.
+    fn created(spec: &crate::reconcile::run::RunSpec) -> Self {
+        Self {
+            run_id: spec.id,
+            targets: spec.targets.len() + spec.converged.len(),
+            joined: false,
+        }
+    }
 }
 
 /// An operator's action on a rollout the engine carries; answered with
@@ -262,9 +273,10 @@ impl Engine {
 
     async fn handle(&mut self, command: EngineCommand) {
         if let EngineCommand::StartRun(run) = &command {
+            // Committed (and counted) by whoever created it; started here.
             self.carry_run(run.id);
+            self.ctx.metrics.runs_started.increment(1);
         }
-        self.count_started(&command);
         let effects = self.machine.on_command(command, now());
         self.carry(effects).await;
     }
@@ -315,7 +327,6 @@ impl Engine {
                 if let EngineCommand::StartRun(run) = &command {
                     self.carry_run(run.id);
                 }
-                self.count_started(&command);
                 batches.push_back(self.machine.on_command(command, now()));
             }
         }
@@ -373,20 +384,6 @@ impl Engine {
         stale
     }
 
-    /// Counts a started run, and the outcomes and events its creation
-    /// already committed for converged targets.
-    fn count_started(&self, command: &EngineCommand) {
-        if let EngineCommand::StartRun(run) = command {
-            let metrics = &self.ctx.metrics;
-            metrics.runs_started.increment(1);
-            let converged = run.converged.len() as u64;
-            metrics
-                .outcome(OutcomeKind::AlreadyConverged)
-                .increment(converged);
-            metrics.events_committed.increment(converged);
-        }
-    }
-
     /// Creates the run an API call asked for — judged on the machine's view,
     /// so no device is judged on a cache the machine is ahead of — or
     /// answers with the identical manual run still running.
@@ -418,15 +415,10 @@ impl Engine {
         match committed {
             Ok(spec) => {
                 self.ctx.events_wake.notify_one();
-                self.ctx.metrics.events_committed.increment(1);
-                let answer = RunAnswer {
-                    run_id: spec.id,
-                    targets: spec.targets.len() + spec.converged.len(),
-                    joined: false,
-                };
+                count_committed(&self.ctx.metrics, &spec);
+                let answer = RunAnswer::created(&spec);
                 self.carry_run(spec.id);
                 let command = EngineCommand::StartRun(spec);
-                self.count_started(&command);
                 let effects = self.machine.on_command(command, now());
                 // The caller may have gone (its connection closed): the run
                 // is committed and goes on regardless.
@@ -475,7 +467,7 @@ impl Engine {
         match committed {
             Ok(run) => {
                 self.ctx.events_wake.notify_one();
-                self.ctx.metrics.events_committed.increment(1);
+                count_committed(&self.ctx.metrics, &run);
                 tracing::info!(run_id = %run.id, trigger = run.trigger.as_str(), targets = run.targets.len(), "run started");
                 EngineCommand::StartRun(run)
             }

@@ -1,8 +1,10 @@
-//! Starting a run: commits the desired change (if any), the run, its targets
-//! and the `run.started` event in one transaction, then mirrors the desired
-//! change in the fleet cache. Shared by the API and the engine's own triggers.
+//! Starting a run: reads what the core needs to judge it, commits the
+//! desired change (if any), the run, its targets and its first events as
+//! `reconcile::creation` judged them, in one transaction, then mirrors the
+//! desired change in the fleet cache. Shared by the API and the engine's
+//! own triggers.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use idem_protocol::api::Targeting;
@@ -10,15 +12,18 @@ use idem_protocol::{DeviceId, OutcomeKind, SpecDigest};
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::events::{self, DeviceOutcomeData, EventDraft, EventError, RunStartedData};
+use crate::events::{self, EventError};
+use crate::ops::metrics::Metrics;
 use crate::reconcile::change::DeviceChange;
+use crate::reconcile::creation::{
+    judge_new_run, plan_freshness, released_targets, JudgedRun, RunToJudge,
+};
 use crate::reconcile::device::DeviceEntry;
 use crate::reconcile::owned::NewSpecDigests;
-use crate::reconcile::plan::{retargeted, Plan, PlanApproval, Staleness};
-use crate::reconcile::policy::{converged_targets, Converged};
-use crate::reconcile::rollout::{assign_waves, Rollout, RolloutSpec};
+use crate::reconcile::plan::{Plan, PlanApproval, Staleness};
+use crate::reconcile::rollout::RolloutSpec;
+use crate::reconcile::run::RunSpec;
 pub use crate::reconcile::run::Trigger;
-use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::access::AuditRecord;
 use crate::store::cache::{DesiredState, FleetChange};
 use crate::store::devices::DeviceChangeRow;
@@ -135,9 +140,10 @@ pub type DeviceView<'a> = &'a (dyn Fn(&DeviceId) -> Option<DeviceEntry> + Sync);
 /// Commits `run` (fenced by the engine lease when the engine calls it;
 /// an instance without the engine commits runs unfenced, and the engine's
 /// holder takes them up from the database); the engine hands the result to
-/// its state machine. Targets already converged (`policy::converged_targets`,
-/// on the machine's `view`) get their outcome, event and any device change
-/// in this same transaction; the machine carries only the rest.
+/// its state machine. What the run writes is judged by the core
+/// (`reconcile::creation::judge_new_run`, on the machine's `view`): targets
+/// already converged get their outcome, event and any device change in
+/// this same transaction; the machine carries only the rest.
 pub async fn commit_run(
     writer: &DeviceWriter,
     fence: Option<&Fence>,
@@ -165,16 +171,7 @@ pub async fn commit_run(
                 store::device_ids(&rows, "reading the devices a plan covers")?
             }
         };
-        let (joined, left) = retargeted(&from.plan, &now_matching, |id| view(id).is_some());
-        let mut staleness = Staleness {
-            joined,
-            left,
-            ..Staleness::default()
-        };
-        staleness.compare(&from.plan.devices, view);
-        if !staleness.is_fresh() {
-            return Err(CommitRunError::PlanStale(staleness));
-        }
+        plan_freshness(&from.plan, &now_matching, view).map_err(CommitRunError::PlanStale)?;
     }
     let mut released = Vec::new();
     if run.release_quarantined {
@@ -183,10 +180,8 @@ pub async fn commit_run(
             .await?
             .into_iter()
             .collect();
-        targets.retain(|id| quarantined.contains(id.as_str()));
-        if targets.is_empty() {
-            return Err(CommitRunError::NothingQuarantined);
-        }
+        targets =
+            released_targets(targets, &quarantined).ok_or(CommitRunError::NothingQuarantined)?;
         released.clone_from(&targets);
     }
     let target_ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
@@ -196,46 +191,26 @@ pub async fn commit_run(
         desired_changes =
             store::devices::set_desired(&mut write, &target_ids, spec, &digest.to_string()).await?;
     }
-    let new_generations: HashMap<&str, u64> = desired_changes
-        .iter()
-        .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
-        .collect();
-    let mut new_spec = digest_and_spec
-        .as_ref()
-        .map(|(digest, spec)| NewSpecDigests::new(spec, *digest));
-    let converged = converged_targets(
+    let judged = judge_new_run(
+        RunToJudge {
+            id: run_id,
+            trigger: run.trigger,
+            force: run.force,
+            started_by: run.started_by.clone(),
+            targets,
+            new_spec: digest_and_spec
+                .as_ref()
+                .map(|(digest, spec)| NewSpecDigests::new(spec, *digest)),
+            new_generations: desired_changes
+                .iter()
+                .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
+                .collect(),
+            rollout: run.rollout,
+        },
         view,
-        &targets,
-        run.force,
-        new_spec.as_mut(),
-        &new_generations,
+        std::time::Instant::now(),
+        chrono::Utc::now(),
     );
-    let (undecided, undecided_ids) = split_undecided(&targets, &converged);
-    let waves = run
-        .rollout
-        .as_ref()
-        .map(|spec| assign_waves(spec, &undecided));
-    // Targets with a report that is not their desired spec: found converged
-    // later in this run, they were provisioned by it (`RunSpec::differed`).
-    let differed: HashSet<DeviceId> = undecided
-        .iter()
-        .filter(|id| view(id).is_some_and(|entry| entry.reported.is_some()))
-        .cloned()
-        .collect();
-    let undecided_rows: Vec<(String, Option<usize>, bool)> = undecided
-        .iter()
-        .zip(undecided_ids)
-        .map(|(id, text)| {
-            let wave = waves.as_ref().and_then(|w| w.get(id).copied());
-            (text, wave, differed.contains(id))
-        })
-        .collect();
-    let started = RunStartedData {
-        trigger: run.trigger,
-        target_count: target_ids.len() as u64,
-        force: run.force,
-        started_by: run.started_by.clone(),
-    };
     let row = store::runs::NewRunRow {
         id: run_id,
         trigger: run.trigger,
@@ -244,33 +219,10 @@ pub async fn commit_run(
         plan_id: run.plan.as_ref().map(|from| from.plan.id),
         approval: run.plan.as_ref().and_then(|from| from.approval.as_ref()),
     };
-    write_run(
-        &mut write,
-        row,
-        &undecided_rows,
-        &converged,
-        started,
-        event_source,
-    )
-    .await?;
-    let rollout = match (run.rollout, waves) {
-        (Some(spec), Some(waves)) => {
-            // Its state until the engine's first write: the start the
-            // engine makes of it (the same steps, without their events).
-            let (started, _) =
-                Rollout::start(spec.clone(), undecided.len() as u64, run.started_by.clone());
-            let stored = started.stored(std::time::Instant::now(), chrono::Utc::now());
-            store::runs::store_rollouts(write.tx(), &[(run_id, stored.to_json())]).await?;
-            Some(RunRollout {
-                start: RolloutStart::New {
-                    spec,
-                    author: run.started_by.clone(),
-                },
-                waves,
-            })
-        }
-        (Some(_), None) | (None, _) => None,
-    };
+    write_run(&mut write, row, &judged, event_source).await?;
+    if let Some(stored) = &judged.stored_rollout {
+        store::runs::store_rollouts(write.tx(), &[(run_id, stored.to_json())]).await?;
+    }
     if let Some(mut audit) = run.audit {
         audit.run_id = Some(run_id);
         if let ([only], None) = (desired_changes.as_slice(), audit.generation) {
@@ -294,20 +246,25 @@ pub async fn commit_run(
         }
         write.mirror(changes);
     }
-    let mut converged_ids = Vec::with_capacity(converged.len());
-    for c in converged {
-        if let Some(change) = c.change {
-            write.mirror([FleetChange::Engine(c.id.clone(), change)]);
+    for c in &judged.converged {
+        if let Some(change) = &c.change {
+            write.mirror([FleetChange::Engine(c.id.clone(), change.clone())]);
         }
-        converged_ids.push(c.id);
     }
     write.commit("committing a run").await?;
-    let spec = RunSpec::created(run_id, run.trigger, run.force, undecided, converged_ids)
-        .with_differed(differed);
-    Ok(match rollout {
-        Some(rollout) => spec.with_rollout(rollout),
-        None => spec,
-    })
+    Ok(judged.spec)
+}
+
+/// Counts what committing `spec` ([`commit_run`]) committed: the run, its
+/// `run.started` event, and the outcome and event of each target decided
+/// `already_converged` at its creation.
+pub fn count_committed(metrics: &Metrics, spec: &RunSpec) {
+    let converged = spec.converged.len() as u64;
+    metrics.runs_started.increment(1);
+    metrics
+        .outcome(OutcomeKind::AlreadyConverged)
+        .increment(converged);
+    metrics.events_committed.increment(converged + 1);
 }
 
 /// The run row, its targets (converged ones decided), their device changes
@@ -315,12 +272,16 @@ pub async fn commit_run(
 async fn write_run(
     write: &mut DeviceTx<'_>,
     row: store::runs::NewRunRow<'_>,
-    undecided_ids: &[(String, Option<usize>, bool)],
-    converged: &[Converged],
-    started: RunStartedData,
+    judged: &JudgedRun,
     event_source: &str,
 ) -> Result<(), CommitRunError> {
-    let targets: Vec<ConvergedTarget<'_>> = converged
+    let carried: Vec<(String, Option<usize>, bool)> = judged
+        .carried
+        .iter()
+        .map(|c| (c.id.to_string(), c.wave, c.differed))
+        .collect();
+    let converged: Vec<ConvergedTarget<'_>> = judged
+        .converged
         .iter()
         .map(|c| ConvergedTarget {
             device_id: c.id.as_str(),
@@ -328,41 +289,19 @@ async fn write_run(
             health: c.health,
         })
         .collect();
-    store::runs::create(write.tx(), row, undecided_ids, &targets).await?;
-    let changes: Vec<DeviceChangeRow<'_>> = converged
+    store::runs::create(write.tx(), row, &carried, &converged).await?;
+    let changes: Vec<DeviceChangeRow<'_>> = judged
+        .converged
         .iter()
         .filter_map(|c| c.change.as_ref().map(|change| change_row(&c.id, change)))
         .collect();
     store::devices::apply_changes(write, &changes).await?;
     let tx = write.tx();
-    let run_id = row.id;
-    let mut drafts = vec![EventDraft::run_started(run_id, started)];
-    drafts.extend(converged.iter().map(|c| {
-        let data = DeviceOutcomeData {
-            outcome: OutcomeKind::AlreadyConverged,
-            reason: None,
-            health: c.health,
-            success: true,
-        };
-        EventDraft::device_outcome(&c.id, run_id, Some(c.generation), data)
-    }));
+    let drafts = judged.events.clone();
     let first = store::events::reserve_sequences(tx, drafts.len()).await?;
     let rows = events::finalize(drafts, first, event_source, chrono::Utc::now())?;
     store::events::insert(tx, &rows).await?;
     Ok(())
-}
-
-/// The targets left for the engine, as ids and as stored text (in the
-/// same order).
-fn split_undecided(targets: &[DeviceId], converged: &[Converged]) -> (Vec<DeviceId>, Vec<String>) {
-    let decided: HashSet<&DeviceId> = converged.iter().map(|c| &c.id).collect();
-    let undecided: Vec<DeviceId> = targets
-        .iter()
-        .filter(|id| !decided.contains(id))
-        .cloned()
-        .collect();
-    let ids = undecided.iter().map(DeviceId::to_string).collect();
-    (undecided, ids)
 }
 
 fn change_row<'a>(id: &'a DeviceId, change: &DeviceChange) -> DeviceChangeRow<'a> {

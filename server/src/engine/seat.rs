@@ -26,12 +26,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::new_run::commit_run;
+use super::new_run::{commit_run, count_committed};
 use super::{
     Carried, Engine, EngineCommand, EngineContext, EngineExit, EngineInbox, RunAnswer, RunRequest,
 };
 use crate::reconcile::machine::RolloutActionError;
-use crate::reconcile::outcome::OutcomeKind;
 use crate::reconcile::rollout::{Rollout, StoredRollout};
 use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::leases::{self, Fence, LeaseDeadline, LeaseHolder};
@@ -235,20 +234,10 @@ impl EngineSeat {
         .await;
         match committed {
             Ok(spec) => {
-                let metrics = &self.ctx.metrics;
-                let converged = spec.converged.len() as u64;
-                metrics.runs_started.increment(1);
-                metrics
-                    .outcome(OutcomeKind::AlreadyConverged)
-                    .increment(converged);
-                metrics.events_committed.increment(converged + 1);
+                count_committed(&self.ctx.metrics, &spec);
                 self.ctx.events_wake.notify_one();
                 tracing::info!(run_id = %spec.id, targets = spec.targets.len(), "run committed; the engine lease holder carries it");
-                let _ = reply.send(Ok(RunAnswer {
-                    run_id: spec.id,
-                    targets: spec.targets.len() + spec.converged.len(),
-                    joined: false,
-                }));
+                let _ = reply.send(Ok(RunAnswer::created(&spec)));
             }
             Err(e) => {
                 let _ = reply.send(Err(e));

@@ -77,6 +77,7 @@ pub fn converged_at_creation(entry: &DeviceEntry, desired: &Desired, force: bool
 }
 
 /// A target decided `already_converged` at creation.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Converged {
     pub id: DeviceId,
     pub generation: u64,
