@@ -22,6 +22,7 @@ pub mod ops;
 pub(crate) mod reconcile;
 pub mod security;
 pub mod store;
+pub mod tuning;
 
 pub use app::{run, ServerError};
 pub use config::{Config, ValidConfig};

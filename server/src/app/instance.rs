@@ -17,9 +17,7 @@ use uuid::Uuid;
 
 use crate::store::instances::{self, Claimant, Holder};
 use crate::store::StoreError;
-
-/// How often a start waits between claims while a holder may be stale.
-const CLAIM_RETRY: Duration = Duration::from_millis(250);
+use crate::tuning::INSTANCE_CLAIM_RETRY;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstanceError {
@@ -134,9 +132,9 @@ pub async fn claim(
         "the instance name is claimed; waiting up to its lease to see whether the holder is alive"
     );
     let waited_from = tokio::time::Instant::now();
-    let limit = first.lease + CLAIM_RETRY;
+    let limit = first.lease + INSTANCE_CLAIM_RETRY;
     loop {
-        tokio::time::sleep(CLAIM_RETRY).await;
+        tokio::time::sleep(INSTANCE_CLAIM_RETRY).await;
         if instances::claim(pool, name, &claim.claimant, None).await? {
             return Ok(claim);
         }

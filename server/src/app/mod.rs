@@ -27,13 +27,8 @@ use crate::mqtt::{self, MqttStatus, Publisher};
 use crate::ops::metrics::Metrics;
 use crate::store::cache::FleetCache;
 use crate::store::{self, DeviceWriter, StoreError};
+use crate::tuning::{ENGINE_CAPACITY, LIVE_EVENTS_CAPACITY, RUN_REQUESTS_CAPACITY};
 
-const ENGINE_CAPACITY: usize = 1_024;
-/// Run requests from API calls waiting for the engine (each caller waits
-/// for its answer, so this bounds only how many wait at once).
-const RUN_REQUESTS_CAPACITY: usize = 256;
-/// Live events buffered per SSE subscriber before it must catch up from the log.
-const LIVE_EVENTS_CAPACITY: usize = 16_384;
 /// How long each of the last two shutdown steps may take: the event relay
 /// passing on what was committed, then MQTT writing what was handed to it
 /// and the broker closing the connection on our DISCONNECT. A step still

@@ -18,9 +18,7 @@ use crate::mqtt::adopt::{drain_session, DrainError, Drained};
 use crate::mqtt::intake::IntakeSender;
 use crate::ops::metrics::Metrics;
 use crate::store::instances::{self, Claimant};
-
-/// Never looks more often than this.
-const MIN_LOOK_EVERY: Duration = Duration::from_millis(250);
+use crate::tuning::SESSION_DRAIN_MIN_LOOK_EVERY;
 
 pub struct SessionDrains {
     pub pool: PgPool,
@@ -32,7 +30,7 @@ pub struct SessionDrains {
 impl SessionDrains {
     pub async fn run(self, token: CancellationToken) {
         let lease = self.config.fleet.instance_lease;
-        let every = (lease / 4).max(MIN_LOOK_EVERY);
+        let every = (lease / 4).max(SESSION_DRAIN_MIN_LOOK_EVERY);
         loop {
             tokio::select! {
                 () = token.cancelled() => return,

@@ -15,11 +15,7 @@ use tokio::sync::oneshot;
 
 use crate::broker::accounts::{command_payload, parse_responses, CommandResult};
 use crate::mqtt::{ControlResponses, Publisher};
-
-/// How long the plugin has to answer one batch.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(15);
-/// Commands sent in one message.
-pub const MAX_COMMANDS_PER_BATCH: usize = 400;
+use crate::tuning::{DYNSEC_ANSWER_TIMEOUT, DYNSEC_COMMANDS_PER_BATCH};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DynsecError {
@@ -81,7 +77,7 @@ impl Dynsec {
     /// Sends `commands` (in batches) and returns every answer, in order.
     pub async fn execute(&self, commands: Vec<Value>) -> Result<Vec<CommandResult>, DynsecError> {
         let mut all = Vec::with_capacity(commands.len());
-        for chunk in commands.chunks(MAX_COMMANDS_PER_BATCH) {
+        for chunk in commands.chunks(DYNSEC_COMMANDS_PER_BATCH) {
             all.extend(self.execute_batch(chunk).await?);
         }
         Ok(all)
@@ -116,11 +112,11 @@ impl Dynsec {
             self.forget(&batch);
             return Err(DynsecError::Publish(e));
         }
-        match tokio::time::timeout(ANSWER_TIMEOUT, rx).await {
+        match tokio::time::timeout(DYNSEC_ANSWER_TIMEOUT, rx).await {
             Ok(Ok(results)) => Ok(results),
             Ok(Err(_)) | Err(_) => {
                 self.forget(&batch);
-                Err(DynsecError::NoAnswer(ANSWER_TIMEOUT))
+                Err(DynsecError::NoAnswer(DYNSEC_ANSWER_TIMEOUT))
             }
         }
     }

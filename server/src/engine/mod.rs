@@ -37,9 +37,7 @@ pub use new_run::CommitRunError;
 use new_run::{commit_run, count_committed, NewRun};
 
 pub use crate::reconcile::machine::{EngineCommand, EngineSettings};
-
-/// Most commands handled before the machine's effects are carried out.
-const MAX_COMMANDS_PER_BATCH: usize = 256;
+use crate::tuning::ENGINE_COMMANDS_PER_BATCH;
 
 /// Live numbers the API and metrics show.
 #[derive(Debug, Default)]
@@ -246,7 +244,7 @@ impl Engine {
                     let Some(command) = command else { break };
                     self.handle(command).await;
                     let mut handled = 1;
-                    while handled < MAX_COMMANDS_PER_BATCH {
+                    while handled < ENGINE_COMMANDS_PER_BATCH {
                         let Ok(command) = commands.try_recv() else { break };
                         self.handle(command).await;
                         handled += 1;

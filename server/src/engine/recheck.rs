@@ -25,14 +25,7 @@ use crate::engine::EngineCommand;
 use crate::mqtt::recheck_signal::RecheckSignal;
 use crate::ops::metrics::Metrics;
 use crate::store::cache::FleetCache;
-
-/// Rechecks start at most this often; signs meanwhile join the next one
-/// (which asks only the devices not heard from since it began).
-pub const RECHECK_COOLDOWN: Duration = Duration::from_secs(5);
-
-/// Retained statuses re-read per step; steps are paced at the recheck's
-/// rate, so the broker's burst of retained messages stays within its queue.
-const STATUS_REREAD_CHUNK: usize = 100;
+use crate::tuning::{RECHECK_COOLDOWN, STATUS_REREAD_CHUNK};
 
 /// What carries out rechecks.
 pub struct Rechecker {

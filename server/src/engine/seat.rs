@@ -19,7 +19,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio::sync::mpsc;
@@ -35,15 +34,12 @@ use crate::reconcile::rollout::{Rollout, StoredRollout};
 use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::leases::{self, Fence, LeaseDeadline, LeaseHolder};
 use crate::store::{self, DeviceWriter, StoreError};
+use crate::tuning::{
+    ASKED_ACTIONS_EVERY, ENGINE_LEASE_TRY_EVERY, TAKE_UPS_CAPACITY, TAKE_UP_EVERY,
+};
 
 /// The lease of the one engine.
 pub const ENGINE_LEASE: &str = "engine";
-/// How often an instance without the lease tries to take it.
-pub const TRY_EVERY: Duration = Duration::from_millis(250);
-/// How often the holder looks for runs other instances committed.
-pub const TAKE_UP_EVERY: Duration = Duration::from_millis(500);
-/// Runs found and not yet handed to the engine.
-const TAKE_UPS_CAPACITY: usize = 64;
 
 /// The engine's seat in this process.
 pub struct EngineSeat {
@@ -129,7 +125,7 @@ impl EngineSeat {
             // Another instance carries the engine (or the database is
             // away): this one serves the API meanwhile.
             self.settle();
-            let next_try = tokio::time::sleep(TRY_EVERY);
+            let next_try = tokio::time::sleep(ENGINE_LEASE_TRY_EVERY);
             tokio::pin!(next_try);
             loop {
                 tokio::select! {
@@ -281,9 +277,6 @@ async fn renew(
         }
     }
 }
-
-/// How often the holder looks for rollout actions other instances asked for.
-pub const ASKED_ACTIONS_EVERY: Duration = Duration::from_millis(100);
 
 /// Carries out the rollout actions other instances asked for (claimed in
 /// the database, handed to this engine) and writes their answers, every

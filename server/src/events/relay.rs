@@ -34,17 +34,13 @@ use crate::store::events::{self, EventFilter, StoredEvent};
 use crate::store::leases::{self, Held, LeaseHolder};
 
 pub use crate::config::Retention;
+use crate::tuning::{
+    RELAY_ACKED_WITHIN, RELAY_POLL_INTERVAL, RELAY_PRUNE_INTERVAL, RELAY_READ_BATCH,
+};
 
 const CURSOR_NAME: &str = "relay";
 /// The lease whose holder publishes the log to MQTT.
 pub const RELAY_LEASE: &str = "relay";
-const READ_BATCH: i64 = 2_000;
-/// How long a published batch waits for the broker's PUBACKs before it is
-/// published again.
-const ACKED_WITHIN: Duration = Duration::from_secs(10);
-/// Fallback poll when no commit woke the relay (e.g. another instance wrote).
-const POLL_INTERVAL: Duration = Duration::from_millis(500);
-const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
 
 pub struct EventRelay {
     pub pool: PgPool,
@@ -95,7 +91,7 @@ impl EventRelay {
             // take it at most once a poll, not on every wake-up.
             let renewal_due = match cursors.held {
                 Some(_) => renew_every,
-                None => POLL_INTERVAL,
+                None => RELAY_POLL_INTERVAL,
             };
             if last_renewal.is_none_or(|at| at.elapsed() >= renewal_due) {
                 cursors = self.renew(cursors).await;
@@ -112,7 +108,7 @@ impl EventRelay {
                 Err(e) => tracing::warn!(error = %e, "event relay read failed; retrying"),
             }
             if let Some((_, published)) = cursors.held {
-                if last_prune.elapsed() >= PRUNE_INTERVAL {
+                if last_prune.elapsed() >= RELAY_PRUNE_INTERVAL {
                     last_prune = tokio::time::Instant::now();
                     self.prune(published).await;
                 }
@@ -120,7 +116,7 @@ impl EventRelay {
             tokio::select! {
                 () = token.cancelled() => break,
                 () = self.wake.notified() => {}
-                () = tokio::time::sleep(POLL_INTERVAL) => {}
+                () = tokio::time::sleep(RELAY_POLL_INTERVAL) => {}
             }
         }
         self.catch_up(cursors).await;
@@ -221,7 +217,8 @@ impl EventRelay {
             Some((_, published)) => published.min(cursors.live),
             None => cursors.live,
         };
-        let batch = events::read(&self.pool, from, &EventFilter::default(), READ_BATCH).await?;
+        let batch =
+            events::read(&self.pool, from, &EventFilter::default(), RELAY_READ_BATCH).await?;
         let Some(last) = batch.last().map(|e| e.sequence) else {
             let committed = events::last_sequence(&self.pool).await?;
             self.metrics
@@ -255,13 +252,13 @@ impl EventRelay {
         // skipped.
         if let (Some(ticket), Some((publisher, _))) = (last_ticket, &self.mqtt) {
             let acks = publisher.pub_acks();
-            if !acks.wait_through(ticket, ACKED_WITHIN).await {
+            if !acks.wait_through(ticket, RELAY_ACKED_WITHIN).await {
                 // Published again; that time the cursor is saved after it
                 // whatever the count says (a publish the client dropped is
                 // never answered, and would hold every batch back).
                 acks.forgive(ticket);
                 tracing::warn!(
-                    "the broker did not acknowledge a batch of events within {ACKED_WITHIN:?}; \
+                    "the broker did not acknowledge a batch of events within {RELAY_ACKED_WITHIN:?}; \
                      publishing it again"
                 );
                 // Live streams have the batch; MQTT gets it again.

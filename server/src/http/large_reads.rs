@@ -3,7 +3,7 @@
 //! many such calls arrive the server holds only a few pages at once: at
 //! most [`PER_TOKEN`] at a time for one operator token (one more is `429
 //! too_many_large_reads`, with `Retry-After`), and at most [`AT_ONCE`] of
-//! all callers together (one more waits up to [`WAIT`] for its turn, then
+//! all callers together (one more waits up to [`LARGE_READ_WAIT`] for its turn, then
 //! `503 large_reads_busy`). Each page is bounded by bytes too
 //! ([`MAX_PAGE_BYTES`]).
 //!
@@ -11,7 +11,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -19,6 +18,7 @@ use idem_protocol::api::ErrorCode;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::http::error::ApiError;
+use crate::tuning::LARGE_READ_WAIT;
 
 /// A page of large items stops growing once its JSON reaches this many
 /// bytes (it always holds at least one item); its cursor continues it.
@@ -27,8 +27,6 @@ pub const MAX_PAGE_BYTES: usize = 4 * 1024 * 1024;
 pub const PER_TOKEN: usize = 2;
 /// Large reads in progress at once, of every caller together.
 pub const AT_ONCE: usize = 4;
-/// How long a large read waits for a turn among [`AT_ONCE`].
-pub const WAIT: Duration = Duration::from_secs(10);
 /// `Retry-After` of a refused large read, in seconds.
 const RETRY_AFTER_SECONDS: u32 = 1;
 
@@ -75,7 +73,7 @@ impl LargeReads {
             }
             *count += 1;
         }
-        let permit = match tokio::time::timeout(WAIT, self.at_once.acquire()).await {
+        let permit = match tokio::time::timeout(LARGE_READ_WAIT, self.at_once.acquire()).await {
             Ok(Ok(permit)) => permit,
             // Timed out, or closed (never: the semaphore is never closed).
             Ok(Err(_)) | Err(_) => {
@@ -140,7 +138,7 @@ impl NoTurn {
                 ErrorCode::LargeReadsBusy,
                 format!(
                     "{AT_ONCE} large reads (plan or device pages) are in progress, the most the \
-                     server serves at once, and none ended within {WAIT:?}; retry later"
+                     server serves at once, and none ended within {LARGE_READ_WAIT:?}; retry later"
                 ),
             ),
         };

@@ -33,9 +33,7 @@ use crate::reconcile::owned::OwnedFields;
 use crate::store::cache::{FleetCache, FleetChange};
 use crate::store::devices::ReportRow;
 use crate::store::{self, DeviceWriter, StoreError};
-
-/// Most messages stored in one database batch.
-const MAX_BATCH: usize = 4_096;
+use crate::tuning::INGEST_BATCH;
 
 /// One inbound message, understood.
 #[derive(Debug, Clone, PartialEq)]
@@ -195,11 +193,11 @@ enum WriteFailure {
 
 impl Ingest {
     pub async fn run(self, mut inbound: IntakeReceiver, token: CancellationToken) {
-        let mut messages = Vec::with_capacity(MAX_BATCH);
+        let mut messages = Vec::with_capacity(INGEST_BATCH);
         loop {
             let received = tokio::select! {
                 () = token.cancelled() => break,
-                n = inbound.recv_many(&mut messages, MAX_BATCH) => n,
+                n = inbound.recv_many(&mut messages, INGEST_BATCH) => n,
             };
             if received == 0 {
                 break;

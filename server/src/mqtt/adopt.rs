@@ -12,11 +12,9 @@
 //! broker finish delivering what it buffered for a client; Mosquitto does).
 //! Each message is acknowledged on this connection once its batch committed
 //! (a drain cut short leaves the rest in the session). When nothing arrived
-//! for [`QUIET`] after the unsubscription and everything handed over is
+//! for [`DRAIN_QUIET`] after the unsubscription and everything handed over is
 //! acknowledged, it disconnects and connects once more with a clean
 //! session, which removes the session from the broker.
-
-use std::time::Duration;
 
 use rumqttc::{AsyncClient, ConnectionError, Event, Packet};
 use tokio::time::Instant;
@@ -25,17 +23,7 @@ use tokio_util::sync::CancellationToken;
 use super::{fleet_filters, options, server_client_id, SessionKind};
 use crate::config::ValidConfig;
 use crate::mqtt::intake::{AckVia, AdoptedAcks, Cancelled, IntakeSender, Received};
-
-/// Nothing delivered for this long (and everything acknowledged): the
-/// session's queue is empty.
-pub const QUIET: Duration = Duration::from_secs(1);
-/// A drain that has not ended by then gives up (the session keeps the rest,
-/// and the instance's claim goes stale again for another try).
-pub const DRAIN_LIMIT: Duration = Duration::from_secs(120);
-/// How often the drain looks at the time while the connection is silent.
-const TICK: Duration = Duration::from_millis(100);
-/// Requests the drain's client may queue (acknowledgements, mostly).
-const DRAIN_REQUESTS: usize = 1_000;
+use crate::tuning::{DRAIN_LIMIT, DRAIN_QUIET, DRAIN_REQUESTS, DRAIN_TICK};
 
 /// What a drain found.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -137,9 +125,10 @@ impl Progress {
     }
 
     /// Whether to disconnect now (`true` once): unsubscribed, nothing
-    /// delivered for [`QUIET`], and all that was handed over acknowledged.
+    /// delivered for [`DRAIN_QUIET`], and all that was handed over acknowledged.
     fn time_to_disconnect(&mut self, now: Instant, unacked: usize) -> bool {
-        let quiet = now.saturating_duration_since(self.last_delivery) >= QUIET && unacked == 0;
+        let quiet =
+            now.saturating_duration_since(self.last_delivery) >= DRAIN_QUIET && unacked == 0;
         match self.phase {
             Phase::Unsubscribed if quiet => {
                 self.phase = Phase::Disconnecting;
@@ -186,7 +175,7 @@ pub async fn drain_session(
             () = tokio::time::sleep_until(deadline) => {
                 return Err(DrainError::TimedOut { client_id });
             }
-            event = tokio::time::timeout(TICK, eventloop.poll()) => event,
+            event = tokio::time::timeout(DRAIN_TICK, eventloop.poll()) => event,
         };
         match event {
             Err(_silent) => {}
@@ -303,7 +292,7 @@ mod tests {
             "the first CONNACK sends the UNSUBSCRIBEs"
         );
         assert!(
-            !progress.connected(start + QUIET),
+            !progress.connected(start + DRAIN_QUIET),
             "a second one sends nothing"
         );
     }
@@ -315,12 +304,12 @@ mod tests {
         progress.connected(start);
         progress.unsubscribed_one(start);
         assert!(
-            !progress.time_to_disconnect(start + QUIET * 5, 0),
+            !progress.time_to_disconnect(start + DRAIN_QUIET * 5, 0),
             "one filter still routes messages into the session"
         );
-        progress.unsubscribed_one(start + QUIET * 5);
-        assert!(!progress.time_to_disconnect(start + QUIET * 5, 0));
-        assert!(progress.time_to_disconnect(start + QUIET * 6, 0));
+        progress.unsubscribed_one(start + DRAIN_QUIET * 5);
+        assert!(!progress.time_to_disconnect(start + DRAIN_QUIET * 5, 0));
+        assert!(progress.time_to_disconnect(start + DRAIN_QUIET * 6, 0));
     }
 
     #[test]
@@ -330,7 +319,7 @@ mod tests {
         progress.unsubscribed_one(start);
         progress.unsubscribed_one(start);
         assert!(progress.connected(start));
-        assert!(!progress.time_to_disconnect(start + QUIET * 5, 0));
+        assert!(!progress.time_to_disconnect(start + DRAIN_QUIET * 5, 0));
     }
 
     #[test]
@@ -339,19 +328,19 @@ mod tests {
         let mut progress = unsubscribed_at(start);
         assert!(!progress.time_to_disconnect(start, 0), "just unsubscribed");
         assert!(
-            !progress.time_to_disconnect(start + QUIET / 2, 0),
+            !progress.time_to_disconnect(start + DRAIN_QUIET / 2, 0),
             "not quiet yet"
         );
         assert!(
-            !progress.time_to_disconnect(start + QUIET, 1),
+            !progress.time_to_disconnect(start + DRAIN_QUIET, 1),
             "one message handed over is not acknowledged"
         );
         assert!(
-            progress.time_to_disconnect(start + QUIET, 0),
-            "quiet for exactly QUIET"
+            progress.time_to_disconnect(start + DRAIN_QUIET, 0),
+            "quiet for exactly DRAIN_QUIET"
         );
         assert!(
-            !progress.time_to_disconnect(start + QUIET * 2, 0),
+            !progress.time_to_disconnect(start + DRAIN_QUIET * 2, 0),
             "DISCONNECT is sent once"
         );
         assert_eq!(progress.closed(), Closed::Finished);
@@ -361,18 +350,18 @@ mod tests {
     fn each_delivery_restarts_the_quiet_second() {
         let start = Instant::now();
         let mut progress = unsubscribed_at(start);
-        progress.delivered(start + QUIET / 2);
-        assert!(!progress.time_to_disconnect(start + QUIET, 0));
-        assert!(progress.time_to_disconnect(start + QUIET / 2 + QUIET, 0));
+        progress.delivered(start + DRAIN_QUIET / 2);
+        assert!(!progress.time_to_disconnect(start + DRAIN_QUIET, 0));
+        assert!(progress.time_to_disconnect(start + DRAIN_QUIET / 2 + DRAIN_QUIET, 0));
     }
 
     #[test]
     fn a_late_unsubscription_ack_neither_delays_nor_undoes_the_disconnect() {
         let start = Instant::now();
         let mut progress = unsubscribed_at(start);
-        progress.unsubscribed_one(start + QUIET / 2);
-        assert!(progress.time_to_disconnect(start + QUIET, 0));
-        progress.unsubscribed_one(start + QUIET * 2);
+        progress.unsubscribed_one(start + DRAIN_QUIET / 2);
+        assert!(progress.time_to_disconnect(start + DRAIN_QUIET, 0));
+        progress.unsubscribed_one(start + DRAIN_QUIET * 2);
         assert_eq!(progress.closed(), Closed::Finished);
     }
 

@@ -38,8 +38,6 @@ use crate::ops::metrics::Metrics;
 use intake::{Cancelled, IntakeSender};
 use recheck_signal::{RecheckSignal, RecheckTrigger};
 
-/// Requests the client may queue before `publish` waits for the event loop.
-const REQUEST_CHANNEL_CAPACITY: usize = 10_000;
 /// Outgoing QoS 1 publishes awaiting PUBACK at once.
 const MAX_INFLIGHT: u16 = 1_000;
 /// MQTT's own limit on a packet's remaining length: the client reads every
@@ -49,6 +47,7 @@ const MQTT_MAX_REMAINING_LENGTH: usize = 268_435_455;
 /// `run.completed`) stays in the event log and on SSE only.
 pub const MAX_EVENT_PAYLOAD_BYTES: usize = 1024 * 1024;
 
+use crate::tuning::{MQTT_LONG_ABSENCE, MQTT_REPEAT_CONNECT_ERROR, MQTT_REQUEST_CHANNEL_CAPACITY};
 pub use intake::{AckVia, Received};
 
 /// Connection facts shared with readiness checks.
@@ -81,7 +80,7 @@ pub fn connect(config: &ValidConfig) -> (AsyncClient, EventLoop) {
         server_client_id(&config.fleet.instance),
         SessionKind::Persistent,
     );
-    AsyncClient::new(options, REQUEST_CHANNEL_CAPACITY)
+    AsyncClient::new(options, MQTT_REQUEST_CHANNEL_CAPACITY)
 }
 
 /// Whether a connection keeps its session on the broker while it is away.
@@ -106,7 +105,7 @@ pub fn options(config: &ValidConfig, client_id: String, session: SessionKind) ->
         .set_clean_session(session == SessionKind::Clean)
         .set_manual_acks(true)
         .set_inflight(MAX_INFLIGHT)
-        .set_request_channel_capacity(REQUEST_CHANNEL_CAPACITY)
+        .set_request_channel_capacity(MQTT_REQUEST_CHANNEL_CAPACITY)
         // Reading every packet MQTT allows means no inbound message can make
         // the connection fail (and be redelivered forever by our persistent
         // session); the publisher bounds what we send.
@@ -158,10 +157,6 @@ fn log_connection_error(
         tracing::debug!(error = %e, "MQTT connect failed; retrying in {delay:?}");
     }
 }
-
-/// A reconnect after being away this long starts a recheck even when the
-/// broker kept the session: its queue may have filled meanwhile.
-pub const LONG_ABSENCE: Duration = Duration::from_secs(30);
 
 /// Mosquitto's count of messages it dropped (for any client), and of the
 /// messages it holds: read when `--broker-sys-topics` is on.
@@ -340,7 +335,7 @@ pub async fn run_event_loop(
                         // A session that came back empty kept nothing; a long
                         // absence may have filled its queue. (Drops during a
                         // short one show in the broker's dropped counter.)
-                        if !ack.session_present || away >= LONG_ABSENCE {
+                        if !ack.session_present || away >= MQTT_LONG_ABSENCE {
                             recheck.raise(RecheckTrigger::SessionLost);
                         }
                     }
@@ -391,9 +386,6 @@ pub async fn run_event_loop(
     metrics.mqtt_connected.set(0.0);
 }
 
-/// How often an unchanged connect failure is logged at error level again.
-const REPEAT_CONNECT_ERROR: Duration = Duration::from_secs(60);
-
 /// Decides which failed connection attempts are worth an error line: the
 /// first, each one whose error differs from the last, and the same one
 /// again once a minute (the rest go to debug).
@@ -407,7 +399,9 @@ impl ConnectFailures {
         let text = error.to_string();
         let log = match &self.last {
             None => true,
-            Some((last, at)) => *last != text || now.duration_since(*at) >= REPEAT_CONNECT_ERROR,
+            Some((last, at)) => {
+                *last != text || now.duration_since(*at) >= MQTT_REPEAT_CONNECT_ERROR
+            }
         };
         if log {
             self.last = Some((text, now));

@@ -3,7 +3,6 @@
 //! the engine then reconciles the devices that drifted while exempt.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -13,9 +12,7 @@ use tokio::sync::mpsc;
 use crate::reconcile::machine::EngineCommand;
 use crate::store::cache::FleetCache;
 use crate::store::{self, DeviceWriter, StoreError};
-
-/// How often expired exemptions are looked for.
-const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+use crate::tuning::EXEMPTION_SWEEP_INTERVAL;
 
 /// What ending exemptions takes: the table, the device writer (the cache
 /// changes only through it) and the engine to tell.
@@ -26,9 +23,9 @@ pub struct Sweeper {
     pub engine: mpsc::Sender<EngineCommand>,
 }
 
-/// Ends expired exemptions every [`SWEEP_INTERVAL`] until cancelled.
+/// Ends expired exemptions every [`EXEMPTION_SWEEP_INTERVAL`] until cancelled.
 pub async fn run(state: Sweeper, token: CancellationToken) {
-    let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+    let mut tick = tokio::time::interval(EXEMPTION_SWEEP_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

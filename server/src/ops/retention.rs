@@ -5,23 +5,17 @@
 //! Deletes in bounded batches so one prune never holds long locks; never
 //! touches a run that is still running.
 
-use std::time::Duration;
-
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::store;
 
 pub use crate::config::RunRetention;
+use crate::tuning::{RETENTION_PRUNE_INTERVAL, RETENTION_RUN_BATCH};
 
-/// How often the limits are enforced.
-const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
-/// Runs deleted per statement.
-const RUN_BATCH: i64 = 50;
-
-/// Prunes once now, then every [`PRUNE_INTERVAL`] until cancelled.
+/// Prunes once now, then every [`RETENTION_PRUNE_INTERVAL`] until cancelled.
 pub async fn run(pool: PgPool, limits: RunRetention, token: CancellationToken) {
-    let mut tick = tokio::time::interval(PRUNE_INTERVAL);
+    let mut tick = tokio::time::interval(RETENTION_PRUNE_INTERVAL);
     loop {
         tokio::select! {
             () = token.cancelled() => return,
@@ -34,10 +28,17 @@ pub async fn run(pool: PgPool, limits: RunRetention, token: CancellationToken) {
 pub async fn prune(pool: &PgPool, limits: RunRetention, token: &CancellationToken) {
     let mut runs = 0;
     loop {
-        match store::runs::prune(pool, limits.max_age, limits.max_targets, RUN_BATCH).await {
+        match store::runs::prune(
+            pool,
+            limits.max_age,
+            limits.max_targets,
+            RETENTION_RUN_BATCH,
+        )
+        .await
+        {
             Ok(n) => {
                 runs += n;
-                if n < RUN_BATCH as u64 || token.is_cancelled() {
+                if n < RETENTION_RUN_BATCH as u64 || token.is_cancelled() {
                     break;
                 }
             }

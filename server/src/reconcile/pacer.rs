@@ -2,18 +2,10 @@
 //! more than `rate` of them into any pacing window. Pure: the caller passes
 //! the time.
 
+use crate::tuning::{PACING_CATCH_UP, PACING_WINDOW};
 use std::collections::VecDeque;
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
-
-/// Pacing headroom: pushes are spaced `1.1 s / rate` apart and at most
-/// `rate` leave in any 1.1 s, so that delivery jitter of up to 100 ms between
-/// server and devices never shows more than `rate` in a one-second window.
-/// The price: a sustained push stream runs at about 91 % of the limit.
-pub const PACING_WINDOW: Duration = Duration::from_millis(1_100);
-/// A late wake-up (e.g. after a database write) may catch up on at most this
-/// much pacing time at once; the sliding window still bounds any burst.
-const PACING_CATCH_UP: Duration = Duration::from_millis(10);
 
 /// Spaces pushes evenly at the configured rate, and never lets more than
 /// `rate` of them into any [`PACING_WINDOW`] (exact sliding window).

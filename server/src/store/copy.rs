@@ -12,6 +12,7 @@ use serde_json::Value;
 use sqlx::{Postgres, Transaction};
 
 use super::{Context, StoreError};
+use crate::tuning::COPY_CHUNK_BYTES;
 
 /// Rows in `COPY` text format: fields separated by tabs, rows ended by a
 /// newline, `\N` for NULL, and backslash, tab, newline and carriage return
@@ -147,10 +148,6 @@ impl CopyRows {
     }
 }
 
-/// Encoded rows are sent to PostgreSQL in chunks of about this size, so it
-/// parses one chunk while the next is encoded.
-const CHUNK_BYTES: usize = 256 * 1024;
-
 /// Runs `statement` (`COPY table (columns) FROM STDIN`) in the caller's
 /// transaction with one row per item, `encode(rows, item)` writing its
 /// fields; returns the rows PostgreSQL stored. Nothing is sent for no items.
@@ -174,7 +171,7 @@ where
     while let Some(item) = items.next() {
         encode(&mut chunk, item);
         chunk.end_row();
-        if chunk.bytes.len() >= CHUNK_BYTES || items.peek().is_none() {
+        if chunk.bytes.len() >= COPY_CHUNK_BYTES || items.peek().is_none() {
             if let Err(e) = copy.send(std::mem::take(&mut chunk.bytes)).await {
                 // End the statement so the connection stays usable for the
                 // rollback, and report the send's error.

@@ -13,14 +13,10 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::{Context, DeviceWriter, StoreError};
+use crate::tuning::{CHANGE_LOG_KEPT, CHANGE_LOG_PRUNE_EVERY};
 
 /// The channel the `devices` triggers notify.
 pub const CHANNEL: &str = "idem_devices";
-/// The change log keeps this much (an instance that did not look for
-/// longer reloads every device).
-const KEEP_CHANGES: Duration = Duration::from_secs(600);
-/// Pruning of the change log runs every this many catch-ups.
-const PRUNE_EVERY: u32 = 60;
 
 /// How the cache follows: at least `every`, and woken by notifications
 /// when `notifications`.
@@ -76,8 +72,8 @@ pub async fn run(
             tracing::debug!(error = %e, "could not follow other instances' device writes; retrying");
         }
         ticks += 1;
-        if ticks % PRUNE_EVERY == 0 {
-            if let Err(e) = super::writer::prune_changes(&pool, KEEP_CHANGES).await {
+        if ticks % CHANGE_LOG_PRUNE_EVERY == 0 {
+            if let Err(e) = super::writer::prune_changes(&pool, CHANGE_LOG_KEPT).await {
                 tracing::debug!(error = %e, "could not prune the device change log");
             }
         }

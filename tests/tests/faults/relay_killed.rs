@@ -16,8 +16,8 @@ use crate::{event_witness, holder_of, private_services, start_servers, SERIAL};
 const LEASE: Duration = Duration::from_secs(3);
 const EVENTS: usize = 30_000;
 /// The relay publishes at most this many events between two saves of its
-/// cursor (`READ_BATCH` in `server/src/events/relay.rs`).
-const RELAY_BATCH: usize = 2_000;
+/// cursor.
+const RELAY_BATCH: usize = idem_server::tuning::RELAY_READ_BATCH as usize;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_holder_killed_mid_stream_loses_no_event_and_repeats_at_most_one_batch() {

@@ -31,6 +31,7 @@ use crate::reconcile::rollout::{
     FailureLimit, Gates, NotNow, Pause, RolloutSpec, StoredRollout, WaveSize, WaveSpec,
 };
 use crate::store;
+use crate::tuning::{HOLDER_ANSWERS_WITHIN, HOLDER_ANSWER_POLL, HOLDER_CLAIMS_WITHIN};
 
 fn invalid(message: impl Into<String>) -> ApiError {
     ApiError::bad_request(ErrorCode::InvalidRollout, message)
@@ -255,13 +256,6 @@ async fn act(
     ))
 }
 
-/// How long an action asked of the engine's holder through the database
-/// waits to be claimed, and then to be answered.
-const HOLDER_CLAIMS_WITHIN: Duration = Duration::from_secs(10);
-const HOLDER_ANSWERS_WITHIN: Duration = Duration::from_secs(10);
-/// How often the answer is looked for.
-const ANSWER_POLL: Duration = Duration::from_millis(50);
-
 /// Asks the instance that holds the engine for `verb` on `run_id` (by the
 /// token `by`), through the database, and waits for its answer.
 async fn ask_the_holder(
@@ -315,7 +309,7 @@ async fn ask_the_holder(
                  20 s; GET /v1/runs/{run_id} shows whether it was carried out",
             ));
         }
-        tokio::time::sleep(ANSWER_POLL).await;
+        tokio::time::sleep(HOLDER_ANSWER_POLL).await;
     }
 }
 

@@ -22,8 +22,9 @@ use super::hyper_head_errors::JsonHeadErrors;
 use super::limits::HttpLimits;
 use super::peers::PeerGroup;
 use super::{BodyRejection, HeadRejection};
-use super::{ConnectionSlot, MAX_HEAD_BYTES, MAX_URI_BYTES, SHUTDOWN_GRACE};
+use super::{ConnectionSlot, MAX_HEAD_BYTES, MAX_URI_BYTES};
 use crate::ops::metrics::Metrics;
+use crate::tuning::HTTP_SHUTDOWN_GRACE;
 
 /// Lets a handler close the connection its request came on (e.g. an SSE
 /// stream whose client stopped reading). Found in every request's extensions.
@@ -120,7 +121,7 @@ impl Connection {
                     connection.as_mut().graceful_shutdown();
                     tokio::select! {
                         result = connection.as_mut() => Ok(result),
-                        () = tokio::time::sleep(SHUTDOWN_GRACE) => Err(Ended::Closed),
+                        () = tokio::time::sleep(HTTP_SHUTDOWN_GRACE) => Err(Ended::Closed),
                         () = closer.cancelled() => Err(Ended::Closed),
                     }
                 }

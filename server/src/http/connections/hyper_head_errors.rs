@@ -6,16 +6,12 @@
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use super::HeadRejection;
+use crate::tuning::REFUSED_HEAD_LINGER;
 
-/// How long a connection whose request head was refused is still read
-/// (and what it sends discarded) after the answer, so that closing it does
-/// not reset it before the client has read the answer.
-const REFUSED_HEAD_LINGER: Duration = Duration::from_secs(2);
 /// Most bytes read and discarded in that time.
 const REFUSED_HEAD_LINGER_BYTES: usize = 1024 * 1024;
 

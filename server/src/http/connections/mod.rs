@@ -51,15 +51,11 @@ pub use peers::PeerGroup;
 // Why connections, heads and bodies are refused: label values of the metrics.
 pub use crate::ops::metrics::{BodyRejection, ConnectionRefusal, HeadRejection};
 
+use crate::tuning::{ACCEPT_ERROR_PAUSE, HTTP_SHUTDOWN_GRACE};
 use connection::{accept_connection, Connection};
 use error_answers::refuse_connection;
 use peers::{PeerConnections, PeerSlot};
 
-/// How long in-flight requests may still run once shutdown begins.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-/// Pause after an accept error that is not about one connection (e.g. the
-/// process is out of file descriptors), so the loop never spins.
-const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 /// Longest request target (path and query) a request may have: longer ones
 /// get `414` `uri_too_long`. The API's paths and queries stay far below it.
 pub const MAX_URI_BYTES: usize = 8 * 1024;
@@ -71,7 +67,7 @@ pub const MAX_HEAD_BYTES: usize = 64 * 1024;
 pub const MAX_HEADER_FIELDS: usize = 100;
 
 /// Serves `router` on `listener` until `token` is cancelled, then stops
-/// accepting, lets in-flight requests finish for up to [`SHUTDOWN_GRACE`] and
+/// accepting, lets in-flight requests finish for up to [`HTTP_SHUTDOWN_GRACE`] and
 /// closes the connections still open. With `tls`, every connection is TLS
 /// (HTTPS); without, plain HTTP.
 pub async fn serve(
@@ -164,9 +160,12 @@ pub async fn serve(
         );
     }
     // Every connection task bounds its own grace; this is a backstop.
-    if tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), connections.wait())
-        .await
-        .is_err()
+    if tokio::time::timeout(
+        HTTP_SHUTDOWN_GRACE + Duration::from_secs(1),
+        connections.wait(),
+    )
+    .await
+    .is_err()
     {
         tracing::warn!("HTTP connections still open after the shutdown grace");
     }

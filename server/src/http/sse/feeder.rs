@@ -19,13 +19,8 @@ use super::{to_sse, DropReason, Queued, SseSettings};
 use crate::http::connections::ConnectionCloser;
 use crate::ops::metrics::Metrics;
 use crate::store::events::{self, EventFilter, StoredEvent};
+use crate::tuning::{SSE_DROP_GRACE, SSE_PACING_SLACK};
 
-/// Replay pacing forgives this much lateness: after a pause the client gets
-/// at most this many seconds' worth of events in a burst.
-const PACING_SLACK: Duration = Duration::from_millis(20);
-/// How long a dropped client has to read its final `dropped` event before
-/// its connection is closed.
-const DROP_GRACE: Duration = Duration::from_secs(2);
 /// How a feeder stopped.
 enum End {
     /// The client went away (or the server is stopping).
@@ -79,7 +74,7 @@ impl Feeder {
                 tokio::select! {
                     () = queue.closed() => {}
                     () = token.cancelled() => {}
-                    () = tokio::time::sleep(DROP_GRACE) => {
+                    () = tokio::time::sleep(SSE_DROP_GRACE) => {
                         if let Some(closer) = closer {
                             closer.close();
                         }
@@ -171,9 +166,9 @@ impl Pacer {
         let now = Instant::now();
         if self.next > now {
             tokio::time::sleep_until(self.next).await;
-        } else if now.duration_since(self.next) > PACING_SLACK {
+        } else if now.duration_since(self.next) > SSE_PACING_SLACK {
             // After a pause (slow client, slow query) no long burst.
-            self.next = now - PACING_SLACK;
+            self.next = now - SSE_PACING_SLACK;
         }
         self.next += self.interval;
     }

@@ -20,7 +20,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
@@ -48,17 +47,9 @@ use crate::store::events::{self, EventFilter, StoredEvent};
 mod feeder;
 use feeder::{Feeder, Pacer};
 
-/// Most events one replay query reads (fewer at low replay rates, so that a
-/// page is sent within about a quarter of a second).
-const REPLAY_PAGE: i64 = 500;
-const KEEP_ALIVE: Duration = Duration::from_secs(15);
-/// `Retry-After` of a refused stream: streams last long, so a slot frees
-/// up at no predictable time; this keeps retries cheap and spaced.
-const REFUSED_RETRY_AFTER: Duration = Duration::from_secs(5);
-
 impl SseSettings {
     fn replay_page(&self) -> i64 {
-        (i64::from(self.replay_rate) / 4).clamp(1, REPLAY_PAGE)
+        (i64::from(self.replay_rate) / 4).clamp(1, SSE_REPLAY_PAGE)
     }
 }
 
@@ -176,6 +167,7 @@ impl Slots {
 
 pub use crate::config::SseSettings;
 pub use crate::ops::metrics::{DropReason, SseRefusal};
+use crate::tuning::{SSE_KEEP_ALIVE, SSE_REFUSED_RETRY_AFTER, SSE_REPLAY_PAGE};
 
 impl SseRefusal {
     fn answer(self, settings: &SseSettings, holder: &Holder) -> Response {
@@ -220,7 +212,7 @@ impl SseRefusal {
         let mut response = error.into_response();
         response.headers_mut().insert(
             header::RETRY_AFTER,
-            HeaderValue::from(retry_after_seconds(REFUSED_RETRY_AFTER)),
+            HeaderValue::from(retry_after_seconds(SSE_REFUSED_RETRY_AFTER)),
         );
         response
     }
@@ -397,7 +389,7 @@ async fn stream_events(
         done: false,
         _slot: slot,
     };
-    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)))
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(SSE_KEEP_ALIVE)))
 }
 
 fn reset_event(requested: i64, first_retained: i64) -> Event {
@@ -504,6 +496,7 @@ impl Stream for ClientStream {
 mod tests {
     use super::*;
     use crate::config::admin_reserve;
+    use std::time::Duration;
     use tokio::time::Instant;
 
     #[tokio::test(start_paused = true)]

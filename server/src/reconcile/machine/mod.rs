@@ -21,7 +21,7 @@ mod triggers;
 mod waves;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use idem_protocol::DeviceId;
 use std::sync::Arc;
@@ -37,6 +37,7 @@ use super::policy::{self, gate, DeviceStatus};
 use super::run::{RunProgress, RunSpec, Trigger};
 pub use crate::reconcile::change::{DeviceChange, RememberedOutcome};
 use crate::reconcile::device::{DesiredState, DeviceEntry, FleetRead};
+use crate::tuning::{FLUSH_INTERVAL, FLUSH_SIZE, SCAN_INTERVAL, WRITE_AHEAD_CHUNK};
 pub use effect::{
     AskReason, Effect, EngineCommand, EngineSettings, MachineStats, Now, PublishReason,
     RecheckTrigger, RolloutStats,
@@ -46,19 +47,6 @@ use gaps::Gaps;
 pub use record::{AttemptRecord, OutcomeRecord, Record};
 use waves::{FollowUp, RolloutHold, RolloutRun};
 pub use waves::{RolloutAction, RolloutActionError};
-
-/// Results are written at least this often while there are any.
-pub const FLUSH_INTERVAL: Duration = Duration::from_millis(20);
-/// Write at once when this many outcomes are waiting; a larger run is
-/// started in slices of this size, bounding memory per write.
-pub const FLUSH_SIZE: usize = 10_000;
-
-/// Rollout pushes written ahead in one record, at most: a wave's first
-/// pushes go out after a short write, and the rest follow in chunks while
-/// those are answered, instead of all waiting for one long write.
-pub const WRITE_AHEAD_CHUNK: usize = 512;
-/// How often in-flight attempts are checked against deadlines and retry times.
-pub const SCAN_INTERVAL: Duration = Duration::from_millis(50);
 
 /// Devices collected for one trigger until the debounce window closes.
 #[derive(Debug)]

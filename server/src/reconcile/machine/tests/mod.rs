@@ -34,6 +34,7 @@ use crate::reconcile::outcome::{OutcomeCounts, OutcomeKind};
 use crate::reconcile::policy::RetryPolicy;
 use crate::reconcile::run::CompletedRun;
 use crate::store::cache::{DesiredState, FleetCache, FleetChange};
+use std::time::Duration;
 
 const PUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
