@@ -191,7 +191,7 @@ pub async fn commit_run(
         desired_changes =
             store::devices::set_desired(&mut write, &target_ids, spec, &digest.to_string()).await?;
     }
-    let judged = judge_new_run(
+    let mut judged = judge_new_run(
         RunToJudge {
             id: run_id,
             trigger: run.trigger,
@@ -219,7 +219,7 @@ pub async fn commit_run(
         plan_id: run.plan.as_ref().map(|from| from.plan.id),
         approval: run.plan.as_ref().and_then(|from| from.approval.as_ref()),
     };
-    write_run(&mut write, row, &judged, event_source).await?;
+    write_run(&mut write, row, &mut judged, event_source).await?;
     if let Some(stored) = &judged.stored_rollout {
         store::runs::store_rollouts(write.tx(), &[(run_id, stored.to_json())]).await?;
     }
@@ -268,16 +268,15 @@ pub fn count_committed(metrics: &Metrics, spec: &RunSpec) {
 }
 
 /// The run row, its targets (converged ones decided), their device changes
-/// and the run's events, in the caller's transaction.
+/// and the run's events (taken out of `judged`), in the caller's transaction.
 async fn write_run(
     write: &mut DeviceTx<'_>,
     row: store::runs::NewRunRow<'_>,
-    judged: &JudgedRun,
+    judged: &mut JudgedRun,
     event_source: &str,
 ) -> Result<(), CommitRunError> {
     let carried: Vec<(String, Option<usize>, bool)> = judged
-        .carried
-        .iter()
+        .carried()
         .map(|c| (c.id.to_string(), c.wave, c.differed))
         .collect();
     let converged: Vec<ConvergedTarget<'_>> = judged
@@ -297,7 +296,7 @@ async fn write_run(
         .collect();
     store::devices::apply_changes(write, &changes).await?;
     let tx = write.tx();
-    let drafts = judged.events.clone();
+    let drafts = std::mem::take(&mut judged.events);
     let first = store::events::reserve_sequences(tx, drafts.len()).await?;
     let rows = events::finalize(drafts, first, event_source, chrono::Utc::now())?;
     store::events::insert(tx, &rows).await?;

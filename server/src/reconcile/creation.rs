@@ -90,8 +90,6 @@ pub struct Carried {
 /// What creating a run writes, and the run the engine then carries.
 #[derive(Debug)]
 pub struct JudgedRun {
-    /// The targets left for the engine, in target order.
-    pub carried: Vec<Carried>,
     /// The targets decided `already_converged` now, with their row change.
     pub converged: Vec<Converged>,
     /// `run.started`, then one `already_converged` outcome per converged
@@ -101,6 +99,19 @@ pub struct JudgedRun {
     pub stored_rollout: Option<StoredRollout>,
     /// The run as the engine's state machine starts it.
     pub spec: RunSpec,
+}
+
+impl JudgedRun {
+    /// The targets left for the engine, in target order, each with its wave
+    /// and whether it differed (read from the run the machine starts).
+    pub fn carried(&self) -> impl Iterator<Item = Carried> + '_ {
+        let waves = self.spec.rollout.as_ref().map(|rollout| &rollout.waves);
+        self.spec.targets.iter().map(move |id| Carried {
+            id: id.clone(),
+            wave: waves.and_then(|w| w.get(id).copied()),
+            differed: self.spec.differed.contains(id),
+        })
+    }
 }
 
 /// Judges `run` on `view` (the engine's state machine's view of each
@@ -134,14 +145,6 @@ pub fn judge_new_run(
         .iter()
         .filter(|id| view(id).is_some_and(|entry| entry.reported.is_some()))
         .cloned()
-        .collect();
-    let carried = undecided
-        .iter()
-        .map(|id| Carried {
-            id: id.clone(),
-            wave: waves.as_ref().and_then(|w| w.get(id).copied()),
-            differed: differed.contains(id),
-        })
         .collect();
     let mut events = Vec::with_capacity(1 + converged.len());
     events.push(EventDraft::run_started(
@@ -185,7 +188,6 @@ pub fn judge_new_run(
         None => spec,
     };
     JudgedRun {
-        carried,
         converged,
         events,
         stored_rollout,

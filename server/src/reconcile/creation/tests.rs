@@ -80,7 +80,7 @@ fn names(ids: impl IntoIterator<Item = DeviceId>) -> Vec<String> {
 }
 
 fn carried_names(judged: &JudgedRun) -> Vec<String> {
-    names(judged.carried.iter().map(|c| c.id.clone()))
+    names(judged.carried().map(|c| c.id.clone()))
 }
 
 #[test]
@@ -104,11 +104,7 @@ fn a_target_already_reporting_the_new_spec_is_decided_converged_at_creation_with
     assert_eq!(converged.change, None, "a converged row is not rewritten");
     assert_eq!(carried_names(&judged), ["differs", "silent"]);
     assert_eq!(
-        judged
-            .carried
-            .iter()
-            .map(|c| c.differed)
-            .collect::<Vec<_>>(),
+        judged.carried().map(|c| c.differed).collect::<Vec<_>>(),
         [true, false],
         "only a target with a report that differs was provisioned if found converged later"
     );
@@ -251,7 +247,7 @@ fn only_the_targets_left_for_the_engine_are_assigned_to_waves() {
     );
     let judged = judge(run, &fleet);
 
-    let mut waves: Vec<Option<usize>> = judged.carried.iter().map(|c| c.wave).collect();
+    let mut waves: Vec<Option<usize>> = judged.carried().map(|c| c.wave).collect();
     waves.sort();
     assert_eq!(
         waves,
