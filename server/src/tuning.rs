@@ -37,6 +37,11 @@ pub const PACING_CATCH_UP: Duration = Duration::from_millis(10);
 /// Most commands handled before the machine's effects are carried out.
 /// (Used in `engine/mod.rs`.)
 pub const ENGINE_COMMANDS_PER_BATCH: usize = 256;
+/// Catch-ups tried before a batch of publishes leaves without a hold on
+/// desired changes (other instances changing desired state faster than the
+/// cache follows): each try that finds the cache behind catches up first.
+/// (Used in `engine/sends.rs`.)
+pub const DESIRED_HOLD_TRIES: usize = 3;
 /// Rechecks start at most this often; signs meanwhile join the next one
 /// (which asks only the devices not heard from since it began).
 /// (Used in `engine/recheck.rs`.)

@@ -5,10 +5,12 @@
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use idem_protocol::SpecDigest;
 use idem_server::store::cache::FleetCache;
+use idem_server::store::cache::{DesiredState, FleetChange};
 use idem_server::store::devices::{self, Registration, ReportRow};
 use idem_server::store::events;
-use idem_server::store::DeviceWriter;
+use idem_server::store::{DeviceTx, DeviceWriter};
 use serde_json::json;
 use sqlx::PgPool;
 
@@ -325,4 +327,74 @@ async fn pruning_keeps_unrelayed_events_and_removes_old_or_excess_ones(pool: PgP
     assert_eq!(events::prune(&pool, 10, week, 3).await.unwrap(), 2);
     assert_eq!(events::oldest_sequence(&pool).await.unwrap(), Some(8));
     assert_eq!(events::last_sequence(&pool).await.unwrap(), 10);
+}
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn a_write_whose_commit_fails_leaves_the_cache_as_the_database_has_it(pool: PgPool) {
+    let ours = writer(&pool);
+    let device = idem_protocol::DeviceId::parse("a").unwrap();
+    let mut tx = ours.begin().await.unwrap();
+    devices::register(
+        &mut tx,
+        &[Registration {
+            id: "a".to_owned(),
+            labels: None,
+        }],
+    )
+    .await
+    .unwrap();
+    tx.mirror([FleetChange::Registered(device.clone())]);
+    set_desired(&mut tx, &device, 1).await;
+    tx.commit("the first write").await.unwrap();
+    let desired = |writer: &DeviceWriter| {
+        writer
+            .cache()
+            .get(&device)
+            .and_then(|entry| entry.desired.map(|d| d.generation))
+    };
+    assert_eq!(desired(&ours), Some(1), "a committed write is mirrored");
+
+    let mut tx = ours.begin().await.unwrap();
+    set_desired(&mut tx, &device, 2).await;
+    // The connection is lost before the write commits.
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut **tx.tx())
+        .await
+        .unwrap();
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(terminated);
+    assert!(tx.commit("a write whose connection is gone").await.is_err());
+
+    let stored: Option<i64> =
+        sqlx::query_scalar("SELECT desired_generation FROM devices WHERE id = 'a'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, Some(1), "the database kept nothing of the write");
+    assert_eq!(
+        desired(&ours),
+        Some(1),
+        "the cache mirrored a write that never committed"
+    );
+}
+
+/// A desired change of `device` as the API writes it: the row, and the
+/// cache change to mirror once it committed.
+async fn set_desired(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId, version: u64) {
+    let spec = json!({ "v": version });
+    let digest = SpecDigest::of(&spec);
+    let rows = devices::set_desired(tx, &[device.to_string()], &spec, &digest.to_string())
+        .await
+        .unwrap();
+    let desired = DesiredState::new(
+        u64::try_from(rows[0].desired_generation).unwrap(),
+        digest,
+        std::sync::Arc::new(spec),
+        None,
+    );
+    tx.mirror([FleetChange::Desired(device.clone(), desired)]);
 }

@@ -9,6 +9,7 @@
 pub mod new_run;
 pub mod recheck;
 pub mod seat;
+mod sends;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,9 +24,7 @@ use uuid::Uuid;
 use crate::events::{self, EventDraft};
 use crate::mqtt::Publisher;
 use crate::ops::metrics::Metrics;
-use crate::reconcile::machine::{
-    Effect, Machine, Now, PublishReason, Record, RolloutAction, RolloutActionError,
-};
+use crate::reconcile::machine::{Effect, Machine, Now, Record, RolloutAction, RolloutActionError};
 use crate::reconcile::outcome::OutcomeCounts;
 use crate::reconcile::rollout::StoredRollout;
 use crate::reconcile::run::{CompletedRun, Trigger};
@@ -279,41 +278,32 @@ impl Engine {
         self.carry(effects).await;
     }
 
-    /// Carries effects out in order. Runs the machine asked for are
-    /// committed after the batch's record, and what the machine does with
-    /// them is carried out next.
+    /// Carries effects out in order. Publishes and report requests go out
+    /// in runs between two writes ([`Engine::send`]); runs the machine
+    /// asked for are committed after the batch, and what the machine does
+    /// with them (or with devices whose publishes were withdrawn) is
+    /// carried out next.
     async fn carry(&mut self, effects: Vec<Effect>) {
         let mut batches = std::collections::VecDeque::from([effects]);
-        while let Some(mut batch) = batches.pop_front() {
-            let withdrawn = self.withdraw_stale_pushes(&mut batch).await;
+        while let Some(batch) = batches.pop_front() {
+            let mut withdrawn = Vec::new();
+            let mut outgoing = Vec::new();
             let mut runs = Vec::new();
             for effect in batch {
                 match effect {
-                    Effect::Publish { .. } | Effect::AskForReport { .. } if self.lease_lapsed() => {
-                    }
-                    Effect::Publish {
-                        device,
-                        generation,
-                        spec,
-                        reason,
-                    } => {
-                        self.ctx.publisher.push(&device, generation, &spec);
-                        match reason {
-                            PublishReason::Attempt => self.ctx.metrics.pushes.increment(1),
-                            PublishReason::RefreshRetained => {
-                                self.ctx.metrics.retained_updates.increment(1)
-                            }
-                        }
-                    }
-                    Effect::AskForReport { device, reason } => {
-                        self.ctx.publisher.ask_for_report(&device);
-                        self.ctx.metrics.report_requests.increment(1);
-                        self.ctx.metrics.asked_to_report(reason);
-                    }
+                    Effect::Publish { .. } | Effect::AskForReport { .. } => outgoing.push(effect),
                     Effect::StartRun { trigger, targets } => runs.push((trigger, targets)),
-                    Effect::Record(record) => self.write(record).await,
+                    Effect::Record(record) => {
+                        // What came before the record leaves before it is written.
+                        self.send(std::mem::take(&mut outgoing), &mut withdrawn)
+                            .await;
+                        self.write(record).await;
+                    }
                 }
             }
+            self.send(outgoing, &mut withdrawn).await;
+            withdrawn.sort();
+            withdrawn.dedup();
             if !withdrawn.is_empty() {
                 // Re-decided on the desired state they were overtaken by:
                 // an attempt for the old generation ends superseded.
@@ -328,58 +318,6 @@ impl Engine {
                 batches.push_back(self.machine.on_command(command, now()));
             }
         }
-    }
-
-    /// Takes out of `batch` the pushes decided on a cache another
-    /// instance's device write has overtaken (a desired change committed
-    /// elsewhere that no notification or catch-up brought in yet): when the
-    /// change log is ahead of the cache, the cache catches up first, and
-    /// the machine says which pushes are for a generation that is no longer
-    /// desired. Their devices, returned, are re-decided. When the database
-    /// cannot say, the pushes go as decided.
-    async fn withdraw_stale_pushes(&self, batch: &mut Vec<Effect>) -> Vec<DeviceId> {
-        let pushes = batch.iter().any(|effect| {
-            matches!(
-                effect,
-                Effect::Publish {
-                    reason: PublishReason::Attempt,
-                    ..
-                }
-            )
-        });
-        if !pushes {
-            return Vec::new();
-        }
-        match self.ctx.writer.follow_if_overtaken().await {
-            Ok(true) => {}
-            Ok(false) => return Vec::new(),
-            Err(e) => {
-                tracing::warn!(error = %e, "could not check the cache against other instances' writes before pushing");
-                return Vec::new();
-            }
-        }
-        let stale = self.machine.stale_pushes(batch);
-        if stale.is_empty() {
-            return stale;
-        }
-        let withdrawn: HashSet<&DeviceId> = stale.iter().collect();
-        batch.retain(|effect| match effect {
-            Effect::Publish {
-                device,
-                reason: PublishReason::Attempt,
-                ..
-            } => !withdrawn.contains(device),
-            Effect::Publish { .. }
-            | Effect::AskForReport { .. }
-            | Effect::StartRun { .. }
-            | Effect::Record(_) => true,
-        });
-        self.ctx.metrics.stale_pushes.increment(stale.len() as u64);
-        tracing::info!(
-            devices = stale.len(),
-            "pushes withdrawn: another instance changed these devices' desired state since they were decided"
-        );
-        stale
     }
 
     /// Creates the run an API call asked for — judged on the machine's view,

@@ -26,6 +26,14 @@
 //! updates lock rows in whatever order PostgreSQL's plan visits them; two at
 //! once could deadlock, one at a time cannot, and they are bound by the
 //! database anyway.
+//!
+//! Publishes against desired changes: a transaction whose changes are not
+//! only the engine's columns or reports (a desired spec, owned fields, an
+//! exemption, a deletion: what a push carries) also takes
+//! [`DESIRED_CHANGES_LOCK`] before it commits, and the engine hands a batch
+//! of publishes to the broker under a [`DesiredHold`], the same lock held
+//! shared: such a change commits before the hold was taken (the hold then
+//! says whether the cache has it) or after the batch left.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -72,6 +80,29 @@ pub type FollowHook = Box<dyn Fn(Followed) + Send + Sync>;
 /// The advisory lock key every device-writing transaction holds (any
 /// constant works; this one spells "idem dev" in ASCII).
 pub const DEVICE_WRITES_LOCK: i64 = 0x6964_656d_2064_6576;
+
+/// The advisory lock key that orders publishes of desired state with the
+/// changes of what they carry ("idem des").
+pub const DESIRED_CHANGES_LOCK: i64 = 0x6964_656d_2064_6573;
+
+/// While it lives, no writer can commit a change of what a push carries:
+/// publishes decided on the cache that took it carry the desired state as
+/// committed. Released by [`DesiredHold::release`] (or, dropped, when its
+/// transaction's rollback reaches the database).
+#[derive(Debug)]
+pub struct DesiredHold {
+    tx: Transaction<'static, Postgres>,
+}
+
+impl DesiredHold {
+    /// Lets the changes the hold kept back commit.
+    pub async fn release(self) -> Result<(), StoreError> {
+        self.tx
+            .commit()
+            .await
+            .context("releasing the hold on desired changes")
+    }
+}
 
 /// The one owner of device writes. Not `Clone`: the server makes one and
 /// shares it behind an `Arc`.
@@ -146,6 +177,31 @@ impl DeviceWriter {
             .await
             .context("reading the device change log's last version")?;
         Ok(high > self.seen.load(Ordering::Acquire))
+    }
+
+    /// Holds back every change of what a push carries and says whether
+    /// this cache has all those committed so far: the hold when it has,
+    /// `None` when another writer's change is missing (the caller catches
+    /// up with [`Self::follow`], which needs the hold released, and asks
+    /// again).
+    pub async fn hold_desired(&self) -> Result<Option<DesiredHold>, StoreError> {
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .context("starting a hold on desired changes")?;
+        let high: i64 = sqlx::query_scalar("SELECT idem_hold_desired($1)")
+            .bind(DESIRED_CHANGES_LOCK)
+            .fetch_one(&mut *tx)
+            .await
+            .context("holding desired changes")?;
+        if high > self.seen.load(Ordering::Acquire) {
+            tx.rollback()
+                .await
+                .context("releasing a hold on desired changes")?;
+            return Ok(None);
+        }
+        Ok(Some(DesiredHold { tx }))
     }
 
     /// Catches the cache up ([`Self::follow`]) only when the change log is
@@ -507,6 +563,14 @@ impl DeviceTx<'_> {
                 FleetChange::Reported { .. } | FleetChange::Online(..)
             )
         });
+        if !engine_only && !reports_only {
+            // Waits for a batch of publishes under way (`DesiredHold`).
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(DESIRED_CHANGES_LOCK)
+                .execute(&mut *tx)
+                .await
+                .context(what)?;
+        }
         sqlx::query(
             "WITH logged AS (INSERT INTO device_changes \
                                  (version, writer, ids, engine_only, reports_only) \
@@ -522,8 +586,10 @@ impl DeviceTx<'_> {
         .await
         .context(what)?;
         tx.commit().await.context(what)?;
-        seen.store(version, Ordering::Release);
+        // The cache has the changes before `seen` says so: a hold that
+        // finds the version seen finds its changes in the cache.
         cache.apply(changes);
+        seen.store(version, Ordering::Release);
         Ok(())
     }
 }

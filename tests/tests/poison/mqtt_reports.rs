@@ -343,3 +343,80 @@ async fn device_with_seq(server: &TestServer, id: &str, seq: u64) -> Value {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_label_value_of_the_metrics_comes_from_a_device_however_it_reports() {
+    let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
+    let server = &scenario.server;
+    let before = label_sets(&server.metrics().await.unwrap());
+    assert!(
+        before.iter().any(|series| series.contains('{')),
+        "no labelled series before any device: {before:?}"
+    );
+
+    let plan = FleetPlan::new("labelled-", 6)
+        .drifted(2)
+        .rejecting(1)
+        .seed(47)
+        .build()
+        .unwrap();
+    let fleet = scenario.register_and_start(&plan, 6).await.unwrap();
+    scenario.run_all(Duration::from_secs(30)).await.unwrap();
+    let mut injector = Injector::start(&scenario.broker).await;
+    // Refused for each reason a device can cause, on its own topics and on
+    // those of ids nobody registered.
+    let refused: [(&str, Vec<u8>); 4] = [
+        ("labelled-00000", nul_report()),
+        ("labelled-00001", b"{not json".to_vec()),
+        (
+            "labelled-never-registered",
+            br#"{"seq":1,"spec":{}}"#.to_vec(),
+        ),
+        ("labelled-00002", huge_report()),
+    ];
+    for (device, payload) in refused {
+        injector
+            .publish(reported(server, device), false, payload)
+            .await;
+    }
+    let unknown_channel = format!("{}/labelled-00003/sideways", server.topic_root);
+    injector
+        .publish(unknown_channel, false, b"{}".to_vec())
+        .await;
+    wait_metric(
+        server,
+        "idem_reports_rejected_total{reason=\"unknown_device\"}",
+        1.0,
+    )
+    .await;
+    wait_metric(
+        server,
+        "idem_reports_rejected_total{reason=\"oversized\"}",
+        1.0,
+    )
+    .await;
+
+    let exposition = server.metrics().await.unwrap();
+    let after = label_sets(&exposition);
+    let new: Vec<&String> = after.difference(&before).collect();
+    assert_eq!(
+        new,
+        Vec::<&String>::new(),
+        "series that appeared once devices reported (every label value must come from a fixed table)"
+    );
+    assert!(
+        !exposition.contains("labelled-"),
+        "a device id in /metrics:\n{exposition}"
+    );
+    fleet.shutdown().await.unwrap();
+}
+
+/// Every series of a Prometheus exposition, as its name and labels
+/// (`name{label="value",…}`), without values or comments.
+fn label_sets(exposition: &str) -> std::collections::BTreeSet<String> {
+    exposition
+        .lines()
+        .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
+        .filter_map(|line| line.rsplit_once(' ').map(|(series, _)| series.to_owned()))
+        .collect()
+}

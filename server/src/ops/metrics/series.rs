@@ -42,7 +42,7 @@ pub(super) const RETAINED_UPDATES: Family<Counter> = Family::new(
 );
 pub(super) const STALE_PUSHES: Family<Counter> = Family::new(
     "idem_stale_pushes_total",
-    "Pushes not sent because another instance changed the device's desired state after they were decided (the device is re-decided)",
+    "Pushes and retained refreshes not sent because another instance changed the device's desired state after they were decided (the device is re-decided)",
 );
 pub(super) const PUSHES: Family<Counter> =
     Family::new("idem_pushes_total", "Desired-state publishes to devices");

@@ -1,5 +1,6 @@
-//! What is pushed and when: the in-flight cap, forced runs, and retained
-//! messages refreshed without an attempt.
+//! What is pushed and when: the in-flight cap, forced runs, retained
+//! messages refreshed without an attempt, and publishes the cache has moved
+//! past.
 
 use super::*;
 
@@ -61,4 +62,28 @@ fn a_converged_device_with_an_old_retained_message_gets_it_refreshed_without_an_
         world.fleet.get(&device).unwrap().retained_generation,
         Some(3)
     );
+}
+
+#[test]
+fn publishes_for_a_generation_the_cache_has_moved_past_are_stale_retained_refreshes_included() {
+    let mut world = World::new(settings());
+    let pushed = world.device("pump", Some(3), Some(1));
+    let current = world.device("valve", Some(2), Some(2));
+    let refreshed = world.device("gauge", Some(4), Some(4));
+    let publish = |device: &DeviceId, generation: u64, reason: PublishReason| Effect::Publish {
+        device: device.clone(),
+        generation,
+        spec: Arc::new(spec(generation)),
+        reason,
+    };
+    let batch = vec![
+        publish(&pushed, 2, PublishReason::Attempt),
+        publish(&current, 2, PublishReason::RefreshRetained),
+        publish(&refreshed, 3, PublishReason::RefreshRetained),
+        Effect::AskForReport {
+            device: pushed.clone(),
+            reason: AskReason::Decide,
+        },
+    ];
+    assert_eq!(world.machine.stale_pushes(&batch), vec![pushed, refreshed]);
 }
