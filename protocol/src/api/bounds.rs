@@ -96,12 +96,28 @@ pub fn is_broker_password(password: &str) -> bool {
 /// The JSON Schemas of these bounds, for the OpenAPI document.
 #[cfg(feature = "openapi")]
 pub mod schema {
+    use utoipa::openapi::extensions::Extensions;
     use utoipa::openapi::schema::{
         AdditionalProperties, ArrayBuilder, ObjectBuilder, Schema, SchemaType, Type,
     };
     use utoipa::openapi::RefOr;
 
     use super::*;
+
+    /// A rule the server enforces that no JSON Schema keyword can say, as
+    /// the `x-idem-rule` extension (the schema's description says it in
+    /// words too): a client, a fuzzer or a reader sees it where the schema
+    /// is.
+    pub fn rule(text: &str) -> Extensions {
+        Extensions::from_iter([("x-idem-rule", text)])
+    }
+
+    /// `not: {required: [a, b]}` ("at most one of `a` and `b`"), which
+    /// utoipa's object builder has no keyword for: its extensions are
+    /// serialized key by key, so the keyword is written as one.
+    pub fn not_both(a: &str, b: &str) -> Extensions {
+        Extensions::from_iter([("not", serde_json::json!({ "required": [a, b] }))])
+    }
 
     fn text(min: usize, max: usize, pattern: Option<&str>) -> ObjectBuilder {
         ObjectBuilder::new()
@@ -147,9 +163,9 @@ pub mod schema {
             .schema_type(Type::Object)
             .min_properties(Some(min))
             .max_properties(Some(MAX_LABELS))
-            .property_names(Some(text(1, MAX_LABEL_KEY_CHARS, None)))
+            .property_names(Some(text(1, MAX_LABEL_KEY_CHARS, Some(NUL_FREE_PATTERN))))
             .additional_properties(Some(AdditionalProperties::RefOr(RefOr::T(
-                text(0, MAX_LABEL_VALUE_CHARS, None).into(),
+                text(0, MAX_LABEL_VALUE_CHARS, Some(NUL_FREE_PATTERN)).into(),
             ))))
     }
 
@@ -260,6 +276,9 @@ pub mod schema {
             .description(Some(
                 "e.g. `4h`, `7d`: from 1s to the server's `--exemption-max` (default 30d)",
             ))
+            .extensions(Some(rule(
+                "at least 1s and at most the server's --exemption-max (default 30d); beyond it 400 invalid_expiry",
+            )))
             .into()
     }
 
@@ -304,6 +323,9 @@ pub mod schema {
                     )))
                     .max_items(Some(MAX_REGISTRATIONS_PER_REQUEST))
                     .description(Some("devices to register or update, each id at most once"))
+                    .extensions(Some(rule(
+                        "each `id` at most once in one request; a repeated id is 400 duplicate_device_id",
+                    )))
                     .into(),
             )
         }

@@ -41,6 +41,8 @@ pub use error_code::ErrorCode;
 pub use exemptions::schema::ExemptionRequest as ExemptionRequestSchema;
 pub use exemptions::{ExemptionList, ExemptionRequest, ExemptionView};
 pub use owned::{OwnedBySelector, OwnedFieldsDeclaration, OwnedFieldsProposal, OwnedFieldsView};
+#[cfg(feature = "openapi")]
+pub use plans::PlanRequest;
 pub use plans::{
     Approval, PlanApplyRequest, PlanApproved, PlanChange, PlanCounts, PlanDevicePage,
     PlanDeviceQuery, PlanSkipCounts, PlanSkipReason, PlanState, PlanView, PlannedDevice,

@@ -173,3 +173,48 @@ pub struct PlanDeviceQuery {
     #[cfg_attr(feature = "openapi", param(schema_with = crate::api::bounds::schema::page_limit))]
     pub limit: Option<i64>,
 }
+
+/// The body of `POST /v1/plans` as the document states it: a
+/// [`super::DesiredRequest`] without `rollout`, which is given when the plan
+/// is applied.
+#[cfg(feature = "openapi")]
+pub struct PlanRequest;
+
+#[cfg(feature = "openapi")]
+impl utoipa::PartialSchema for PlanRequest {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::extensions::Extensions;
+        use utoipa::openapi::schema::{AllOfBuilder, ObjectBuilder};
+        use utoipa::openapi::{Ref, RefOr};
+        // `not`, which utoipa's builders lack, written as an extension
+        // (serialized key by key).
+        let no_rollout = ObjectBuilder::new().extensions(Some(Extensions::from_iter([(
+            "not",
+            serde_json::json!({ "required": ["rollout"] }),
+        )])));
+        RefOr::T(
+            AllOfBuilder::new()
+                .item(RefOr::Ref(Ref::from_schema_name("DesiredRequest")))
+                .item(no_rollout)
+                .description(Some(
+                    "a desired change to plan; `rollout` is given when the plan is applied (POST /v1/plans/{id}/apply), and 400 invalid_rollout here",
+                ))
+                .into(),
+        )
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl utoipa::ToSchema for PlanRequest {
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        schemas.push((
+            "DesiredRequest".to_owned(),
+            <super::DesiredRequest as utoipa::PartialSchema>::schema(),
+        ));
+    }
+}

@@ -263,6 +263,7 @@ pub mod schema {
     use utoipa::openapi::RefOr;
 
     use super::{MAX_COUNT, MAX_WAVES, PAUSE_PATTERN, WAVE_PERCENT_PATTERN};
+    use crate::api::bounds::schema::{not_both, rule};
 
     fn ratio() -> Schema {
         ObjectBuilder::new()
@@ -313,6 +314,7 @@ pub mod schema {
             .description(Some(
                 "at most one of `max_failures` (a count) and `max_failure_ratio`",
             ))
+            .extensions(Some(not_both("max_failures", "max_failure_ratio")))
             .additional_properties(Some(AdditionalProperties::FreeForm(false)))
             .into()
     }
@@ -355,6 +357,9 @@ pub mod schema {
             .description(Some(
                 "staged waves over the devices that need a push: cumulative sizes that increase, counts before percentages, the last \"100%\"",
             ))
+            .extensions(Some(rule(
+                "wave sizes are cumulative and strictly increase; every count comes before every percentage; the last wave is \"100%\"; otherwise 400 invalid_rollout",
+            )))
             .additional_properties(Some(AdditionalProperties::FreeForm(false)))
             .into()
     }

@@ -171,4 +171,72 @@ mod tests {
             schemas["Generation"]
         );
     }
+
+    #[test]
+    fn the_document_states_the_rules_the_server_enforces_on_bodies() {
+        let json = serde_json::to_value(document(AuthSettings::default())).unwrap();
+        let text = json.to_string();
+        let resolved = |schema: &serde_json::Value| -> serde_json::Value {
+            match schema["$ref"].as_str() {
+                Some(name) => json["components"]["schemas"]
+                    [name.trim_start_matches("#/components/schemas/")]
+                .clone(),
+                None => schema.clone(),
+            }
+        };
+        assert!(
+            text.contains(r#""not":{"required":["max_failures","max_failure_ratio"]}"#),
+            "a gate takes at most one failure bound"
+        );
+        let plan_body = resolved(
+            &json["paths"]["/v1/plans"]["post"]["requestBody"]["content"]["application/json"]
+                ["schema"],
+        );
+        assert_eq!(
+            plan_body["allOf"][1]["not"],
+            serde_json::json!({"required": ["rollout"]}),
+            "a plan is made without a rollout: {plan_body}"
+        );
+        let mut rules = Vec::new();
+        let mut open = vec![&json];
+        while let Some(value) = open.pop() {
+            match value {
+                serde_json::Value::Object(map) => {
+                    if let Some(rule) = map.get("x-idem-rule").and_then(|r| r.as_str()) {
+                        rules.push(rule.to_owned());
+                    }
+                    open.extend(map.values());
+                }
+                serde_json::Value::Array(items) => open.extend(items),
+                _ => {}
+            }
+        }
+        for rule in [
+            "wave sizes are cumulative",
+            "a repeated id is 400 duplicate_device_id",
+            "at most the server's --exemption-max",
+        ] {
+            assert!(
+                rules.iter().any(|stated| stated.contains(rule)),
+                "no x-idem-rule says {rule:?}: {rules:?}"
+            );
+        }
+        let registration = resolved(&json["components"]["schemas"]["DeviceRegistration"]);
+        let labels = resolved(&registration["properties"]["labels"]);
+        assert_eq!(
+            labels["propertyNames"]["pattern"],
+            idem_protocol::api::bounds::NUL_FREE_PATTERN,
+            "{labels}"
+        );
+        for (path, item) in json["paths"].as_object().unwrap() {
+            for (method, operation) in item.as_object().unwrap() {
+                if operation["requestBody"].is_object() {
+                    assert!(
+                        operation["responses"]["413"].is_object(),
+                        "{method} {path} takes a body and does not list 413"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -49,7 +49,7 @@ use crate::store;
 /// `POST /v1/plans`: what `POST /v1/desired` with this body would do, device
 /// by device; nothing is changed or recorded.
 #[utoipa::path(post, path = "/v1/plans", tag = "plans",
-    request_body = idem_protocol::api::DesiredRequest,
+    request_body = idem_protocol::api::PlanRequest,
     responses((status = 201, body = PlanView), (status = "4XX", body = ErrorBody),
         (status = 503, description = "large_reads_busy: every turn of large reads taken; retry after Retry-After", body = ErrorBody)))]
 pub(super) async fn create_plan(

@@ -157,6 +157,12 @@ fn describe_shared_answers(operation: &mut Operation, access: Access) {
             );
         }
     }
+    if operation.request_body.is_some() {
+        add(
+            "413",
+            "the body is over --http-max-body-bytes (`body_too_large`), or a list in it is over its limit (`too_many_items`)",
+        );
+    }
     add(
         "500",
         "a fault of the server (`internal`); details in its log",
