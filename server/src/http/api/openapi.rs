@@ -208,7 +208,10 @@ mod tests {
                     open.extend(map.values());
                 }
                 serde_json::Value::Array(items) => open.extend(items),
-                _ => {}
+                serde_json::Value::Null
+                | serde_json::Value::Bool(_)
+                | serde_json::Value::Number(_)
+                | serde_json::Value::String(_) => {}
             }
         }
         for rule in [
