@@ -402,3 +402,52 @@ async fn set_desired(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId, ve
     );
     tx.mirror([FleetChange::Desired(device.clone(), desired)]);
 }
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn a_desired_change_waits_for_a_hold_and_a_hold_says_when_the_cache_lacks_one(pool: PgPool) {
+    let ours = writer(&pool);
+    let device = idem_protocol::DeviceId::parse("a").unwrap();
+    let mut tx = ours.begin().await.unwrap();
+    devices::register(
+        &mut tx,
+        &[Registration {
+            id: "a".to_owned(),
+            labels: None,
+        }],
+    )
+    .await
+    .unwrap();
+    tx.mirror([FleetChange::Registered(device.clone())]);
+    tx.commit("registering").await.unwrap();
+
+    let hold = ours.hold_desired().await.unwrap();
+    let hold = hold.expect("the cache has every change: the hold is given");
+    // Another process changes the device's desired state meanwhile.
+    let theirs = tokio::spawn({
+        let pool = pool.clone();
+        let device = device.clone();
+        async move {
+            let theirs = writer(&pool);
+            let mut tx = theirs.begin().await.unwrap();
+            set_desired(&mut tx, &device, 1).await;
+            tx.commit("the other process's desired change")
+                .await
+                .unwrap();
+            "committed"
+        }
+    });
+    let theirs = waits_on_a_lock(&pool, theirs, |got| {
+        format!("the other process's desired change {got} while the hold was held")
+    })
+    .await;
+    hold.release().await.unwrap();
+    assert_eq!(theirs.await.unwrap(), "committed");
+
+    assert!(
+        ours.hold_desired().await.unwrap().is_none(),
+        "the cache lacks the other process's change: no hold"
+    );
+    ours.follow().await.unwrap();
+    let hold = ours.hold_desired().await.unwrap();
+    assert!(hold.is_some(), "caught up: the hold is given");
+}

@@ -40,6 +40,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use idem_protocol::DeviceId;
+use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres, Transaction};
 use tokio::sync::{Mutex, MutexGuard};
 use uuid::Uuid;
@@ -87,20 +88,40 @@ pub const DESIRED_CHANGES_LOCK: i64 = 0x6964_656d_2064_6573;
 
 /// While it lives, no writer can commit a change of what a push carries:
 /// publishes decided on the cache that took it carry the desired state as
-/// committed. Released by [`DesiredHold::release`] (or, dropped, when its
-/// transaction's rollback reaches the database).
+/// committed. A session-level lock on a pooled connection: released by
+/// [`DesiredHold::release`]; a hold dropped without it closes its
+/// connection instead (the session's end releases the lock), so no
+/// connection goes back to the pool holding it.
 #[derive(Debug)]
 pub struct DesiredHold {
-    tx: Transaction<'static, Postgres>,
+    connection: Option<PoolConnection<Postgres>>,
 }
 
 impl DesiredHold {
     /// Lets the changes the hold kept back commit.
-    pub async fn release(self) -> Result<(), StoreError> {
-        self.tx
-            .commit()
-            .await
-            .context("releasing the hold on desired changes")
+    pub async fn release(mut self) -> Result<(), StoreError> {
+        let Some(mut connection) = self.connection.take() else {
+            return Ok(());
+        };
+        let unlocked = sqlx::query("SELECT pg_advisory_unlock_shared($1)")
+            .bind(DESIRED_CHANGES_LOCK)
+            .execute(&mut *connection)
+            .await;
+        match unlocked {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                drop(connection.detach());
+                Err(e).context("releasing the hold on desired changes")
+            }
+        }
+    }
+}
+
+impl Drop for DesiredHold {
+    fn drop(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            drop(connection.detach());
+        }
     }
 }
 
@@ -185,23 +206,31 @@ impl DeviceWriter {
     /// up with [`Self::follow`], which needs the hold released, and asks
     /// again).
     pub async fn hold_desired(&self) -> Result<Option<DesiredHold>, StoreError> {
-        let mut tx = self
+        let mut connection = self
             .pool
-            .begin()
+            .acquire()
             .await
-            .context("starting a hold on desired changes")?;
-        let high: i64 = sqlx::query_scalar("SELECT idem_hold_desired($1)")
+            .context("taking a connection for a hold on desired changes")?;
+        let high: Result<i64, _> = sqlx::query_scalar("SELECT idem_hold_desired($1)")
             .bind(DESIRED_CHANGES_LOCK)
-            .fetch_one(&mut *tx)
-            .await
-            .context("holding desired changes")?;
+            .fetch_one(&mut *connection)
+            .await;
+        let high = match high {
+            Ok(high) => high,
+            Err(e) => {
+                // The lock may be held: the connection is closed, not pooled.
+                drop(connection.detach());
+                return Err(e).context("holding desired changes");
+            }
+        };
+        let hold = DesiredHold {
+            connection: Some(connection),
+        };
         if high > self.seen.load(Ordering::Acquire) {
-            tx.rollback()
-                .await
-                .context("releasing a hold on desired changes")?;
+            hold.release().await?;
             return Ok(None);
         }
-        Ok(Some(DesiredHold { tx }))
+        Ok(Some(hold))
     }
 
     /// Catches the cache up ([`Self::follow`]) only when the change log is
