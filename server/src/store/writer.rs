@@ -88,10 +88,12 @@ pub const DESIRED_CHANGES_LOCK: i64 = 0x6964_656d_2064_6573;
 
 /// While it lives, no writer can commit a change of what a push carries:
 /// publishes decided on the cache that took it carry the desired state as
-/// committed. A session-level lock on a pooled connection: released by
-/// [`DesiredHold::release`]; a hold dropped without it closes its
-/// connection instead (the session's end releases the lock), so no
-/// connection goes back to the pool holding it.
+/// committed. A transaction-level lock on a pooled connection, taken with
+/// its `BEGIN` in one round trip: released by [`DesiredHold::release`]
+/// (`COMMIT`); a hold dropped without it closes its connection instead (the
+/// session's end releases the lock), so no connection goes back to the
+/// pool inside the transaction. A paused holder's session ends once it has
+/// been idle in the transaction past the pool's limit (the instance lease).
 #[derive(Debug)]
 pub struct DesiredHold {
     connection: Option<PoolConnection<Postgres>>,
@@ -103,10 +105,7 @@ impl DesiredHold {
         let Some(mut connection) = self.connection.take() else {
             return Ok(());
         };
-        let unlocked = sqlx::query("SELECT pg_advisory_unlock_shared($1)")
-            .bind(DESIRED_CHANGES_LOCK)
-            .execute(&mut *connection)
-            .await;
+        let unlocked = sqlx::query("COMMIT").execute(&mut *connection).await;
         match unlocked {
             Ok(_) => Ok(()),
             Err(e) => {
@@ -211,11 +210,14 @@ impl DeviceWriter {
             .acquire()
             .await
             .context("taking a connection for a hold on desired changes")?;
-        let high: Result<i64, _> = sqlx::query_scalar("SELECT idem_hold_desired($1)")
-            .bind(DESIRED_CHANGES_LOCK)
-            .fetch_one(&mut *connection)
-            .await;
-        let high = match high {
+        // One round trip: a simple query (the only kind that carries two
+        // statements, so the constant key is written into its text).
+        let hold_desired = format!("BEGIN; SELECT idem_hold_desired({DESIRED_CHANGES_LOCK})");
+        let executor: &mut sqlx::PgConnection = &mut connection;
+        let held = sqlx::Executor::fetch_one(executor, hold_desired.as_str())
+            .await
+            .and_then(|row| sqlx::Row::try_get::<i64, _>(&row, 0));
+        let high = match held {
             Ok(high) => high,
             Err(e) => {
                 // The lock may be held: the connection is closed, not pooled.
