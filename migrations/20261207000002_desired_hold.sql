@@ -1,10 +1,13 @@
 -- Publishes of desired state leave on fresh data. The engine's holder
 -- hands each batch of pushes to the broker while it holds this lock
--- shared (`idem_hold_desired`), and every device-writing transaction that
+-- shared (`idem_hold_desired`, in a transaction whose `BEGIN` is sent with
+-- the call: one round trip), and every device-writing transaction that
 -- changes what a push carries (not only the engine's columns, not only
 -- reports) takes it exclusive before it commits
 -- (`server/src/store/writer.rs`): such a change commits either before the
--- batch was checked against it or after the batch left.
+-- batch was checked against it or after the batch left. A transaction
+-- lock, so a paused holder's session ends after the pool's
+-- `idle_in_transaction_session_timeout` (the instance lease).
 CREATE INDEX device_changes_desired ON device_changes (version)
     WHERE NOT (engine_only OR reports_only);
 

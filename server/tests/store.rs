@@ -334,16 +334,7 @@ async fn a_write_whose_commit_fails_leaves_the_cache_as_the_database_has_it(pool
     let ours = writer(&pool);
     let device = idem_protocol::DeviceId::parse("a").unwrap();
     let mut tx = ours.begin().await.unwrap();
-    devices::register(
-        &mut tx,
-        &[Registration {
-            id: "a".to_owned(),
-            labels: None,
-        }],
-    )
-    .await
-    .unwrap();
-    tx.mirror([FleetChange::Registered(device.clone())]);
+    register_mirrored(&mut tx, &device).await;
     set_desired(&mut tx, &device, 1).await;
     tx.commit("the first write").await.unwrap();
     let desired = |writer: &DeviceWriter| {
@@ -386,6 +377,17 @@ async fn a_write_whose_commit_fails_leaves_the_cache_as_the_database_has_it(pool
     );
 }
 
+/// A registration of `device` as the API writes it: the row, and the cache
+/// change to mirror once it committed.
+async fn register_mirrored(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId) {
+    let registration = Registration {
+        id: device.to_string(),
+        labels: None,
+    };
+    devices::register(tx, &[registration]).await.unwrap();
+    tx.mirror([FleetChange::Registered(device.clone())]);
+}
+
 /// A desired change of `device` as the API writes it: the row, and the
 /// cache change to mirror once it committed.
 async fn set_desired(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId, version: u64) {
@@ -408,16 +410,7 @@ async fn a_desired_change_waits_for_a_hold_and_a_hold_says_when_the_cache_lacks_
     let ours = writer(&pool);
     let device = idem_protocol::DeviceId::parse("a").unwrap();
     let mut tx = ours.begin().await.unwrap();
-    devices::register(
-        &mut tx,
-        &[Registration {
-            id: "a".to_owned(),
-            labels: None,
-        }],
-    )
-    .await
-    .unwrap();
-    tx.mirror([FleetChange::Registered(device.clone())]);
+    register_mirrored(&mut tx, &device).await;
     tx.commit("registering").await.unwrap();
 
     let hold = ours.hold_desired().await.unwrap();
