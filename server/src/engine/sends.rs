@@ -80,36 +80,37 @@ impl Engine {
         {
             return None;
         }
-        let mut hold = None;
-        for _ in 0..DESIRED_HOLD_TRIES {
-            match self.ctx.writer.hold_desired().await {
-                Ok(Some(held)) => {
-                    hold = Some(held);
-                    break;
-                }
-                Ok(None) => {
-                    if let Err(e) = self.ctx.writer.follow().await {
-                        tracing::warn!(error = %e, "could not catch up with other instances' writes before pushing");
-                        break;
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "could not hold desired changes before pushing");
-                    break;
-                }
-            }
-        }
-        if hold.is_none() {
-            tracing::warn!(
-                "publishes go without a hold on desired changes: judged on the cache as it is"
-            );
-        }
+        let hold = self.hold_after_catching_up().await;
         self.withdraw_stale(outgoing, withdrawn);
         hold
     }
 
+    /// A hold on desired changes, the cache caught up first each time it
+    /// lacks a committed change; `None` (with the reason logged) when the
+    /// database cannot give one or [`DESIRED_HOLD_TRIES`] catch-ups were
+    /// overtaken again.
+    async fn hold_after_catching_up(&self) -> Option<DesiredHold> {
+        for _ in 0..DESIRED_HOLD_TRIES {
+            match self.ctx.writer.hold_desired().await {
+                Ok(Some(hold)) => return Some(hold),
+                Ok(None) => {
+                    if let Err(e) = self.ctx.writer.follow().await {
+                        tracing::warn!(error = %e, "could not catch up with other instances' writes before pushing; publishes go without a hold, judged on the cache as it is");
+                        return None;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not hold desired changes before pushing; publishes go without a hold, judged on the cache as it is");
+                    return None;
+                }
+            }
+        }
+        tracing::warn!("other instances kept changing desired state; publishes go without a hold, judged on the cache as it is");
+        None
+    }
+
     /// Takes out of `outgoing` the publishes the machine names stale and
-    /// adds their devices, once each, to `withdrawn`.
+    /// adds their devices to `withdrawn` (`carry` makes each appear once).
     fn withdraw_stale(&self, outgoing: &mut Vec<Effect>, withdrawn: &mut Vec<DeviceId>) {
         let stale = self.machine.stale_pushes(outgoing);
         if stale.is_empty() {
@@ -125,8 +126,6 @@ impl Engine {
             publishes = stale.len(),
             "pushes withdrawn: another instance changed these devices' desired state since they were decided"
         );
-        let mut devices: Vec<DeviceId> = devices.into_iter().cloned().collect();
-        devices.sort();
-        withdrawn.extend(devices);
+        withdrawn.extend(stale);
     }
 }
