@@ -5,7 +5,7 @@
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use idem_protocol::{Desired, Health, Rejection, Reported, SpecDigest};
+use idem_protocol::{Desired, Generation, Health, Rejection, Reported, SpecDigest};
 use serde_json::Value;
 
 /// How a device treats pushed configuration (and whether it talks at all).
@@ -116,7 +116,7 @@ impl DeviceState {
         self.seq = self.seq.saturating_add(1);
         Reported {
             seq: self.seq,
-            generation: self.generation,
+            generation: self.generation.map(Generation),
             spec: self.spec.clone(),
             health: Some(self.health),
             error,
@@ -142,14 +142,12 @@ pub fn respond_to_desired(
     if !behaviour.answers_desired() {
         return None;
     }
-    if state
-        .generation
-        .is_some_and(|applied| desired.generation < applied)
-    {
+    let pushed = desired.generation.get();
+    if state.generation.is_some_and(|applied| pushed < applied) {
         return Some(state.report());
     }
     if SpecDigest::of(&desired.spec) == SpecDigest::of(&state.spec) {
-        state.generation = Some(desired.generation);
+        state.generation = Some(pushed);
         return Some(state.report());
     }
     let refusal = match behaviour {
@@ -163,8 +161,8 @@ pub fn respond_to_desired(
     match refusal {
         None => {
             state.spec = desired.spec.clone();
-            state.generation = Some(desired.generation);
-            state.installed.push(desired.generation);
+            state.generation = Some(pushed);
+            state.installed.push(pushed);
             Some(state.report())
         }
         Some(message) => {
@@ -205,7 +203,7 @@ mod tests {
 
     fn desired(generation: u64) -> Desired {
         Desired {
-            generation,
+            generation: Generation(generation),
             spec: json!({"fw": "2.0"}),
         }
     }
@@ -218,7 +216,7 @@ mod tests {
             r,
             Reported {
                 seq: 101,
-                generation: Some(2),
+                generation: Some(Generation(2)),
                 spec: json!({"fw": "2.0"}),
                 health: Some(Health::Healthy),
                 error: None,
@@ -237,11 +235,11 @@ mod tests {
         };
         let r = respond_to_desired(&mut s, &b, &desired(2)).unwrap();
         assert_eq!(r.spec, json!({"fw": "1.0"}));
-        assert_eq!(r.generation, Some(1));
+        assert_eq!(r.generation, Some(Generation(1)));
         assert_eq!(
             r.error,
             Some(Rejection {
-                generation: 2,
+                generation: Generation(2),
                 message: "flash full".into()
             })
         );
@@ -284,11 +282,14 @@ mod tests {
         let mut s = state();
         respond_to_desired(&mut s, &DeviceBehaviour::Accept, &desired(3)).unwrap();
         let older = Desired {
-            generation: 2,
+            generation: Generation(2),
             spec: json!({"fw": "0.9"}),
         };
         let r = respond_to_desired(&mut s, &DeviceBehaviour::Accept, &older).unwrap();
-        assert_eq!((r.generation, r.spec), (Some(3), json!({"fw": "2.0"})));
+        assert_eq!(
+            (r.generation, r.spec),
+            (Some(Generation(3)), json!({"fw": "2.0"}))
+        );
         assert_eq!(s.installed, [3]);
     }
 
@@ -296,14 +297,14 @@ mod tests {
     fn a_spec_the_device_already_runs_is_adopted_without_installing_or_refusing() {
         let mut s = state();
         let same = Desired {
-            generation: 7,
+            generation: Generation(7),
             spec: json!({"fw": "1.0"}),
         };
         let b = DeviceBehaviour::Reject {
             message: "flash full".into(),
         };
         let r = respond_to_desired(&mut s, &b, &same).unwrap();
-        assert_eq!((r.generation, r.error), (Some(7), None));
+        assert_eq!((r.generation, r.error), (Some(Generation(7)), None));
         assert!(s.installed.is_empty());
         assert_eq!(s.rejections, 0);
     }

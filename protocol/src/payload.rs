@@ -9,6 +9,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::generation::Generation;
 use crate::limits::{nul_path, storable_text, SpecBudget, MAX_COUNTER, MAX_ERROR_MESSAGE_BYTES};
 
 /// `{root}/{id}/reported`: what the device actually runs.
@@ -19,7 +20,7 @@ pub struct Reported {
     pub seq: u64,
     /// The desired generation the device last applied; absent if none yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub generation: Option<u64>,
+    pub generation: Option<Generation>,
     /// The configuration the device is running right now.
     pub spec: Value,
     /// The device's own verdict on how it runs with that configuration.
@@ -34,7 +35,7 @@ pub struct Reported {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rejection {
     /// The desired generation that was refused.
-    pub generation: u64,
+    pub generation: Generation,
     /// Human-readable reason, shown to operators as is.
     pub message: String,
 }
@@ -93,7 +94,7 @@ impl<'de> Deserialize<'de> for Health {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Desired {
     /// Increases every time the operator changes this device's desired spec.
-    pub generation: u64,
+    pub generation: Generation,
     pub spec: Value,
 }
 
@@ -174,10 +175,10 @@ impl Reported {
         let mut report: Reported =
             serde_json::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))?;
         check_counter("seq", Some(report.seq))?;
-        check_counter("generation", report.generation)?;
+        check_counter("generation", report.generation.map(Generation::get))?;
         check_counter(
             "error.generation",
-            report.error.as_ref().map(|e| e.generation),
+            report.error.as_ref().map(|e| e.generation.get()),
         )?;
         if let Some(path) = nul_path(&report.spec) {
             return Err(DecodeError::Nul { path });
@@ -209,7 +210,7 @@ impl Desired {
         require_object(payload)?;
         let desired: Desired =
             serde_json::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))?;
-        check_counter("generation", Some(desired.generation))?;
+        check_counter("generation", Some(desired.generation.get()))?;
         Ok(desired)
     }
 
@@ -276,11 +277,11 @@ mod tests {
     fn a_rejecting_report_round_trips() {
         let r = Reported {
             seq: 9,
-            generation: Some(1),
+            generation: Some(Generation(1)),
             spec: json!({"fw": "1.0"}),
             health: Some(Health::Degraded),
             error: Some(Rejection {
-                generation: 2,
+                generation: Generation(2),
                 message: "flash full".into(),
             }),
         };
@@ -290,7 +291,7 @@ mod tests {
     #[test]
     fn a_desired_message_round_trips() {
         let d = Desired {
-            generation: 7,
+            generation: Generation(7),
             spec: json!({"fw": "2.0", "fans": [1, 2]}),
         };
         assert_eq!(Desired::decode(&d.encode(), budget()).unwrap(), d);
@@ -427,7 +428,7 @@ mod tests {
     #[test]
     fn desired_messages_must_be_objects() {
         let d = Desired::decode(br#"{"generation":2,"spec":{"a":1}}"#, budget()).unwrap();
-        assert_eq!(d.generation, 2);
+        assert_eq!(d.generation, Generation(2));
         assert!(Desired::decode(br#"[2,{"a":1}]"#, budget()).is_err());
         assert!(Desired::decode(b"", budget()).is_err());
     }

@@ -164,11 +164,11 @@ fn report_decoding_never_panics_and_never_accepts_what_the_protocol_refuses() {
         let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
         prop_assert_eq!(first, Some(&b'{'), "only objects are reports");
         prop_assert!(report.seq <= MAX_COUNTER);
-        prop_assert!(report.generation.is_none_or(|g| g <= MAX_COUNTER));
+        prop_assert!(report.generation.is_none_or(|g| g.get() <= MAX_COUNTER));
         prop_assert_eq!(nul_path(&report.spec), None, "NUL in an accepted spec");
         prop_assert!(canonical_json(&report.spec).len() <= budget.max_spec_bytes());
         if let Some(error) = &report.error {
-            prop_assert!(error.generation <= MAX_COUNTER);
+            prop_assert!(error.generation.get() <= MAX_COUNTER);
             prop_assert!(error.message.len() <= MAX_ERROR_MESSAGE_BYTES);
             prop_assert!(!error.message.contains('\0'));
         }

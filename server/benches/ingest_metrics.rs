@@ -7,7 +7,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use idem_protocol::{Reported, SpecBudget, TopicRoot, MAX_COUNTER};
+use idem_protocol::{Generation, Reported, SpecBudget, TopicRoot, MAX_COUNTER};
 use idem_server::ingest::{classify, seq_verdict, Inbound, IngestRules};
 use idem_server::ops::metrics::Metrics;
 use serde_json::json;
@@ -21,7 +21,7 @@ fn main() {
         .map(|i| {
             let report = Reported {
                 seq: i as u64 + 1,
-                generation: Some(1),
+                generation: Some(Generation(1)),
                 spec: json!({"firmware": "1.4.2", "sample_rate_hz": 10, "site": format!("s{}", i % 50)}),
                 health: None,
                 error: None,

@@ -5,7 +5,7 @@
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use idem_protocol::SpecDigest;
+use idem_protocol::{DeviceId, Generation, SpecDigest};
 use idem_server::store::cache::FleetCache;
 use idem_server::store::cache::{DesiredState, FleetChange};
 use idem_server::store::devices::{self, Registration, ReportRow};
@@ -13,6 +13,10 @@ use idem_server::store::events;
 use idem_server::store::{DeviceTx, DeviceWriter};
 use serde_json::json;
 use sqlx::PgPool;
+
+fn id(name: &str) -> DeviceId {
+    DeviceId::parse(name).unwrap()
+}
 
 /// A device writer of its own, as another server process would have.
 fn writer(pool: &PgPool) -> DeviceWriter {
@@ -54,8 +58,8 @@ async fn register(pool: &PgPool, ids: &[&str]) {
     let mut tx = writer.begin().await.unwrap();
     let registrations: Vec<Registration> = ids
         .iter()
-        .map(|id| Registration {
-            id: (*id).to_owned(),
+        .map(|name| Registration {
+            id: id(name),
             labels: None,
         })
         .collect();
@@ -65,7 +69,7 @@ async fn register(pool: &PgPool, ids: &[&str]) {
 
 fn report(id: &str, seq: u64, firmware: &str) -> ReportRow {
     ReportRow {
-        id: id.to_owned(),
+        id: self::id(id),
         seq,
         spec: json!({ "firmware": firmware }),
         digest: format!("digest-{firmware}"),
@@ -79,7 +83,7 @@ fn report(id: &str, seq: u64, firmware: &str) -> ReportRow {
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]
 async fn the_desired_generation_increases_only_when_the_spec_changes(pool: PgPool) {
     register(&pool, &["a", "b"]).await;
-    let ids = vec!["a".to_owned(), "b".to_owned()];
+    let ids = vec![id("a"), id("b")];
     let writer = writer(&pool);
     let mut tx = writer.begin().await.unwrap();
     let first = devices::set_desired(&mut tx, &ids, &json!({"v": 1}), "d1")
@@ -93,15 +97,12 @@ async fn the_desired_generation_increases_only_when_the_spec_changes(pool: PgPoo
         .unwrap();
     tx.commit("test writes").await.unwrap();
     assert_eq!(
-        first
-            .iter()
-            .map(|w| w.desired_generation)
-            .collect::<Vec<_>>(),
-        vec![1, 1]
+        first.iter().map(|w| w.generation).collect::<Vec<_>>(),
+        vec![Generation(1), Generation(1)]
     );
     assert!(same.is_empty(), "an unchanged spec writes nothing");
     assert_eq!(changed.len(), 1);
-    assert_eq!(changed[0].desired_generation, 2);
+    assert_eq!(changed[0].generation, Generation(2));
 }
 
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]
@@ -118,7 +119,7 @@ async fn a_report_with_a_lower_or_equal_seq_never_overwrites_a_newer_one(pool: P
         tx.commit("test writes").await.unwrap();
         assert_eq!(changed, expect_changed, "seq {seq}");
     }
-    let row = devices::get(&pool, "a").await.unwrap().unwrap();
+    let row = devices::get(&pool, &id("a")).await.unwrap().unwrap();
     assert_eq!(row.reported_seq, Some(6));
     assert_eq!(row.reported_spec, Some(json!({"firmware": "newer"})));
 }
@@ -140,7 +141,7 @@ async fn reports_from_unregistered_devices_are_stored_only_with_auto_register(po
         1
     );
     tx.commit("test writes").await.unwrap();
-    assert!(devices::get(&pool, "new").await.unwrap().is_some());
+    assert!(devices::get(&pool, &id("new")).await.unwrap().is_some());
 }
 
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]
@@ -198,7 +199,7 @@ async fn a_device_writer_of_another_process_waits_until_the_first_commits(pool: 
     register(&pool, &["a"]).await;
     let ours = writer(&pool);
     let mut first = ours.begin().await.unwrap();
-    devices::set_desired(&mut first, &["a".to_owned()], &json!({"v": 1}), "d1")
+    devices::set_desired(&mut first, &[id("a")], &json!({"v": 1}), "d1")
         .await
         .unwrap();
     // A second server process has its own writer: only the database-wide
@@ -244,7 +245,7 @@ async fn events_with_backslashes_tabs_line_breaks_and_copy_markers_in_their_data
             event_type: EventType::Device(idem_protocol::OutcomeKind::Failed),
             subject: "dev-awkward".to_owned(),
             run_id: Some(uuid::Uuid::now_v7()),
-            generation: Some(7),
+            generation: Some(Generation(7)),
             data: data.clone(),
         },
         EventDraft {
@@ -343,7 +344,11 @@ async fn a_write_whose_commit_fails_leaves_the_cache_as_the_database_has_it(pool
             .get(&device)
             .and_then(|entry| entry.desired.map(|d| d.generation))
     };
-    assert_eq!(desired(&ours), Some(1), "a committed write is mirrored");
+    assert_eq!(
+        desired(&ours),
+        Some(Generation(1)),
+        "a committed write is mirrored"
+    );
 
     // Every statement of the write succeeds; PostgreSQL refuses the commit.
     for statement in [
@@ -372,7 +377,7 @@ async fn a_write_whose_commit_fails_leaves_the_cache_as_the_database_has_it(pool
     assert_eq!(stored, Some(1), "the database kept nothing of the write");
     assert_eq!(
         desired(&ours),
-        Some(1),
+        Some(Generation(1)),
         "the cache mirrored a write that never committed"
     );
 }
@@ -381,7 +386,7 @@ async fn a_write_whose_commit_fails_leaves_the_cache_as_the_database_has_it(pool
 /// change to mirror once it committed.
 async fn register_mirrored(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId) {
     let registration = Registration {
-        id: device.to_string(),
+        id: device.clone(),
         labels: None,
     };
     devices::register(tx, &[registration]).await.unwrap();
@@ -393,15 +398,10 @@ async fn register_mirrored(tx: &mut DeviceTx<'_>, device: &idem_protocol::Device
 async fn set_desired(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId, version: u64) {
     let spec = json!({ "v": version });
     let digest = SpecDigest::of(&spec);
-    let rows = devices::set_desired(tx, &[device.to_string()], &spec, &digest.to_string())
+    let rows = devices::set_desired(tx, std::slice::from_ref(device), &spec, &digest.to_string())
         .await
         .unwrap();
-    let desired = DesiredState::new(
-        u64::try_from(rows[0].desired_generation).unwrap(),
-        digest,
-        std::sync::Arc::new(spec),
-        None,
-    );
+    let desired = DesiredState::new(rows[0].generation, digest, std::sync::Arc::new(spec), None);
     tx.mirror([FleetChange::Desired(device.clone(), desired)]);
 }
 

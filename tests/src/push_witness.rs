@@ -62,10 +62,10 @@ impl PushWitness {
                             let mut pushes = sink.lock().unwrap_or_else(PoisonError::into_inner);
                             *pushes
                                 .by_generation
-                                .entry((device.clone(), desired.generation))
+                                .entry((device.clone(), desired.generation.get()))
                                 .or_insert(0) += 1;
                             let at = std::time::Instant::now();
-                            pushes.arrivals.push((at, device, desired.generation));
+                            pushes.arrivals.push((at, device, desired.generation.get()));
                         }
                     }
                     Ok(_) => {}

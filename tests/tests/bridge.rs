@@ -13,7 +13,7 @@ use idem_device_sim::{
     check_outcomes, ClientAuth, FleetConfig, FleetPlan, OfflineMode, SecretString, ServerClient,
     SimDevice,
 };
-use idem_protocol::{Channel, Desired, DeviceId, SpecBudget};
+use idem_protocol::{Channel, Desired, DeviceId, Generation, SpecBudget};
 use idem_tests::{BridgeToCore, PrivateMosquitto, Scenario, ServerSettings};
 use rumqttc::{AsyncClient, Event, Packet, QoS};
 use serde_json::json;
@@ -228,7 +228,7 @@ async fn the_retained_desired_message_reaches_edges_up_at_the_push_and_edges_sta
     // An edge bridged afterwards gets it from the core when it subscribes.
     let late_edge = edge(&scenario, "late", Some(std::slice::from_ref(&device)));
     let (_, desired) = retained_desired(&late_edge, &topic, &v2).await;
-    assert_eq!(desired.generation, 2);
+    assert_eq!(desired.generation, Generation(2));
 
     // The device boots on the late edge and applies the retained message.
     let fleet = fleet_on(&scenario, &late_edge, vec![device.clone()]).await;

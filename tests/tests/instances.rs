@@ -202,7 +202,7 @@ async fn an_engine_paused_past_its_lease_commits_nothing_once_the_lease_changed_
     };
     let registering = |id: &str| {
         vec![Registration {
-            id: id.to_owned(),
+            id: DeviceId::parse(id).unwrap(),
             labels: None,
         }]
     };

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use idem_device_sim::{DeviceBehaviour, OfflineMode, SimDevice};
-use idem_protocol::{Channel, Desired, DeviceId, SpecBudget, TopicRoot};
+use idem_protocol::{Channel, Desired, DeviceId, Generation, SpecBudget, TopicRoot};
 use idem_tests::{Scenario, ServerSettings};
 use serde_json::{json, Value};
 
@@ -67,7 +67,7 @@ async fn a_rebooting_device_never_applies_a_withdrawn_generation() {
     loop {
         let retained = scenario.broker.retained_on(&desired_topic).await.unwrap();
         let retained = Desired::decode(&retained, SpecBudget::default()).unwrap();
-        if retained.generation == 3 {
+        if retained.generation == Generation(3) {
             assert_eq!(retained.spec, v1);
             break;
         }

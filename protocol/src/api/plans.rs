@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::FieldDiff;
+use crate::Generation;
 
 /// `POST /v1/plans`, `GET /v1/plans/{id}`: a desired change computed and
 /// not applied.
@@ -119,7 +120,7 @@ pub struct PlannedDevice {
     /// Why it is skipped (`change` is `skipped`).
     pub reason: Option<PlanSkipReason>,
     /// Its desired generation once the plan is applied.
-    pub generation: u64,
+    pub generation: Generation,
     /// True when its desired spec already is the planned one: applying
     /// creates no new generation for it.
     pub unchanged: bool,

@@ -81,12 +81,13 @@ pub async fn run(
     let mut resolver = crate::reconcile::owned::OwnedResolver::new(owned.clone());
     let mut entries = store::device_rows::cache_entries(&rows, &mut resolver)?;
     drop(rows);
-    let exempt: std::collections::HashSet<String> = store::exemptions::exempt_devices(&pool, None)
-        .await?
-        .into_iter()
-        .collect();
+    let exempt: std::collections::HashSet<idem_protocol::DeviceId> =
+        store::exemptions::exempt_devices(&pool, None)
+            .await?
+            .into_iter()
+            .collect();
     for (id, entry) in &mut entries {
-        entry.exempt = exempt.contains(id.as_str());
+        entry.exempt = exempt.contains(id);
     }
     let fleet = Arc::new(FleetCache::from_entries(entries).with_owned_set(owned));
     tracing::info!(devices = fleet.len(), "device cache loaded");

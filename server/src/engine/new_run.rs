@@ -175,21 +175,20 @@ pub async fn commit_run(
     }
     let mut released = Vec::new();
     if run.release_quarantined {
-        let ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
-        let quarantined: HashSet<String> = store::devices::release_quarantine(&mut write, &ids)
-            .await?
-            .into_iter()
-            .collect();
+        let quarantined: HashSet<DeviceId> =
+            store::devices::release_quarantine(&mut write, &targets)
+                .await?
+                .into_iter()
+                .collect();
         targets =
             released_targets(targets, &quarantined).ok_or(CommitRunError::NothingQuarantined)?;
         released.clone_from(&targets);
     }
-    let target_ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
     let digest_and_spec = run.spec.map(|spec| (SpecDigest::of(&spec), Arc::new(spec)));
     let mut desired_changes = Vec::new();
     if let Some((digest, spec)) = &digest_and_spec {
         desired_changes =
-            store::devices::set_desired(&mut write, &target_ids, spec, &digest.to_string()).await?;
+            store::devices::set_desired(&mut write, &targets, spec, &digest.to_string()).await?;
     }
     let mut judged = judge_new_run(
         RunToJudge {
@@ -203,7 +202,7 @@ pub async fn commit_run(
                 .map(|(digest, spec)| NewSpecDigests::new(spec, *digest)),
             new_generations: desired_changes
                 .iter()
-                .map(|w| (w.id.as_str(), store::to_u64(w.desired_generation)))
+                .map(|w| (&w.id, w.generation))
                 .collect(),
             rollout: run.rollout,
         },
@@ -226,23 +225,17 @@ pub async fn commit_run(
     if let Some(mut audit) = run.audit {
         audit.run_id = Some(run_id);
         if let ([only], None) = (desired_changes.as_slice(), audit.generation) {
-            audit.generation = Some(store::to_u64(only.desired_generation));
+            audit.generation = Some(only.generation);
         }
         store::access::record_audit(&mut **write.tx(), &audit).await?;
     }
     write.mirror(released.into_iter().map(FleetChange::Released));
     if let Some((digest, spec)) = digest_and_spec {
         let mut changes = Vec::with_capacity(desired_changes.len());
-        for row in desired_changes {
-            let id = store::device_id(&row.id, "reading the ids of a desired change")?;
+        for written in desired_changes {
             // The cache leaves out what the device owns (`set_desired`).
-            let desired = DesiredState::new(
-                store::to_u64(row.desired_generation),
-                digest,
-                spec.clone(),
-                None,
-            );
-            changes.push(FleetChange::Desired(id, desired));
+            let desired = DesiredState::new(written.generation, digest, spec.clone(), None);
+            changes.push(FleetChange::Desired(written.id, desired));
         }
         write.mirror(changes);
     }
@@ -275,15 +268,15 @@ async fn write_run(
     judged: &mut JudgedRun,
     event_source: &str,
 ) -> Result<(), CommitRunError> {
-    let carried: Vec<(String, Option<usize>, bool)> = judged
+    let carried: Vec<(DeviceId, Option<usize>, bool)> = judged
         .carried()
-        .map(|c| (c.id.to_string(), c.wave, c.differed))
+        .map(|c| (c.id.clone(), c.wave, c.differed))
         .collect();
     let converged: Vec<ConvergedTarget<'_>> = judged
         .converged
         .iter()
         .map(|c| ConvergedTarget {
-            device_id: c.id.as_str(),
+            device_id: &c.id,
             generation: c.generation,
             health: c.health,
         })

@@ -407,8 +407,8 @@ pub async fn unfinished_runs(
             continue;
         }
         let undecided = store::runs::undecided_waves(pool, run.id).await?;
-        let ids: Vec<String> = undecided.iter().map(|(id, _, _)| id.clone()).collect();
-        let targets = store::device_ids(&ids, "taking up an unfinished run")?;
+        let targets: Vec<idem_protocol::DeviceId> =
+            undecided.iter().map(|(id, _, _)| id.clone()).collect();
         let differed = targets
             .iter()
             .zip(&undecided)

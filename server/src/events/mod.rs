@@ -63,7 +63,10 @@ fn to_row(
         builder = builder.extension("runid", run_id.to_string());
     }
     if let Some(generation) = draft.generation {
-        builder = builder.extension("generation", i64::try_from(generation).unwrap_or(i64::MAX));
+        builder = builder.extension(
+            "generation",
+            i64::try_from(generation.get()).unwrap_or(i64::MAX),
+        );
     }
     let event = builder.build().map_err(|e| EventError::Build {
         event_type,
@@ -87,7 +90,7 @@ fn to_row(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idem_protocol::{DeviceId, Health, OutcomeCounts, OutcomeKind, SpecDigest};
+    use idem_protocol::{DeviceId, Generation, Health, OutcomeCounts, OutcomeKind, SpecDigest};
     use serde_json::json;
 
     fn device() -> DeviceId {
@@ -100,7 +103,7 @@ mod tests {
         let draft = EventDraft::device_outcome(
             &device(),
             run_id,
-            Some(3),
+            Some(Generation(3)),
             DeviceOutcomeData {
                 outcome: OutcomeKind::Failed,
                 reason: Some("timeout: device never reported its state".to_owned()),
@@ -111,7 +114,7 @@ mod tests {
         assert_eq!(draft.event_type.as_str(), "io.idem.device.failed");
         assert_eq!(draft.subject, "pump-7");
         assert_eq!(draft.run_id, Some(run_id));
-        assert_eq!(draft.generation, Some(3));
+        assert_eq!(draft.generation, Some(Generation(3)));
         assert_eq!(
             draft.data.to_string(),
             json!({
@@ -130,7 +133,7 @@ mod tests {
         let reported = SpecDigest::of(&json!({"v": 2}));
         let drifted = EventDraft::device_drifted(
             &device(),
-            4,
+            Generation(4),
             DeviceDriftedData {
                 desired_digest: desired,
                 reported_digest: reported,
@@ -141,7 +144,10 @@ mod tests {
             },
         );
         assert_eq!(drifted.event_type, EventType::DeviceDrifted);
-        assert_eq!((drifted.run_id, drifted.generation), (None, Some(4)));
+        assert_eq!(
+            (drifted.run_id, drifted.generation),
+            (None, Some(Generation(4)))
+        );
         assert_eq!(
             drifted.data.to_string(),
             json!({
@@ -237,7 +243,7 @@ mod tests {
             event_type: EventType::Device(OutcomeKind::AlreadyConverged),
             subject: "pump-7".into(),
             run_id: Some(run_id),
-            generation: Some(3),
+            generation: Some(Generation(3)),
             data: json!({"outcome": "already_converged"}),
         };
         let rows = finalize(vec![draft.clone(), draft], 41, "/idem/test", Utc::now()).unwrap();

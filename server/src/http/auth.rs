@@ -171,7 +171,7 @@ pub struct DryRun;
 #[derive(Debug, Clone, Default)]
 pub struct AuditNote {
     pub targets: Option<usize>,
-    pub generation: Option<u64>,
+    pub generation: Option<idem_protocol::Generation>,
     pub run_id: Option<Uuid>,
     pub detail: Option<Value>,
 }

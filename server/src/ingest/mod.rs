@@ -540,7 +540,7 @@ struct PendingReport<'a> {
 
 fn report_row(device: &DeviceId, report: &Reported, digest: &SpecDigest) -> ReportRow {
     ReportRow {
-        id: device.to_string(),
+        id: device.clone(),
         seq: report.seq,
         spec: report.spec.clone(),
         digest: digest.to_string(),

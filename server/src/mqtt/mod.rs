@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_protocol::{Backoff, Channel, DeviceId, SpecBudget, TopicRoot, GET_PAYLOAD};
+use idem_protocol::{Backoff, Channel, DeviceId, Generation, SpecBudget, TopicRoot, GET_PAYLOAD};
 use rumqttc::{
     AsyncClient, ConnectionError, Event, EventLoop, MqttOptions, Outgoing, Packet, Publish, QoS,
     SubscribeFilter, TlsConfiguration, Transport,
@@ -485,7 +485,7 @@ impl std::fmt::Debug for Publisher {
 
 #[derive(Serialize)]
 struct DesiredMessage<'a> {
-    generation: u64,
+    generation: Generation,
     spec: &'a Value,
 }
 
@@ -509,7 +509,7 @@ impl Publisher {
 
     /// Publishes `{generation, spec}` retained with QoS 1 on the device's
     /// desired topic. A failure is logged: the attempt then times out.
-    pub fn push(&self, device: &DeviceId, generation: u64, spec: &Value) {
+    pub fn push(&self, device: &DeviceId, generation: Generation, spec: &Value) {
         let payload = match serde_json::to_vec(&DesiredMessage { generation, spec }) {
             Ok(p) => p,
             Err(e) => {

@@ -2,7 +2,7 @@
 //! one statement and the fleet cache mirrors after the commit.
 
 use chrono::{DateTime, Utc};
-use idem_protocol::{DeviceStatus, OutcomeKind};
+use idem_protocol::{DeviceStatus, Generation, OutcomeKind};
 use uuid::Uuid;
 
 /// The last outcome a device row remembers (its `last_run_id`,
@@ -26,7 +26,7 @@ pub struct DeviceChange {
     pub last_error: Option<String>,
     pub last_outcome: Option<RememberedOutcome>,
     /// Generation of the desired message now retained on the broker.
-    pub retained: Option<u64>,
+    pub retained: Option<Generation>,
 }
 
 impl DeviceChange {

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use idem_protocol::event::{DeviceOutcomeData, RunStartedData};
-use idem_protocol::{DeviceId, OutcomeKind};
+use idem_protocol::{DeviceId, Generation, OutcomeKind};
 use uuid::Uuid;
 
 use super::device::DeviceEntry;
@@ -48,11 +48,11 @@ pub fn plan_freshness(
 /// release found `quarantined`, in their order (`None`: none was).
 pub fn released_targets(
     targets: Vec<DeviceId>,
-    quarantined: &HashSet<String>,
+    quarantined: &HashSet<DeviceId>,
 ) -> Option<Vec<DeviceId>> {
     let kept: Vec<DeviceId> = targets
         .into_iter()
-        .filter(|id| quarantined.contains(id.as_str()))
+        .filter(|id| quarantined.contains(id))
         .collect();
     (!kept.is_empty()).then_some(kept)
 }
@@ -72,7 +72,7 @@ pub struct RunToJudge<'a> {
     pub new_spec: Option<NewSpecDigests<'a>>,
     /// The desired generation that change gave each target whose spec it
     /// changed.
-    pub new_generations: HashMap<&'a str, u64>,
+    pub new_generations: HashMap<&'a DeviceId, Generation>,
     pub rollout: Option<RolloutSpec>,
 }
 

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use idem_protocol::SpecDigest;
+use idem_protocol::{Generation, SpecDigest};
 
 use super::diff::DriftPaths;
 use super::outcome::{FailureReason, Outcome};
@@ -14,7 +14,7 @@ use super::outcome::{FailureReason, Outcome};
 /// The operator's desired state for one device, as far as deciding needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Desired {
-    pub generation: u64,
+    pub generation: Generation,
     pub digest: SpecDigest,
 }
 
@@ -30,9 +30,9 @@ pub struct ReportedState {
     pub seq: u64,
     pub digest: SpecDigest,
     /// The desired generation the device last applied.
-    pub generation: Option<u64>,
+    pub generation: Option<Generation>,
     /// The last push the device refused: `(generation, message)`.
-    pub rejection: Option<(u64, String)>,
+    pub rejection: Option<(Generation, String)>,
     /// Where the report differs from the desired spec, as the ingest found
     /// when it stored it (`None`: it matched, or was not compared). For the
     /// `drifted` event only; deciding never reads it.
@@ -49,7 +49,7 @@ pub enum Attempt {
     /// `generation` was pushed when the device's last report had `seq_at_push`;
     /// only a later report can confirm or reject it.
     Pushed {
-        generation: u64,
+        generation: Generation,
         seq_at_push: Option<u64>,
         expired: bool,
     },
@@ -140,7 +140,11 @@ fn check_before_dispatch(desired: &Desired, report: &ReportedState, force: bool)
 
 /// What a report sent after the push says about the pushed generation, if
 /// anything: it may still be about an older state.
-fn answer_to_push(desired: &Desired, report: &ReportedState, pushed: u64) -> Option<Outcome> {
+fn answer_to_push(
+    desired: &Desired,
+    report: &ReportedState,
+    pushed: Generation,
+) -> Option<Outcome> {
     if let Some((rejected, message)) = &report.rejection {
         if *rejected == pushed {
             return Some(Outcome::Failed(FailureReason::Rejected {
@@ -171,7 +175,7 @@ mod tests {
 
     fn desired() -> Desired {
         Desired {
-            generation: 2,
+            generation: Generation(2),
             digest: digest(2),
         }
     }
@@ -208,13 +212,17 @@ mod tests {
         };
         match situation {
             Situation::NoReport => (Actual::NeverReported, false),
-            Situation::MatchingDigest => (report(digest(2), Some(2), None), false),
-            Situation::DifferentDigest => (report(digest(1), Some(1), None), false),
+            Situation::MatchingDigest => (report(digest(2), Some(Generation(2)), None), false),
+            Situation::DifferentDigest => (report(digest(1), Some(Generation(1)), None), false),
             Situation::DeviceError => (
-                report(digest(1), Some(1), Some((2, "flash full".to_owned()))),
+                report(
+                    digest(1),
+                    Some(Generation(1)),
+                    Some((Generation(2), "flash full".to_owned())),
+                ),
                 false,
             ),
-            Situation::Timeout => (report(digest(1), Some(1), None), true),
+            Situation::Timeout => (report(digest(1), Some(Generation(1)), None), true),
         }
     }
 
@@ -290,7 +298,7 @@ mod tests {
                 Situation::Timeout => Decision::Finish(Outcome::Failed(FailureReason::Timeout)),
             };
             let attempt = Attempt::Pushed {
-                generation: 2,
+                generation: Generation(2),
                 seq_at_push: Some(10),
                 expired,
             };
@@ -307,12 +315,12 @@ mod tests {
         let old = Actual::Reported(ReportedState {
             seq: 10,
             digest: digest(2),
-            generation: Some(2),
+            generation: Some(Generation(2)),
             rejection: None,
             drift: None,
         });
         let attempt = Attempt::Pushed {
-            generation: 2,
+            generation: Generation(2),
             seq_at_push: Some(10),
             expired: false,
         };
@@ -323,7 +331,7 @@ mod tests {
     fn a_changed_desired_generation_supersedes_the_push_in_flight() {
         let (actual, _) = facts(Situation::MatchingDigest);
         let attempt = Attempt::Pushed {
-            generation: 1,
+            generation: Generation(1),
             seq_at_push: Some(10),
             expired: false,
         };
@@ -338,12 +346,12 @@ mod tests {
         let actual = Actual::Reported(ReportedState {
             seq: 11,
             digest: digest(1),
-            generation: Some(1),
-            rejection: Some((1, "old news".to_owned())),
+            generation: Some(Generation(1)),
+            rejection: Some((Generation(1), "old news".to_owned())),
             drift: None,
         });
         let attempt = Attempt::Pushed {
-            generation: 2,
+            generation: Generation(2),
             seq_at_push: Some(10),
             expired: false,
         };
@@ -355,12 +363,12 @@ mod tests {
         let actual = Actual::Reported(ReportedState {
             seq: 11,
             digest: digest(7),
-            generation: Some(2),
+            generation: Some(Generation(2)),
             rejection: None,
             drift: None,
         });
         let attempt = Attempt::Pushed {
-            generation: 2,
+            generation: Generation(2),
             seq_at_push: Some(10),
             expired: false,
         };
@@ -381,8 +389,8 @@ mod tests {
                 Actual::Reported(ReportedState {
                     seq,
                     digest: digest(spec),
-                    generation,
-                    rejection,
+                    generation: generation.map(Generation),
+                    rejection: rejection.map(|(g, message)| (Generation(g), message)),
                     drift: None,
                 })
             });
@@ -419,12 +427,12 @@ mod tests {
             actual in arb_actual(),
             force in any::<bool>(),
         ) {
-            let desired = Desired { generation, digest: digest(spec) };
+            let desired = Desired { generation: Generation(generation), digest: digest(spec) };
             let decision = decide(&desired, &actual, &Attempt::Fresh { force });
             if decision == Decision::Push {
                 let after = apply_push(&desired, &actual);
                 let confirm = Attempt::Pushed {
-                    generation,
+                    generation: Generation(generation),
                     seq_at_push: seq_of(&actual),
                     expired: false,
                 };
@@ -442,10 +450,10 @@ mod tests {
             actual in arb_actual(),
             pushed in 1u64..4,
         ) {
-            let desired = Desired { generation: 2, digest: digest(spec) };
+            let desired = Desired { generation: Generation(2), digest: digest(spec) };
             for attempt in [
                 Attempt::AwaitingReport { expired: true },
-                Attempt::Pushed { generation: pushed, seq_at_push: seq_of(&actual), expired: true },
+                Attempt::Pushed { generation: Generation(pushed), seq_at_push: seq_of(&actual), expired: true },
             ] {
                 let decision = decide(&desired, &actual, &attempt);
                 let finished_or_retried = match &decision {

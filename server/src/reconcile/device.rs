@@ -4,7 +4,7 @@
 //! ([`FleetRead`]; the store's cache implements it).
 
 use chrono::{DateTime, Utc};
-use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Generation, Health, SpecDigest};
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -29,7 +29,7 @@ pub trait FleetRead: Send + Sync {
 /// Desired state of one device, with the spec kept for pushing.
 #[derive(Debug, Clone)]
 pub struct DesiredState {
-    pub generation: u64,
+    pub generation: Generation,
     /// The digest convergence compares: of `spec` without the paths the
     /// device owns (`spec_digest` when it owns none).
     pub digest: SpecDigest,
@@ -53,7 +53,7 @@ impl DesiredState {
     /// `spec` (whose own digest is `spec_digest`) as generation
     /// `generation` of a device that owns `owned`.
     pub fn new(
-        generation: u64,
+        generation: Generation,
         spec_digest: SpecDigest,
         spec: Arc<Value>,
         owned: Option<&OwnedFields>,
@@ -86,7 +86,7 @@ pub struct DeviceEntry {
     pub owned: Option<Arc<OwnedFields>>,
     /// Generation of the retained desired message on the broker (`None`:
     /// the broker holds none). Refreshed whenever it falls behind `desired`.
-    pub retained_generation: Option<u64>,
+    pub retained_generation: Option<Generation>,
 }
 
 impl DeviceEntry {

@@ -6,7 +6,7 @@ use idem_protocol::event::{
     DeviceDriftedData, DeviceOutcomeData, DeviceQuarantinedData, EventType, RunCompletedData,
     RunStartedData,
 };
-use idem_protocol::DeviceId;
+use idem_protocol::{DeviceId, Generation};
 use serde::Serialize;
 use serde_json::Value;
 use uuid::Uuid;
@@ -18,7 +18,7 @@ pub struct EventDraft {
     /// Device id for device events, run id for run events.
     pub subject: String,
     pub run_id: Option<Uuid>,
-    pub generation: Option<u64>,
+    pub generation: Option<Generation>,
     pub data: Value,
 }
 
@@ -28,7 +28,7 @@ impl EventDraft {
     pub fn device_outcome(
         device: &DeviceId,
         run_id: Uuid,
-        generation: Option<u64>,
+        generation: Option<Generation>,
         data: DeviceOutcomeData,
     ) -> Self {
         Self {
@@ -42,7 +42,11 @@ impl EventDraft {
 
     /// `io.idem.device.drifted`: `device`, converged on desired
     /// `generation`, reported another spec (outside any run).
-    pub fn device_drifted(device: &DeviceId, generation: u64, data: DeviceDriftedData) -> Self {
+    pub fn device_drifted(
+        device: &DeviceId,
+        generation: Generation,
+        data: DeviceDriftedData,
+    ) -> Self {
         Self {
             event_type: EventType::DeviceDrifted,
             subject: device.to_string(),
@@ -57,7 +61,7 @@ impl EventDraft {
     pub fn device_quarantined(
         device: &DeviceId,
         run_id: Uuid,
-        generation: Option<u64>,
+        generation: Option<Generation>,
         data: DeviceQuarantinedData,
     ) -> Self {
         Self {

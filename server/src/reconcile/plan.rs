@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use idem_protocol::api::Targeting;
-use idem_protocol::{DeviceId, DeviceStatus, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Generation, SpecDigest};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -56,11 +56,14 @@ pub fn verdict(entry: &DeviceEntry, desired: &Desired, force: bool) -> Verdict {
 /// whose own digest is `spec_digest` (`store::devices::set_desired` counts
 /// up only when the whole spec's digest differs), and whether that is a new
 /// one.
-pub fn planned_generation(current: Option<&DesiredState>, spec_digest: SpecDigest) -> (u64, bool) {
+pub fn planned_generation(
+    current: Option<&DesiredState>,
+    spec_digest: SpecDigest,
+) -> (Generation, bool) {
     match current {
         Some(d) if d.spec_digest == spec_digest => (d.generation, false),
-        Some(d) => (d.generation + 1, true),
-        None => (1, true),
+        Some(d) => (d.generation.next(), true),
+        None => (Generation::FIRST, true),
     }
 }
 
@@ -68,7 +71,7 @@ pub fn planned_generation(current: Option<&DesiredState>, spec_digest: SpecDiges
 /// requires every one to be unchanged.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Basis {
-    pub desired_generation: Option<u64>,
+    pub desired_generation: Option<Generation>,
     /// For display only ("reported since the plan"): a report that says
     /// the same again does not make the plan stale.
     pub reported_seq: Option<u64>,
@@ -85,8 +88,8 @@ pub struct Basis {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReportedBasis {
     pub digest: SpecDigest,
-    pub generation: Option<u64>,
-    pub rejected_generation: Option<u64>,
+    pub generation: Option<Generation>,
+    pub rejected_generation: Option<Generation>,
 }
 
 impl Basis {
@@ -113,7 +116,7 @@ pub struct PlannedDevice {
     pub id: DeviceId,
     pub verdict: Verdict,
     /// Its desired generation once the plan is applied.
-    pub generation: u64,
+    pub generation: Generation,
     /// Whether applying creates that generation (false: its desired spec
     /// is already this one).
     pub new_generation: bool,

@@ -9,7 +9,7 @@ pub use idem_protocol::DeviceStatus;
 
 use std::collections::HashMap;
 
-use idem_protocol::{Backoff, DeviceId, Health, SpecDigest};
+use idem_protocol::{Backoff, DeviceId, Generation, Health, SpecDigest};
 
 use super::decide::{first_look, Desired, FirstLook};
 use super::outcome::{Outcome, SkipReason};
@@ -80,7 +80,7 @@ pub fn converged_at_creation(entry: &DeviceEntry, desired: &Desired, force: bool
 #[derive(Debug, Clone, PartialEq)]
 pub struct Converged {
     pub id: DeviceId,
-    pub generation: u64,
+    pub generation: Generation,
     pub health: Option<Health>,
     /// What its row must change (`None`: nothing; a converged device's
     /// row is not rewritten).
@@ -97,7 +97,7 @@ pub fn converged_targets(
     targets: &[DeviceId],
     force: bool,
     mut new_spec: Option<&mut NewSpecDigests<'_>>,
-    new_generations: &HashMap<&str, u64>,
+    new_generations: &HashMap<&DeviceId, Generation>,
 ) -> Vec<Converged> {
     // Targets are distinct (the API and the engine's own runs deduplicate).
     let mut converged = Vec::new();
@@ -108,15 +108,15 @@ pub fn converged_targets(
         let desired = match (new_spec.as_deref_mut(), entry.desired_for_decision()) {
             (Some(new_spec), current) => Some(Desired {
                 generation: new_generations
-                    .get(id.as_str())
+                    .get(id)
                     .copied()
                     .or(current.map(|d| d.generation))
-                    .unwrap_or(0),
+                    .unwrap_or_default(),
                 digest: new_spec.for_device(entry.owned.as_ref()),
             }),
             (None, current) => current,
         };
-        let Some(desired) = desired.filter(|d| d.generation > 0) else {
+        let Some(desired) = desired.filter(|d| d.generation.names_a_spec()) else {
             continue;
         };
         if !converged_at_creation(&entry, &desired, force) {
@@ -149,7 +149,7 @@ pub fn converged_by_report(
     reported: &SpecDigest,
 ) -> bool {
     status == DeviceStatus::Unknown
-        && desired.is_some_and(|d| d.generation > 0 && d.digest == *reported)
+        && desired.is_some_and(|d| d.generation.names_a_spec() && d.digest == *reported)
 }
 
 /// Retry schedule for failed attempts.
@@ -229,7 +229,7 @@ mod tests {
         Actual::Reported(ReportedState {
             seq: 1,
             digest: SpecDigest::of(&serde_json::json!({ "v": version })),
-            generation: Some(version),
+            generation: Some(Generation(version)),
             rejection: None,
             drift: None,
         })
@@ -237,7 +237,7 @@ mod tests {
 
     fn wanting(version: u64) -> Desired {
         Desired {
-            generation: version,
+            generation: Generation(version),
             digest: SpecDigest::of(&serde_json::json!({ "v": version })),
         }
     }
@@ -257,7 +257,7 @@ mod tests {
         ));
         assert!(!converged_by_report(DeviceStatus::Unknown, None, &digest));
         let never_desired = Desired {
-            generation: 0,
+            generation: Generation(0),
             ..wanting(2)
         };
         assert!(!converged_by_report(
@@ -391,7 +391,7 @@ mod tests {
             exempt,
             desired: desired.then(|| {
                 crate::reconcile::device::DesiredState::new(
-                    1,
+                    Generation(1),
                     SpecDigest::of(&spec),
                     std::sync::Arc::new(spec),
                     None,

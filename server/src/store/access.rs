@@ -118,7 +118,7 @@ pub struct AuditRecord {
     pub path: String,
     pub status: u16,
     pub targets: Option<usize>,
-    pub generation: Option<u64>,
+    pub generation: Option<idem_protocol::Generation>,
     pub run_id: Option<Uuid>,
     pub detail: Option<Value>,
 }
@@ -140,7 +140,7 @@ pub async fn record_audit<'e>(
     .bind(&audit.path)
     .bind(i32::from(audit.status))
     .bind(audit.targets.map(|n| i32::try_from(n).unwrap_or(i32::MAX)))
-    .bind(audit.generation.map(super::to_i64))
+    .bind(audit.generation.map(super::stored_generation))
     .bind(audit.run_id)
     .bind(&audit.detail)
     .execute(executor)

@@ -9,6 +9,8 @@ use serde_json::Value;
 use sqlx::{PgExecutor, Postgres, Transaction};
 use uuid::Uuid;
 
+use idem_protocol::DeviceId;
+
 use super::{Context, StoreError};
 
 /// A policy to insert.
@@ -134,10 +136,11 @@ pub async fn delete(
 /// the policy's selector and the new ones do not. (Policy id, device id.)
 pub async fn first_left(
     executor: impl PgExecutor<'_>,
-    ids: &[String],
+    ids: &[DeviceId],
     labels: &[String],
-) -> Result<Option<(Uuid, String)>, StoreError> {
-    sqlx::query_as(
+) -> Result<Option<(Uuid, DeviceId)>, StoreError> {
+    const CONTEXT: &str = "reading whether new labels take devices out of approval policies";
+    let found: Option<(Uuid, String)> = sqlx::query_as(
         "SELECT p.id, d.id FROM UNNEST($1::text[], $2::text[]) AS r(id, labels) \
          JOIN devices d ON d.id = r.id \
          JOIN approval_policies p \
@@ -146,11 +149,14 @@ pub async fn first_left(
              WHERE x.device_id = d.id AND x.policy_id = p.id) \
          ORDER BY p.created_at, p.id, d.id LIMIT 1",
     )
-    .bind(ids)
+    .bind(super::raw_ids(ids))
     .bind(labels)
     .fetch_optional(executor)
     .await
-    .context("reading whether new labels take devices out of approval policies")
+    .context(CONTEXT)?;
+    found
+        .map(|(policy, id)| Ok((policy, super::device_id(&id, CONTEXT)?)))
+        .transpose()
 }
 
 /// A policy with how many of a change's devices it covers.
@@ -165,7 +171,7 @@ struct Covering {
 /// it covers (the oldest such policy), if any does.
 pub async fn covering(
     executor: impl PgExecutor<'_>,
-    devices: &[String],
+    devices: &[DeviceId],
 ) -> Result<Option<(ApprovalPolicyRow, i64)>, StoreError> {
     let found: Option<Covering> = sqlx::query_as(&format!(
         "SELECT {ROW_COLUMNS}, c.covered FROM approval_policies p \
@@ -173,7 +179,7 @@ pub async fn covering(
              WHERE d.id = ANY($1) AND {COVERS}) c ON c.covered > 0 \
          ORDER BY p.created_at, p.id LIMIT 1"
     ))
-    .bind(devices)
+    .bind(super::raw_ids(devices))
     .fetch_optional(executor)
     .await
     .context("reading the approval policies that cover a change")?;
@@ -205,7 +211,7 @@ pub async fn covering_labels(
 /// before the device row goes: its labels say which policies cover it.
 pub async fn record_departure(
     executor: impl PgExecutor<'_>,
-    device: &str,
+    device: &DeviceId,
     by: &str,
     every_change: bool,
 ) -> Result<u64, StoreError> {
@@ -216,7 +222,7 @@ pub async fn record_departure(
          UNION ALL SELECT $1, NULL, $2 WHERE $3 \
          ON CONFLICT DO NOTHING"
     ))
-    .bind(device)
+    .bind(device.as_str())
     .bind(by)
     .bind(every_change)
     .execute(executor)
@@ -230,16 +236,18 @@ pub async fn record_departure(
 /// spec since is a change, not a first one.
 pub async fn departed_among(
     executor: impl PgExecutor<'_>,
-    devices: &[String],
+    devices: &[DeviceId],
     every_change: bool,
-) -> Result<Vec<String>, StoreError> {
-    sqlx::query_scalar(
+) -> Result<Vec<DeviceId>, StoreError> {
+    const CONTEXT: &str = "reading which devices left an approval policy by deletion";
+    let departed: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT x.device_id FROM covered_departures x \
          WHERE x.device_id = ANY($1) AND (x.policy_id IS NOT NULL OR $2) ORDER BY 1",
     )
-    .bind(devices)
+    .bind(super::raw_ids(devices))
     .bind(every_change)
     .fetch_all(executor)
     .await
-    .context("reading which devices left an approval policy by deletion")
+    .context(CONTEXT)?;
+    super::device_ids(&departed, CONTEXT)
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 
 use chrono::{DateTime, Utc};
 use dashmap::DashMap;
-use idem_protocol::{DeviceId, DeviceStatus, Health, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Generation, Health, SpecDigest};
 use serde_json::Value;
 
 use crate::reconcile::change::DeviceChange;
@@ -287,7 +287,7 @@ impl FleetCache {
                             reported.digest = digest;
                         }
                         if retained_stale && entry.retained_generation.is_some() {
-                            entry.retained_generation = Some(0);
+                            entry.retained_generation = Some(Generation::default());
                         }
                     }
                 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use idem_protocol::{DeviceId, DeviceStatus, Health, OutcomeKind, SpecDigest};
 
 use super::cache::FollowedReport;
-use super::{to_u64, Context, StoreError};
+use super::{generation, to_u64, Context, StoreError};
 use crate::reconcile::change::DeviceChange;
 use crate::reconcile::decide::ReportedState;
 use crate::reconcile::device::{DesiredState, DeviceEntry};
@@ -90,7 +90,7 @@ fn entry_from_row(
                 .or_insert_with(|| Arc::new(spec.clone()))
                 .clone();
             Some(DesiredState::new(
-                to_u64(row.desired_generation),
+                generation(row.desired_generation),
                 digest,
                 spec,
                 owned.as_deref(),
@@ -107,9 +107,9 @@ fn entry_from_row(
                 }
                 None => SpecDigest::parse(stored).unwrap_or_else(|_| SpecDigest::of(&Value::Null)),
             },
-            generation: row.reported_generation.map(to_u64),
+            generation: row.reported_generation.map(generation),
             rejection: match (row.reported_error_generation, &row.reported_error) {
-                (Some(g), Some(msg)) => Some((to_u64(g), msg.clone())),
+                (Some(g), Some(msg)) => Some((generation(g), msg.clone())),
                 _ => None,
             },
             drift: None,
@@ -124,7 +124,7 @@ fn entry_from_row(
         online: row.online,
         status: row.status,
         failures: u32::try_from(row.attempts).unwrap_or(0),
-        retained_generation: row.retained_generation.map(to_u64),
+        retained_generation: row.retained_generation.map(generation),
         // Set from the exemptions table (`store::exemptions`), not the row.
         exempt: false,
         owned,
@@ -149,7 +149,7 @@ pub async fn rows_of(
     tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
     ids: &[DeviceId],
 ) -> Result<Vec<DeviceRow>, StoreError> {
-    let ids: Vec<&str> = ids.iter().map(DeviceId::as_str).collect();
+    let ids = super::raw_ids(ids);
     sqlx::query_as(&format!(
         "SELECT {DEVICE_COLUMNS} FROM devices WHERE id = ANY($1)"
     ))
@@ -168,7 +168,7 @@ pub async fn engine_columns_of(
     if ids.is_empty() {
         return Ok(Vec::new());
     }
-    let raw: Vec<&str> = ids.iter().map(DeviceId::as_str).collect();
+    let raw = super::raw_ids(ids);
     let rows: Vec<(String, DeviceStatus, i32, Option<i64>)> = sqlx::query_as(
         "SELECT id, status, attempts, retained_generation FROM devices WHERE id = ANY($1)",
     )
@@ -184,7 +184,7 @@ pub async fn engine_columns_of(
                 DeviceChange {
                     status: Some(status),
                     failures: Some((u32::try_from(attempts).unwrap_or(0), None)),
-                    retained: retained.map(to_u64),
+                    retained: retained.map(generation),
                     ..DeviceChange::default()
                 },
             ))
@@ -218,7 +218,7 @@ pub async fn reported_columns_of(
         return Ok((Vec::new(), Vec::new()));
     }
     let context = "reading the reports other writers stored";
-    let raw: Vec<&str> = ids.iter().map(DeviceId::as_str).collect();
+    let raw = super::raw_ids(ids);
     let rows: Vec<ReportedColumns> = sqlx::query_as(
         "SELECT id, reported_digest, reported_seq, reported_generation, \
              reported_error_generation, reported_error, reported_health, reported_at, online \
@@ -241,9 +241,9 @@ pub async fn reported_columns_of(
                 Some(ReportedState {
                     seq: to_u64(seq),
                     digest,
-                    generation: row.reported_generation.map(to_u64),
+                    generation: row.reported_generation.map(generation),
                     rejection: match (row.reported_error_generation, row.reported_error) {
-                        (Some(g), Some(msg)) => Some((to_u64(g), msg)),
+                        (Some(g), Some(msg)) => Some((generation(g), msg)),
                         _ => None,
                     },
                     drift: None,

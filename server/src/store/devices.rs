@@ -8,19 +8,19 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use idem_protocol::{DeviceStatus, Health, OutcomeKind};
+use idem_protocol::{DeviceId, DeviceStatus, Generation, Health, OutcomeKind};
 
 use super::device_rows::DEVICE_COLUMNS;
 pub use super::device_rows::{load_all, DeviceRow};
 use super::writer::DeviceTx;
-use super::{to_i64, Context, StoreError};
+use super::{generation, stored_generation, to_i64, Context, StoreError};
 use crate::reconcile::machine::AttemptRecord;
 
-pub async fn get(pool: &PgPool, id: &str) -> Result<Option<DeviceRow>, StoreError> {
+pub async fn get(pool: &PgPool, id: &DeviceId) -> Result<Option<DeviceRow>, StoreError> {
     sqlx::query_as(&format!(
         "SELECT {DEVICE_COLUMNS} FROM devices WHERE id = $1"
     ))
-    .bind(id)
+    .bind(id.as_str())
     .fetch_optional(pool)
     .await
     .context("reading a device")
@@ -35,9 +35,9 @@ pub struct StoredReport {
 }
 
 /// The last report of each of `ids` that exists (for diffs).
-pub async fn reports_of(pool: &PgPool, ids: &[String]) -> Result<Vec<StoredReport>, StoreError> {
+pub async fn reports_of(pool: &PgPool, ids: &[DeviceId]) -> Result<Vec<StoredReport>, StoreError> {
     sqlx::query_as("SELECT id, reported_spec, reported_seq FROM devices WHERE id = ANY($1)")
-        .bind(ids)
+        .bind(super::raw_ids(ids))
         .fetch_all(pool)
         .await
         .context("reading the last reports of devices")
@@ -86,18 +86,21 @@ pub async fn count_by_status(pool: &PgPool) -> Result<Vec<(DeviceStatus, i64)>, 
 pub async fn ids_matching_labels(
     db: impl sqlx::PgExecutor<'_>,
     labels: &Value,
-) -> Result<Vec<String>, StoreError> {
-    sqlx::query_scalar("SELECT id FROM devices WHERE labels @> $1 ORDER BY id")
-        .bind(labels)
-        .fetch_all(db)
-        .await
-        .context("selecting devices by labels")
+) -> Result<Vec<DeviceId>, StoreError> {
+    const CONTEXT: &str = "selecting devices by labels";
+    let ids: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM devices WHERE labels @> $1 ORDER BY id")
+            .bind(labels)
+            .fetch_all(db)
+            .await
+            .context(CONTEXT)?;
+    super::device_ids(&ids, CONTEXT)
 }
 
 /// A device registration; `labels: None` keeps existing labels.
 #[derive(Debug, Clone)]
 pub struct Registration {
-    pub id: String,
+    pub id: DeviceId,
     pub labels: Option<Value>,
 }
 
@@ -123,14 +126,14 @@ pub async fn register(
 pub async fn register_returning_new(
     write: &mut DeviceTx<'_>,
     registrations: &[Registration],
-) -> Result<(RegistrationCounts, Vec<String>), StoreError> {
+) -> Result<(RegistrationCounts, Vec<DeviceId>), StoreError> {
     let tx = write.tx();
     let ids: Vec<&str> = registrations.iter().map(|r| r.id.as_str()).collect();
     let labels: Vec<Option<String>> = registrations
         .iter()
         .map(|r| r.labels.as_ref().map(Value::to_string))
         .collect();
-    let created_ids: Vec<String> = sqlx::query_scalar(
+    let created: Vec<String> = sqlx::query_scalar(
         "INSERT INTO devices (id, labels) \
          SELECT r.id, COALESCE(r.labels::jsonb, '{}'::jsonb) \
          FROM UNNEST($1::text[], $2::text[]) AS r(id, labels) \
@@ -141,6 +144,7 @@ pub async fn register_returning_new(
     .fetch_all(&mut **tx)
     .await
     .context("registering new devices")?;
+    let created_ids = super::device_ids(&created, "registering new devices")?;
     let created = created_ids.len() as u64;
     let updated = sqlx::query(
         "UPDATE devices d SET labels = r.labels::jsonb, updated_at = now() \
@@ -165,7 +169,7 @@ pub async fn register_returning_new(
 /// Records the Mosquitto hashes of newly issued broker passwords.
 pub async fn set_broker_password_hashes(
     write: &mut DeviceTx<'_>,
-    hashes: &[(String, String)],
+    hashes: &[(DeviceId, String)],
 ) -> Result<(), StoreError> {
     let tx = write.tx();
     if hashes.is_empty() {
@@ -197,10 +201,10 @@ pub async fn broker_password_hashes(pool: &PgPool) -> Result<Vec<(String, String
 }
 
 /// The new desired state of one device after a write.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct DesiredWrite {
-    pub id: String,
-    pub desired_generation: i64,
+    pub id: DeviceId,
+    pub generation: Generation,
 }
 
 /// Sets the same desired spec on many devices. The generation increases only
@@ -208,34 +212,42 @@ pub struct DesiredWrite {
 /// devices that changed with their new generation.
 pub async fn set_desired(
     write: &mut DeviceTx<'_>,
-    ids: &[String],
+    ids: &[DeviceId],
     spec: &Value,
     digest: &str,
 ) -> Result<Vec<DesiredWrite>, StoreError> {
     let tx = write.tx();
-    sqlx::query_as(
+    let rows: Vec<(String, i64)> = sqlx::query_as(
         "UPDATE devices SET desired_spec = $2, desired_digest = $3, \
              desired_generation = desired_generation + 1, desired_at = now(), updated_at = now() \
          WHERE id = ANY($1) AND desired_digest IS DISTINCT FROM $3 \
          RETURNING id, desired_generation",
     )
-    .bind(ids)
+    .bind(super::raw_ids(ids))
     .bind(spec)
     .bind(digest)
     .fetch_all(&mut **tx)
     .await
-    .context("writing desired state")
+    .context("writing desired state")?;
+    rows.into_iter()
+        .map(|(id, stored)| {
+            Ok(DesiredWrite {
+                id: super::device_id(&id, "reading the ids of a desired change")?,
+                generation: generation(stored),
+            })
+        })
+        .collect()
 }
 
 /// One accepted report, ready to store.
 #[derive(Debug, Clone)]
 pub struct ReportRow {
-    pub id: String,
+    pub id: DeviceId,
     pub seq: u64,
     pub spec: Value,
     pub digest: String,
-    pub generation: Option<u64>,
-    pub error_generation: Option<u64>,
+    pub generation: Option<Generation>,
+    pub error_generation: Option<Generation>,
     pub error: Option<String>,
     pub health: Option<Health>,
 }
@@ -264,10 +276,13 @@ pub async fn apply_reports(
     let seqs: Vec<i64> = reports.iter().map(|r| to_i64(r.seq)).collect();
     let specs: Vec<String> = reports.iter().map(|r| r.spec.to_string()).collect();
     let digests: Vec<&str> = reports.iter().map(|r| r.digest.as_str()).collect();
-    let generations: Vec<Option<i64>> = reports.iter().map(|r| r.generation.map(to_i64)).collect();
+    let generations: Vec<Option<i64>> = reports
+        .iter()
+        .map(|r| r.generation.map(stored_generation))
+        .collect();
     let error_generations: Vec<Option<i64>> = reports
         .iter()
-        .map(|r| r.error_generation.map(to_i64))
+        .map(|r| r.error_generation.map(stored_generation))
         .collect();
     let errors: Vec<Option<&str>> = reports.iter().map(|r| r.error.as_deref()).collect();
     let health: Vec<Option<Health>> = reports.iter().map(|r| r.health).collect();
@@ -333,7 +348,10 @@ pub async fn record_attempts(
         .iter()
         .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
         .collect();
-    let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
+    let generations: Vec<Option<i64>> = rows
+        .iter()
+        .map(|r| r.generation.map(stored_generation))
+        .collect();
     let results: Vec<OutcomeKind> = rows.iter().map(|r| r.result).collect();
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
     // Joined with devices: an attempt of a device deleted meanwhile is
@@ -367,7 +385,7 @@ pub struct DeviceChangeRow<'a> {
     pub last_error: Option<&'a str>,
     /// `(run, outcome, reason)` of the device's last outcome.
     pub last_outcome: Option<(Uuid, OutcomeKind, Option<&'a str>)>,
-    pub retained_generation: Option<u64>,
+    pub retained_generation: Option<Generation>,
 }
 
 /// Writes each device's merged change in one statement; a row whose values
@@ -405,7 +423,7 @@ pub async fn apply_changes(
         .collect();
     let retained: Vec<Option<i64>> = rows
         .iter()
-        .map(|r| r.retained_generation.map(to_i64))
+        .map(|r| r.retained_generation.map(stored_generation))
         .collect();
     sqlx::query(
         "WITH r AS ( \
@@ -454,7 +472,7 @@ pub async fn apply_changes(
 /// Forgets a device's reported state, so its next report is accepted
 /// whatever its `seq` (an operator's way out of a poisoned seq). Returns
 /// whether the device exists.
-pub async fn reset_reported(write: &mut DeviceTx<'_>, id: &str) -> Result<bool, StoreError> {
+pub async fn reset_reported(write: &mut DeviceTx<'_>, id: &DeviceId) -> Result<bool, StoreError> {
     let tx = write.tx();
     let done = sqlx::query(
         "UPDATE devices SET reported_spec = NULL, reported_digest = NULL, reported_seq = NULL, \
@@ -462,7 +480,7 @@ pub async fn reset_reported(write: &mut DeviceTx<'_>, id: &str) -> Result<bool, 
              reported_health = NULL, reported_at = NULL, updated_at = now() \
          WHERE id = $1",
     )
-    .bind(id)
+    .bind(id.as_str())
     .execute(&mut **tx)
     .await
     .context("resetting reported state")?
@@ -472,10 +490,10 @@ pub async fn reset_reported(write: &mut DeviceTx<'_>, id: &str) -> Result<bool, 
 
 /// Deletes a device with its attempt history; its outcomes in past runs stay.
 /// Returns whether it existed.
-pub async fn delete(write: &mut DeviceTx<'_>, id: &str) -> Result<bool, StoreError> {
+pub async fn delete(write: &mut DeviceTx<'_>, id: &DeviceId) -> Result<bool, StoreError> {
     let tx = write.tx();
     let done = sqlx::query("DELETE FROM devices WHERE id = $1")
-        .bind(id)
+        .bind(id.as_str())
         .execute(&mut **tx)
         .await
         .context("deleting a device")?
@@ -488,20 +506,22 @@ pub async fn delete(write: &mut DeviceTx<'_>, id: &str) -> Result<bool, StoreErr
 /// caller's transaction. Returns the ids that were quarantined.
 pub async fn release_quarantine(
     write: &mut DeviceTx<'_>,
-    ids: &[String],
-) -> Result<Vec<String>, StoreError> {
+    ids: &[DeviceId],
+) -> Result<Vec<DeviceId>, StoreError> {
+    const CONTEXT: &str = "finding quarantined devices";
     let tx = write.tx();
     let quarantined: Vec<String> =
         sqlx::query_scalar("SELECT id FROM devices WHERE id = ANY($1) AND status = $2 FOR UPDATE")
-            .bind(ids)
+            .bind(super::raw_ids(ids))
             .bind(DeviceStatus::Quarantined)
             .fetch_all(&mut **tx)
             .await
-            .context("finding quarantined devices")?;
+            .context(CONTEXT)?;
+    let quarantined = super::device_ids(&quarantined, CONTEXT)?;
     let changes: Vec<DeviceChangeRow<'_>> = quarantined
         .iter()
         .map(|id| DeviceChangeRow {
-            id,
+            id: id.as_str(),
             status: Some(DeviceStatus::Failed),
             failures: Some((0, None)),
             ..DeviceChangeRow::default()
@@ -512,8 +532,9 @@ pub async fn release_quarantine(
 }
 
 /// Quarantined devices among the targets of a run.
-pub async fn quarantined_in_run(pool: &PgPool, run_id: Uuid) -> Result<Vec<String>, StoreError> {
-    sqlx::query_scalar(
+pub async fn quarantined_in_run(pool: &PgPool, run_id: Uuid) -> Result<Vec<DeviceId>, StoreError> {
+    const CONTEXT: &str = "listing quarantined devices of a run";
+    let ids: Vec<String> = sqlx::query_scalar(
         "SELECT d.id FROM devices d JOIN run_targets t ON t.device_id = d.id \
          WHERE t.run_id = $1 AND d.status = $2 ORDER BY d.id",
     )
@@ -521,7 +542,8 @@ pub async fn quarantined_in_run(pool: &PgPool, run_id: Uuid) -> Result<Vec<Strin
     .bind(DeviceStatus::Quarantined)
     .fetch_all(pool)
     .await
-    .context("listing quarantined devices of a run")
+    .context(CONTEXT)?;
+    super::device_ids(&ids, CONTEXT)
 }
 
 #[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
@@ -535,12 +557,16 @@ pub struct HistoryRow {
 }
 
 /// The newest `limit` attempts of a device, newest first.
-pub async fn history(pool: &PgPool, id: &str, limit: i64) -> Result<Vec<HistoryRow>, StoreError> {
+pub async fn history(
+    pool: &PgPool,
+    id: &DeviceId,
+    limit: i64,
+) -> Result<Vec<HistoryRow>, StoreError> {
     sqlx::query_as(
         "SELECT run_id, attempt, generation, result, reason, at FROM device_attempts \
          WHERE device_id = $1 ORDER BY id DESC LIMIT $2",
     )
-    .bind(id)
+    .bind(id.as_str())
     .bind(limit)
     .fetch_all(pool)
     .await

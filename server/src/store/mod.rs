@@ -34,12 +34,12 @@ pub use writer::{DeviceTx, DeviceWriter, Followed};
 #[derive(Debug, Clone, Copy)]
 pub enum Scope<'a> {
     All,
-    Devices(&'a [String]),
+    Devices(&'a [idem_protocol::DeviceId]),
 }
 
 impl<'a> Scope<'a> {
     /// The listed ids (`None`: every device), as the queries bind them.
-    pub fn ids(self) -> Option<&'a [String]> {
+    pub fn ids(self) -> Option<&'a [idem_protocol::DeviceId]> {
         match self {
             Scope::All => None,
             Scope::Devices(ids) => Some(ids),
@@ -215,9 +215,20 @@ pub(crate) fn to_u64(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }
 
+/// Device ids as PostgreSQL takes them (`text[]`).
+pub(crate) fn raw_ids(ids: &[idem_protocol::DeviceId]) -> Vec<&str> {
+    ids.iter().map(idem_protocol::DeviceId::as_str).collect()
+}
+
 /// A stored (bigint) generation.
 pub(crate) fn generation(n: i64) -> idem_protocol::Generation {
     idem_protocol::Generation(to_u64(n))
+}
+
+/// A generation as it is stored (bigint; past i64::MAX is refused at the
+/// edges, see [`to_i64`]).
+pub(crate) fn stored_generation(g: idem_protocol::Generation) -> i64 {
+    to_i64(g.get())
 }
 
 #[cfg(test)]

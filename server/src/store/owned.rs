@@ -110,10 +110,7 @@ pub async fn refresh(
     if set.is_empty() {
         let owning = match among {
             None => write.cache().any_owned(),
-            Some(ids) => ids
-                .iter()
-                .filter_map(|raw| DeviceId::parse(raw).ok())
-                .any(|id| write.cache().owned(&id).is_some()),
+            Some(ids) => ids.iter().any(|id| write.cache().owned(id).is_some()),
         };
         if !owning {
             return Ok(Refreshed::default());
@@ -123,7 +120,7 @@ pub async fn refresh(
         "SELECT id, labels, reported_spec, reported_digest FROM devices \
          WHERE $1::text[] IS NULL OR id = ANY($1)",
     )
-    .bind(among)
+    .bind(among.map(super::raw_ids))
     .fetch_all(&mut **write.tx())
     .await
     .context("reading the devices whose owned fields to resolve")?;

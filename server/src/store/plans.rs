@@ -16,7 +16,7 @@ use sqlx::types::Json;
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
-use super::{device_id, to_i64, to_u64, Context, StoreError};
+use super::{device_id, generation, stored_generation, to_i64, to_u64, Context, StoreError};
 use crate::reconcile::owned::{parse_path, OwnedFields};
 use crate::reconcile::plan::book::{BookRefusal, KeptPlan, Slot};
 use crate::reconcile::plan::{
@@ -407,14 +407,14 @@ impl StoredDevice {
         Self {
             id: d.id.to_string(),
             v: verdict_name(d.verdict).to_owned(),
-            g: to_i64(d.generation),
+            g: stored_generation(d.generation),
             new: d.new_generation,
-            dg: basis.desired_generation.map(to_i64),
+            dg: basis.desired_generation.map(stored_generation),
             rs: basis.reported_seq.map(to_i64),
             r: basis.reported.map(|r| StoredReported {
                 d: r.digest,
-                g: r.generation.map(to_i64),
-                j: r.rejected_generation.map(to_i64),
+                g: r.generation.map(stored_generation),
+                j: r.rejected_generation.map(stored_generation),
             }),
             o: basis
                 .owned
@@ -440,15 +440,15 @@ impl StoredDevice {
         Ok(PlannedDevice {
             id: device_id(&self.id, DEVICE_CONTEXT)?,
             verdict: verdict_named(&self.v)?,
-            generation: to_u64(self.g),
+            generation: generation(self.g),
             new_generation: self.new,
             basis: Basis {
-                desired_generation: self.dg.map(to_u64),
+                desired_generation: self.dg.map(generation),
                 reported_seq: self.rs.map(to_u64),
                 reported: self.r.map(|r| ReportedBasis {
                     digest: r.d,
-                    generation: r.g.map(to_u64),
-                    rejected_generation: r.j.map(to_u64),
+                    generation: r.g.map(generation),
+                    rejected_generation: r.j.map(generation),
                 }),
                 owned,
                 online: self.on,

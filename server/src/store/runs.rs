@@ -1,12 +1,12 @@
 //! Runs and their per-device targets/outcomes.
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use idem_protocol::{Health, OutcomeCounts, OutcomeKind, RunState, Trigger};
+use idem_protocol::{DeviceId, Generation, Health, OutcomeCounts, OutcomeKind, RunState, Trigger};
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 use super::copy::copy_in;
-use super::{to_i64, Context, StoreError};
+use super::{stored_generation, to_i64, Context, StoreError};
 use crate::reconcile::machine::OutcomeRecord;
 use crate::reconcile::plan::PlanApproval;
 
@@ -67,8 +67,8 @@ pub struct NewRunRow<'a> {
 /// created.
 #[derive(Debug, Clone)]
 pub struct ConvergedTarget<'a> {
-    pub device_id: &'a str,
-    pub generation: u64,
+    pub device_id: &'a DeviceId,
+    pub generation: Generation,
     pub health: Option<Health>,
 }
 
@@ -79,7 +79,7 @@ pub struct ConvergedTarget<'a> {
 pub async fn create(
     tx: &mut Transaction<'_, Postgres>,
     run: NewRunRow<'_>,
-    undecided: &[(String, Option<usize>, bool)],
+    undecided: &[(DeviceId, Option<usize>, bool)],
     converged: &[ConvergedTarget<'_>],
 ) -> Result<(), StoreError> {
     let id = run.id;
@@ -109,14 +109,14 @@ pub async fn create(
     // Collected: a lazy iterator of closures would be held across the
     // COPY's awaits, which the futures of axum handlers cannot carry.
     type TargetToCopy<'a> = (
-        &'a str,
+        &'a DeviceId,
         Option<usize>,
         bool,
         Option<&'a ConvergedTarget<'a>>,
     );
     let rows: Vec<TargetToCopy<'_>> = undecided
         .iter()
-        .map(|(device, wave, differed)| (device.as_str(), *wave, *differed, None))
+        .map(|(device, wave, differed)| (device, *wave, *differed, None))
         .chain(
             converged
                 .iter()
@@ -130,12 +130,12 @@ pub async fn create(
         "recording run targets",
         rows,
         |row, (device, wave, differed, converged)| {
-            row.plain(id).text(device);
+            row.plain(id).text(device.as_str());
             match converged {
                 None => row.null().null().null().null(),
                 Some(target) => row
                     .plain(OutcomeKind::AlreadyConverged.as_str())
-                    .plain(to_i64(target.generation))
+                    .plain(stored_generation(target.generation))
                     .optional_text(target.health.map(Health::as_str))
                     .plain(&decided_at),
             };
@@ -164,7 +164,10 @@ pub async fn record_outcomes(
     let device_ids: Vec<&str> = rows.iter().map(|r| r.device.as_str()).collect();
     let outcomes: Vec<OutcomeKind> = rows.iter().map(|r| r.kind).collect();
     let reasons: Vec<Option<&str>> = rows.iter().map(|r| r.reason.as_deref()).collect();
-    let generations: Vec<Option<i64>> = rows.iter().map(|r| r.generation.map(to_i64)).collect();
+    let generations: Vec<Option<i64>> = rows
+        .iter()
+        .map(|r| r.generation.map(stored_generation))
+        .collect();
     let health: Vec<Option<Health>> = rows.iter().map(|r| r.health).collect();
     sqlx::query(
         "UPDATE run_targets t SET outcome = r.outcome, reason = r.reason, generation = r.generation, \
@@ -305,15 +308,19 @@ pub async fn unfinished(pool: &PgPool) -> Result<Vec<RunRow>, StoreError> {
 pub async fn undecided_waves(
     pool: &PgPool,
     run_id: Uuid,
-) -> Result<Vec<(String, Option<i16>, bool)>, StoreError> {
-    sqlx::query_as(
+) -> Result<Vec<(DeviceId, Option<i16>, bool)>, StoreError> {
+    const CONTEXT: &str = "listing the undecided targets of a rollout";
+    let rows: Vec<(String, Option<i16>, bool)> = sqlx::query_as(
         "SELECT device_id, wave, differed FROM run_targets WHERE run_id = $1 AND outcome IS NULL \
          ORDER BY device_id",
     )
     .bind(run_id)
     .fetch_all(pool)
     .await
-    .context("listing the undecided targets of a rollout")
+    .context(CONTEXT)?;
+    rows.into_iter()
+        .map(|(id, wave, differed)| Ok((super::device_id(&id, CONTEXT)?, wave, differed)))
+        .collect()
 }
 
 #[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]

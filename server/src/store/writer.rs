@@ -362,8 +362,11 @@ impl DeviceWriter {
                 .filter(|id| !found.contains(id.as_str()))
                 .collect(),
         };
-        let ids: Vec<String> = rows.iter().map(|row| row.id.clone()).collect();
-        let exempt: HashSet<String> = super::exemptions::exempt_devices(&mut **tx, Some(&ids))
+        let ids = super::device_ids(
+            &rows.iter().map(|row| row.id.clone()).collect::<Vec<_>>(),
+            "following other writers' device rows",
+        )?;
+        let exempt: HashSet<DeviceId> = super::exemptions::exempt_devices(&mut **tx, Some(&ids))
             .await?
             .into_iter()
             .collect();
@@ -379,7 +382,7 @@ impl DeviceWriter {
             changes.push(FleetChange::Removed(id));
         }
         for (id, entry) in &mut entries {
-            entry.exempt = exempt.contains(id.as_str());
+            entry.exempt = exempt.contains(id);
             let exempt = Some(entry.exempt);
             self.noticed(
                 id,

@@ -17,6 +17,7 @@ use idem_protocol::api::bounds::MAX_APPROVAL_POLICIES;
 use idem_protocol::api::{
     ApprovalPolicyList, ApprovalPolicyRequest, ApprovalPolicyView, ErrorBody, ErrorCode, Selector,
 };
+use idem_protocol::DeviceId;
 use serde_json::json;
 use sqlx::PgExecutor;
 use uuid::Uuid;
@@ -36,7 +37,7 @@ use crate::store::{self, Scope};
 pub(super) async fn approval_needed(
     state: &AppState,
     executor: impl PgExecutor<'_>,
-    devices: &[String],
+    devices: &[DeviceId],
 ) -> Result<Option<String>, ApiError> {
     if devices.is_empty() {
         return Ok(None);
@@ -81,7 +82,7 @@ fn covered_by(policy: &ApprovalPolicyRow, covered: i64) -> String {
 pub(super) async fn refuse_owned_moved(
     state: &AppState,
     executor: impl PgExecutor<'_>,
-    changed: &[String],
+    changed: &[DeviceId],
 ) -> Result<(), ApiError> {
     let Some(reason) = approval_needed(state, executor, changed).await? else {
         return Ok(());
@@ -117,7 +118,7 @@ pub(super) fn approval_required(reason: &str) -> ApiError {
 pub(super) async fn refuse_unapproved(
     state: &AppState,
     executor: impl PgExecutor<'_>,
-    devices: &[String],
+    devices: &[DeviceId],
 ) -> Result<(), ApiError> {
     match approval_needed(state, executor, devices).await? {
         Some(reason) => {
@@ -138,7 +139,7 @@ pub(super) async fn refuse_leaving(
     executor: impl PgExecutor<'_>,
     registrations: &[Registration],
 ) -> Result<(), ApiError> {
-    let (ids, labels): (Vec<String>, Vec<String>) = registrations
+    let (ids, labels): (Vec<DeviceId>, Vec<String>) = registrations
         .iter()
         .filter_map(|r| r.labels.as_ref().map(|l| (r.id.clone(), l.to_string())))
         .unzip();

@@ -134,7 +134,7 @@ impl<'a> DeviceWrite<'a> {
     /// Returns the devices whose owned paths changed.
     pub(super) async fn refresh_owned_of(
         &mut self,
-        ids: &[String],
+        ids: &[DeviceId],
     ) -> Result<Vec<DeviceId>, ApiError> {
         let set = self.state.fleet.owned_set();
         self.refresh_owned(&set, store::Scope::Devices(ids), true)

@@ -301,9 +301,9 @@ pub(super) async fn rotate(
     refuse_reserved(&state, [&id])?;
     refuse_foreign_accounts(&state, std::slice::from_ref(&id)).await?;
     let issued = issue(vec![(id.clone(), supplied)]).await?;
-    let hashes: Vec<(String, String)> = issued
+    let hashes: Vec<(DeviceId, String)> = issued
         .iter()
-        .map(|i| (i.id.to_string(), i.hash.clone()))
+        .map(|i| (i.id.clone(), i.hash.clone()))
         .collect();
     let note = AuditNote {
         targets: Some(1),

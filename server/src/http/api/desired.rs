@@ -13,7 +13,7 @@ use axum::Extension;
 use idem_protocol::api::{
     DesiredSet, DeviceDesired, ErrorBody, RunStarted, TargetedRequest, Targeting,
 };
-use idem_protocol::{DeviceId, Generation, SpecDigest};
+use idem_protocol::{DeviceId, SpecDigest};
 use serde_json::{json, Value};
 
 use super::approvals::refuse_unapproved;
@@ -44,7 +44,7 @@ pub(super) async fn set_device_desired(
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id).await?;
     input::check_spec(state.config.fleet.budget, &body.spec)?;
-    refuse_unapproved(&state, &state.pool, &[id.to_string()]).await?;
+    refuse_unapproved(&state, &state.pool, std::slice::from_ref(&id)).await?;
     let note = AuditNote {
         targets: Some(1),
         detail: Some(
@@ -59,7 +59,7 @@ pub(super) async fn set_device_desired(
     let generation = state
         .fleet
         .get(&id)
-        .and_then(|e| e.desired.map(|d| Generation(d.generation)));
+        .and_then(|e| e.desired.map(|d| d.generation));
     let answer = DesiredSet {
         generation,
         run_id: run,
@@ -90,8 +90,7 @@ pub(super) async fn set_desired_bulk(
         .map(super::rollouts::checked_rollout)
         .transpose()?;
     let targets = resolve_targets(&state, &body).await?;
-    let target_ids: Vec<String> = targets.iter().map(DeviceId::to_string).collect();
-    refuse_unapproved(&state, &state.pool, &target_ids).await?;
+    refuse_unapproved(&state, &state.pool, &targets).await?;
     let count = targets.len();
     let digest = SpecDigest::of(&spec).to_string();
     let note = AuditNote {

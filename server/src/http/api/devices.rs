@@ -15,7 +15,7 @@ use idem_protocol::api::{
     DeviceUpsert, DeviceView, ErrorBody, FieldChangeKind, FieldDiff, LastOutcome, Registered,
     ReportedError, ReportedView,
 };
-use idem_protocol::{DeviceId, DeviceStatus, SpecDigest};
+use idem_protocol::{DeviceId, DeviceStatus, Generation, SpecDigest};
 use serde_json::{json, Value};
 
 use super::approvals::{refuse_leaving, refuse_owned_moved, refuse_unapproved};
@@ -46,7 +46,7 @@ struct Registrations {
     requested: usize,
     rows: Vec<Registration>,
     ids: Vec<DeviceId>,
-    specs: BTreeMap<SpecDigest, (Value, Vec<String>)>,
+    specs: BTreeMap<SpecDigest, (Value, Vec<DeviceId>)>,
     passwords: HashMap<DeviceId, String>,
 }
 
@@ -82,10 +82,10 @@ fn check_registrations(
                 .entry(SpecDigest::of(&spec))
                 .or_insert_with(|| (spec, Vec::new()))
                 .1
-                .push(id.to_string());
+                .push(id.clone());
         }
         checked.rows.push(Registration {
-            id: id.to_string(),
+            id: id.clone(),
             labels: parse_labels(item.labels)?,
         });
         checked.ids.push(id);
@@ -122,17 +122,18 @@ pub(super) async fn register_devices(
         store::devices::register_returning_new(write.tx(), &checked.rows).await?;
     // Every new device gets its broker password, when the server issues them.
     let issued = if state.config.security.broker_accounts.issues_passwords() {
-        let wanted = store::device_ids(&created, "reading the ids of new devices")?
-            .into_iter()
+        let wanted = created
+            .iter()
+            .cloned()
             .map(|id| {
                 let supplied = checked.passwords.remove(&id);
                 (id, supplied)
             })
             .collect();
         let issued = credentials::issue(wanted).await?;
-        let hashes: Vec<(String, String)> = issued
+        let hashes: Vec<(DeviceId, String)> = issued
             .iter()
-            .map(|i| (i.id.to_string(), i.hash.clone()))
+            .map(|i| (i.id.clone(), i.hash.clone()))
             .collect();
         store::devices::set_broker_password_hashes(write.tx(), &hashes).await?;
         issued
@@ -141,18 +142,16 @@ pub(super) async fn register_devices(
     };
     let devices = audited_ids(checked.ids.iter().map(DeviceId::as_str));
     // Registered before their desired state: the cache applies in order.
-    let registered: Vec<String> = checked.ids.iter().map(DeviceId::to_string).collect();
-    write.change(checked.ids.drain(..).map(FleetChange::Registered));
+    write.change(checked.ids.iter().cloned().map(FleetChange::Registered));
     // Their labels may have moved them into or out of a selector's exemption.
     write
-        .refresh_exemptions(store::Scope::Devices(&registered))
+        .refresh_exemptions(store::Scope::Devices(&checked.ids))
         .await?;
     // And into or out of a selector's owned fields: for a device registered
     // before, a change that needs approval when a policy covers it.
-    let moved = write.refresh_owned_of(&registered).await?;
-    let moved: Vec<String> = moved
-        .iter()
-        .map(DeviceId::to_string)
+    let moved = write.refresh_owned_of(&checked.ids).await?;
+    let moved: Vec<DeviceId> = moved
+        .into_iter()
         .filter(|id| !created.contains(id))
         .collect();
     refuse_owned_moved(&state, &mut **write.tx().tx(), &moved).await?;
@@ -173,7 +172,7 @@ pub(super) async fn register_devices(
             "unchanged": answer.unchanged,
             "desired_changed": answer.desired_changed,
             "devices": devices,
-            "new": audited_ids(created.iter().map(String::as_str)),
+            "new": audited_ids(created.iter().map(DeviceId::as_str)),
         })),
         ..AuditNote::default()
     };
@@ -197,7 +196,7 @@ pub(super) async fn register_devices(
 async fn write_desired(
     state: &AppState,
     write: &mut DeviceWrite<'_>,
-    specs: &BTreeMap<SpecDigest, (Value, Vec<String>)>,
+    specs: &BTreeMap<SpecDigest, (Value, Vec<DeviceId>)>,
 ) -> Result<u64, ApiError> {
     let mut changed = 0;
     let mut changed_ids = Vec::new();
@@ -209,21 +208,15 @@ async fn write_desired(
         changed += written.len() as u64;
         let spec = Arc::new(spec.clone());
         for w in written {
-            if w.desired_generation > 1 {
+            if w.generation > Generation::FIRST {
                 replaced.push(w.id.clone());
             } else {
                 first.push(w.id.clone());
             }
-            let id = store::device_id(&w.id, "reading the ids of a desired change")?;
             // The cache leaves out what the device owns (`set_desired`).
-            let desired = DesiredState::new(
-                store::to_u64(w.desired_generation),
-                *digest,
-                spec.clone(),
-                None,
-            );
-            write.change([FleetChange::Desired(id.clone(), desired)]);
-            changed_ids.push(id);
+            let desired = DesiredState::new(w.generation, *digest, spec.clone(), None);
+            write.change([FleetChange::Desired(w.id.clone(), desired)]);
+            changed_ids.push(w.id);
         }
     }
     // A device deleted while covered and registered again: its first
@@ -262,7 +255,7 @@ pub(super) async fn upsert_device(
         credentials::refuse_foreign_accounts(&state, std::slice::from_ref(&id)).await?;
     }
     let registration = Registration {
-        id: id.to_string(),
+        id: id.clone(),
         labels: parse_labels(body.labels)?,
     };
     let mut write = DeviceWrite::begin(&state).await?;
@@ -281,17 +274,16 @@ pub(super) async fn upsert_device(
     };
     write.change([FleetChange::Registered(id.clone())]);
     write
-        .refresh_exemptions(store::Scope::Devices(&[id.to_string()]))
+        .refresh_exemptions(store::Scope::Devices(std::slice::from_ref(&id)))
         .await?;
-    let moved = write.refresh_owned_of(&[id.to_string()]).await?;
+    let moved = write.refresh_owned_of(std::slice::from_ref(&id)).await?;
     if counts.created == 0 {
-        let moved: Vec<String> = moved.iter().map(DeviceId::to_string).collect();
         refuse_owned_moved(&state, &mut **write.tx().tx(), &moved).await?;
     }
     write
         .commit("committing a registration", call.audit(status, note))
         .await?;
-    let row = store::devices::get(&state.pool, id.as_str()).await?;
+    let row = store::devices::get(&state.pool, &id).await?;
     Ok(recorded(status, row.map(|row| device_view(&state, row))))
 }
 
@@ -304,10 +296,10 @@ pub(super) async fn get_device(
     ApiPath(raw_id): ApiPath<String>,
 ) -> Result<Json<DeviceView>, ApiError> {
     let id = parse_id(&raw_id)?;
-    let Some(row) = store::devices::get(&state.pool, id.as_str()).await? else {
+    let Some(row) = store::devices::get(&state.pool, &id).await? else {
         return Err(unknown_device(&id));
     };
-    let history = store::devices::history(&state.pool, id.as_str(), HISTORY_SHOWN).await?;
+    let history = store::devices::history(&state.pool, &id, HISTORY_SHOWN).await?;
     let mut device = device_view(&state, row);
     device.history = Some(history.into_iter().map(attempt).collect());
     device.diff = match (&device.reported, &device.desired) {
@@ -370,12 +362,12 @@ pub(super) async fn delete_device(
     // Registered again, it stays under the policies that cover it now.
     let departures = store::approvals::record_departure(
         &mut **write.tx().tx(),
-        id.as_str(),
+        &id,
         &call.actor.name,
         state.config.changes.require_approval,
     )
     .await?;
-    let existed = store::devices::delete(write.tx(), id.as_str()).await?;
+    let existed = store::devices::delete(write.tx(), &id).await?;
     let note = AuditNote {
         targets: Some(1),
         detail: Some(json!({
@@ -416,7 +408,7 @@ pub(super) async fn reset_reported(
 ) -> Result<Response, ApiError> {
     let id = registered(&state, &raw_id).await?;
     let mut write = DeviceWrite::begin(&state).await?;
-    store::devices::reset_reported(write.tx(), id.as_str()).await?;
+    store::devices::reset_reported(write.tx(), &id).await?;
     let note = AuditNote {
         targets: Some(1),
         detail: Some(json!({"devices": audited_ids([id.as_str()])})),
@@ -429,7 +421,7 @@ pub(super) async fn reset_reported(
             call.audit(StatusCode::OK, note),
         )
         .await?;
-    let row = store::devices::get(&state.pool, id.as_str()).await?;
+    let row = store::devices::get(&state.pool, &id).await?;
     Ok(recorded(
         StatusCode::OK,
         row.map(|row| device_view(&state, row)),

@@ -93,7 +93,7 @@ pub(super) async fn create_exemption(
     // a desired change, it waits for another operator's approval.
     let needs_approval = match (&device, &selector_labels) {
         (Some(device), _) => {
-            approval_needed(&state, &mut **write.tx().tx(), &[device.to_string()]).await?
+            approval_needed(&state, &mut **write.tx().tx(), std::slice::from_ref(device)).await?
         }
         (None, Some(labels)) => {
             approval_needed_by_labels(&state, &mut **write.tx().tx(), labels).await?
@@ -113,7 +113,7 @@ pub(super) async fn create_exemption(
     match &device {
         Some(device) => {
             write
-                .refresh_exemptions(Scope::Devices(&[device.to_string()]))
+                .refresh_exemptions(Scope::Devices(std::slice::from_ref(device)))
                 .await?
         }
         None => write.refresh_exemptions(Scope::All).await?,
@@ -197,8 +197,9 @@ pub(super) async fn approve_exemption(
     };
     match &row.device_id {
         Some(device) => {
+            let device = store::device_id(device, "reading an approved exemption's device")?;
             write
-                .refresh_exemptions(Scope::Devices(std::slice::from_ref(device)))
+                .refresh_exemptions(Scope::Devices(std::slice::from_ref(&device)))
                 .await?
         }
         None => write.refresh_exemptions(Scope::All).await?,

@@ -56,8 +56,7 @@ pub(super) async fn put_owned_fields(
         .map(|d| d.updated_at);
     let updated_at = store::owned::save(write.tx(), &body, &call.actor.name).await?;
     let changed = write.refresh_owned(&set, store::Scope::All, false).await?;
-    let changed_ids: Vec<String> = changed.iter().map(DeviceId::to_string).collect();
-    let needed = approval_needed(&state, &mut **write.tx().tx(), &changed_ids).await?;
+    let needed = approval_needed(&state, &mut **write.tx().tx(), &changed).await?;
     if let Some(reason) = needed {
         // Nothing of the declaration is written: dropping the write rolls
         // it back, and the proposal is stored on its own.

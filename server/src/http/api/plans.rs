@@ -21,7 +21,7 @@ use idem_protocol::api::{
     PlanCounts, PlanDevicePage, PlanDeviceQuery, PlanSkipCounts, PlanSkipReason,
     PlanState as ApiPlanState, PlanView, PlannedDevice, RunStarted, TargetedRequest,
 };
-use idem_protocol::SpecDigest;
+use idem_protocol::{DeviceId, SpecDigest};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -238,7 +238,7 @@ async fn apply_claimed(
     rollout: Option<RolloutSpec>,
     body: PlanApplyRequest,
 ) -> Result<Uuid, ApiError> {
-    let devices: Vec<String> = plan.devices.iter().map(|d| d.id.to_string()).collect();
+    let devices: Vec<DeviceId> = plan.devices.iter().map(|d| d.id.clone()).collect();
     // An approval given when none was needed is recorded all the same.
     if approval.is_none() {
         if let Some(reason) = approval_needed(state, &state.pool, &devices).await? {
@@ -418,7 +418,7 @@ async fn plan_view(
     plan_state: PlanState,
     approval: Option<PlanApproval>,
 ) -> Result<PlanView, ApiError> {
-    let ids: Vec<String> = plan.devices.iter().map(|d| d.id.to_string()).collect();
+    let ids: Vec<DeviceId> = plan.devices.iter().map(|d| d.id.clone()).collect();
     let reason = approval_needed(state, &state.pool, &ids).await?;
     let (devices, next_after) = page(
         state,
@@ -487,7 +487,7 @@ async fn page(
     let mut shown = Vec::new();
     let mut bytes = 0;
     'chunks: for chunk in devices.chunks(PAGE_CHUNK) {
-        let ids: Vec<String> = chunk.iter().map(|d| d.id.to_string()).collect();
+        let ids: Vec<DeviceId> = chunk.iter().map(|d| d.id.clone()).collect();
         let mut reports: HashMap<String, store::devices::StoredReport> =
             store::devices::reports_of(&state.pool, &ids)
                 .await?

@@ -14,6 +14,10 @@ fn id(name: &str) -> DeviceId {
     DeviceId::parse(name).unwrap()
 }
 
+fn ids(names: &[&str]) -> Vec<DeviceId> {
+    names.iter().map(|name| id(name)).collect()
+}
+
 fn spec(version: u64) -> Value {
     json!({ "fw": version, "name": "cloud" })
 }
@@ -26,7 +30,12 @@ fn digest(version: u64) -> SpecDigest {
 /// `reported` (a version), status `converged`.
 fn device(reported: Option<u64>) -> DeviceEntry {
     DeviceEntry {
-        desired: Some(DesiredState::new(1, digest(1), Arc::new(spec(1)), None)),
+        desired: Some(DesiredState::new(
+            Generation(1),
+            digest(1),
+            Arc::new(spec(1)),
+            None,
+        )),
         reported: reported.map(|version| reporting(digest(version))),
         online: Some(true),
         status: DeviceStatus::Converged,
@@ -38,7 +47,7 @@ fn reporting(digest: SpecDigest) -> ReportedState {
     ReportedState {
         seq: 7,
         digest,
-        generation: Some(1),
+        generation: Some(Generation(1)),
         rejection: None,
         drift: None,
     }
@@ -55,18 +64,18 @@ fn fleet(devices: &[(&str, DeviceEntry)]) -> Fleet {
 
 /// A run over `targets` (in that order) changing every desired spec to
 /// version `version` as generation 2.
-fn changing_to<'a>(version_spec: &'a Value, targets: &[&'a str]) -> RunToJudge<'a> {
+fn changing_to<'a>(version_spec: &'a Value, targets: &'a [DeviceId]) -> RunToJudge<'a> {
     RunToJudge {
         id: Uuid::now_v7(),
         trigger: Trigger::Desired,
         force: false,
         started_by: Some("ops".into()),
-        targets: targets.iter().map(|name| id(name)).collect(),
+        targets: targets.to_vec(),
         new_spec: Some(NewSpecDigests::new(
             version_spec,
             SpecDigest::of(version_spec),
         )),
-        new_generations: targets.iter().map(|name| (*name, 2)).collect(),
+        new_generations: targets.iter().map(|id| (id, Generation(2))).collect(),
         rollout: None,
     }
 }
@@ -91,7 +100,8 @@ fn a_target_already_reporting_the_new_spec_is_decided_converged_at_creation_with
         ("silent", device(None)),
     ]);
     let new_spec = spec(2);
-    let run = changing_to(&new_spec, &["matches", "differs", "silent"]);
+    let targets = ids(&["matches", "differs", "silent"]);
+    let run = changing_to(&new_spec, &targets);
     let run_id = run.id;
     let judged = judge(run, &fleet);
 
@@ -99,7 +109,7 @@ fn a_target_already_reporting_the_new_spec_is_decided_converged_at_creation_with
     let converged = &judged.converged[0];
     assert_eq!(
         (converged.id.as_str(), converged.generation),
-        ("matches", 2)
+        ("matches", Generation(2))
     );
     assert_eq!(converged.change, None, "a converged row is not rewritten");
     assert_eq!(carried_names(&judged), ["differs", "silent"]);
@@ -120,7 +130,7 @@ fn a_target_already_reporting_the_new_spec_is_decided_converged_at_creation_with
     );
     assert_eq!(
         (outcome.subject.as_str(), outcome.run_id, outcome.generation),
-        ("matches", Some(run_id), Some(2))
+        ("matches", Some(run_id), Some(Generation(2)))
     );
 
     assert_eq!(names(judged.spec.targets.clone()), ["differs", "silent"]);
@@ -141,7 +151,8 @@ fn a_converged_target_whose_row_says_otherwise_gets_its_status_and_failures_rese
         },
     )]);
     let new_spec = spec(2);
-    let judged = judge(changing_to(&new_spec, &["recovered"]), &fleet);
+    let targets = ids(&["recovered"]);
+    let judged = judge(changing_to(&new_spec, &targets), &fleet);
     let change = judged.converged[0].change.clone().expect("its row changes");
     assert_eq!(change.status, Some(DeviceStatus::Converged));
     assert_eq!(change.failures, Some((0, None)));
@@ -151,7 +162,8 @@ fn a_converged_target_whose_row_says_otherwise_gets_its_status_and_failures_rese
 fn a_forced_run_decides_nothing_at_creation() {
     let fleet = fleet(&[("matches", device(Some(2)))]);
     let new_spec = spec(2);
-    let mut run = changing_to(&new_spec, &["matches"]);
+    let targets = ids(&["matches"]);
+    let mut run = changing_to(&new_spec, &targets);
     run.force = true;
     let judged = judge(run, &fleet);
     assert_eq!(judged.converged.len(), 0);
@@ -166,11 +178,11 @@ fn a_run_without_a_desired_change_judges_each_target_on_its_current_desired_stat
         new_spec: None,
         new_generations: HashMap::new(),
         trigger: Trigger::Manual,
-        ..changing_to(&Value::Null, &["converged", "behind"])
+        ..changing_to(&Value::Null, &ids(&["converged", "behind"]))
     };
     let judged = judge(run, &fleet);
     assert_eq!(names(judged.spec.converged.clone()), ["converged"]);
-    assert_eq!(judged.converged[0].generation, 1);
+    assert_eq!(judged.converged[0].generation, Generation(1));
     assert_eq!(carried_names(&judged), ["behind"]);
 }
 
@@ -201,7 +213,7 @@ fn an_exempt_offline_or_quarantined_target_is_never_converged_at_creation() {
     ]);
     let new_spec = spec(2);
     let judged = judge(
-        changing_to(&new_spec, &["exempt", "offline", "quarantined"]),
+        changing_to(&new_spec, &ids(&["exempt", "offline", "quarantined"])),
         &fleet,
     );
     assert_eq!(judged.converged.len(), 0);
@@ -222,7 +234,8 @@ fn a_device_that_owns_a_field_is_converged_when_the_rest_of_the_new_spec_matches
         ("owner", reports_without_name(Some(owns_name.clone()))),
         ("not-owner", reports_without_name(None)),
     ]);
-    let judged = judge(changing_to(&new_spec, &["owner", "not-owner"]), &fleet);
+    let targets = ids(&["owner", "not-owner"]);
+    let judged = judge(changing_to(&new_spec, &targets), &fleet);
     assert_eq!(names(judged.spec.converged.clone()), ["owner"]);
     assert_eq!(carried_names(&judged), ["not-owner"]);
 }
@@ -236,7 +249,7 @@ fn only_the_targets_left_for_the_engine_are_assigned_to_waves() {
         .map(|(name, entry)| (id(name), entry.clone()))
         .collect();
     let new_spec = spec(2);
-    let targets: Vec<&str> = entries.iter().map(|(name, _)| name.as_str()).collect();
+    let targets: Vec<DeviceId> = entries.iter().map(|(name, _)| id(name)).collect();
     let mut run = changing_to(&new_spec, &targets);
     run.rollout = Some(
         RolloutSpec::new(vec![
@@ -308,7 +321,7 @@ fn a_plan_is_fresh_only_while_its_devices_and_its_targeting_are_as_they_were() {
 
 #[test]
 fn a_quarantine_release_keeps_only_the_targets_it_released() {
-    let quarantined: HashSet<String> = ["b".to_owned(), "c".to_owned()].into();
+    let quarantined: HashSet<DeviceId> = [id("b"), id("c")].into();
     let kept = released_targets(vec![id("a"), id("b"), id("c")], &quarantined);
     assert_eq!(kept.map(names), Some(vec!["b".to_owned(), "c".to_owned()]));
     assert_eq!(released_targets(vec![id("a")], &quarantined), None);

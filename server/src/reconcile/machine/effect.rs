@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use idem_protocol::DeviceId;
+use idem_protocol::{DeviceId, Generation};
 use serde_json::Value;
 
 use super::Record;
@@ -115,7 +115,7 @@ pub enum Effect {
     /// Publish `{generation, spec}` retained on the device's desired topic.
     Publish {
         device: DeviceId,
-        generation: u64,
+        generation: Generation,
         spec: Arc<Value>,
         reason: PublishReason,
     },

@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use idem_protocol::Generation;
 use uuid::Uuid;
 
 use crate::reconcile::decide::Attempt;
@@ -20,7 +21,7 @@ pub(super) enum Phase {
     /// `generation` was pushed when the device's last report had
     /// `seq_at_push`; its confirmation is due by `deadline`.
     Pushed {
-        generation: u64,
+        generation: Generation,
         seq_at_push: Option<u64>,
         deadline: Instant,
     },
@@ -28,7 +29,10 @@ pub(super) enum Phase {
     /// ahead of its wave by the process before: an answer by `deadline`
     /// is taken as the answer to that push; without one it was not sent,
     /// and the attempt starts afresh (no failure).
-    MaybePushed { generation: u64, deadline: Instant },
+    MaybePushed {
+        generation: Generation,
+        deadline: Instant,
+    },
     /// A failed attempt waits until then before it is tried again.
     RetryAt(Instant),
     /// The device needs a push its rollout does not allow yet (a later
@@ -42,7 +46,7 @@ pub(super) struct InFlight {
     pub runs: Vec<Uuid>,
     pub force: bool,
     /// Desired generation this attempt works towards.
-    pub generation: Option<u64>,
+    pub generation: Option<Generation>,
     /// When the run that started this attempt began (convergence latency).
     pub since: Instant,
     pub phase: Phase,

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use idem_protocol::{DeviceId, Health};
+use idem_protocol::{DeviceId, Generation, Health};
 use uuid::Uuid;
 
 use crate::reconcile::change::DeviceChange;
@@ -21,7 +21,7 @@ pub struct OutcomeRecord {
     pub device: DeviceId,
     pub kind: OutcomeKind,
     pub reason: Option<String>,
-    pub generation: Option<u64>,
+    pub generation: Option<Generation>,
     pub health: Option<Health>,
 }
 
@@ -32,7 +32,7 @@ pub struct AttemptRecord {
     pub run_id: Uuid,
     /// Which attempt this was (1 = first since the last success).
     pub attempt: u32,
-    pub generation: Option<u64>,
+    pub generation: Option<Generation>,
     /// `Failed`, `Provisioned` or `Superseded`.
     pub result: OutcomeKind,
     pub reason: Option<String>,

@@ -13,7 +13,7 @@ fn digest(version: u64) -> SpecDigest {
 
 fn desired(generation: u64, version: u64) -> DesiredState {
     DesiredState::new(
-        generation,
+        Generation(generation),
         digest(version),
         Arc::new(json!({ "fw": version })),
         None,
@@ -27,7 +27,7 @@ fn entry(reported: Option<u64>) -> DeviceEntry {
         reported: reported.map(|version| ReportedState {
             seq: 10,
             digest: digest(version),
-            generation: Some(1),
+            generation: Some(Generation(1)),
             rejection: None,
             drift: None,
         }),
@@ -39,7 +39,7 @@ fn entry(reported: Option<u64>) -> DeviceEntry {
 
 fn wanting(version: u64) -> Desired {
     Desired {
-        generation: 2,
+        generation: Generation(2),
         digest: digest(version),
     }
 }
@@ -93,13 +93,13 @@ fn quarantined_and_offline_devices_are_skipped_before_anything_is_compared() {
 fn the_planned_generation_counts_up_only_when_the_desired_digest_changes() {
     assert_eq!(
         planned_generation(Some(&desired(4, 1)), digest(1)),
-        (4, false)
+        (Generation(4), false)
     );
     assert_eq!(
         planned_generation(Some(&desired(4, 1)), digest(2)),
-        (5, true)
+        (Generation(5), true)
     );
-    assert_eq!(planned_generation(None, digest(2)), (1, true));
+    assert_eq!(planned_generation(None, digest(2)), (Generation(1), true));
 }
 
 fn fleet() -> HashMap<DeviceId, DeviceEntry> {
@@ -149,7 +149,7 @@ fn a_plan_lists_every_known_target_in_id_order_with_counts_per_verdict() {
     assert_eq!(counts.skipped(), 2);
     assert!(devices
         .iter()
-        .all(|d| d.generation == 2 && d.new_generation));
+        .all(|d| d.generation == Generation(2) && d.new_generation));
 }
 
 fn plan_of(fleet: &HashMap<DeviceId, DeviceEntry>, created_at: DateTime<Utc>) -> Plan {
@@ -196,7 +196,7 @@ fn staleness_counts_each_changed_device_once_and_says_what_changed() {
         .as_mut()
         .unwrap();
     report.seq += 1;
-    report.generation = Some(2);
+    report.generation = Some(Generation(2));
     fleet.get_mut(&id("b-silent")).unwrap().desired = Some(desired(2, 3));
     fleet.get_mut(&id("d-offline")).unwrap().online = Some(true);
     let mut staleness = Staleness::default();
@@ -296,7 +296,7 @@ fn a_device_differing_only_in_a_field_it_owns_is_planned_converged_with_its_gene
         reported: Some(ReportedState {
             seq: 10,
             digest: owned.digest(&reported),
-            generation: Some(1),
+            generation: Some(Generation(1)),
             rejection: None,
             drift: None,
         }),
@@ -316,7 +316,7 @@ fn a_device_differing_only_in_a_field_it_owns_is_planned_converged_with_its_gene
     // The stored spec changes, so the generation counts up all the same.
     assert_eq!(
         (devices[0].generation, devices[0].new_generation),
-        (2, true)
+        (Generation(2), true)
     );
 }
 

@@ -23,7 +23,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use idem_protocol::SpecDigest;
+use idem_protocol::{Generation, SpecDigest};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -166,7 +166,7 @@ impl World {
         }
         let written = self.fleet.get(device).is_some_and(|entry| {
             entry.status == DeviceStatus::Provisioning
-                && entry.retained_generation == Some(generation)
+                && entry.retained_generation == Some(Generation(generation))
         });
         self.rollout_sends.push(RolloutSend {
             device: device.clone(),
@@ -185,14 +185,20 @@ impl World {
     /// A registered, online device that wants `desired` and last reported `reported`.
     fn device(&mut self, name: &str, desired: Option<u64>, reported: Option<u64>) -> DeviceId {
         let device = id(name);
-        let desired = desired
-            .map(|v| DesiredState::new(v, SpecDigest::of(&spec(v)), Arc::new(spec(v)), None));
+        let desired = desired.map(|v| {
+            DesiredState::new(
+                Generation(v),
+                SpecDigest::of(&spec(v)),
+                Arc::new(spec(v)),
+                None,
+            )
+        });
         let reported = reported.map(|v| {
             self.seq += 1;
             ReportedState {
                 seq: self.seq,
                 digest: SpecDigest::of(&spec(v)),
-                generation: Some(v),
+                generation: Some(Generation(v)),
                 rejection: None,
                 drift: None,
             }
@@ -236,9 +242,9 @@ impl World {
                     ..
                 } => {
                     if reason == PublishReason::Attempt {
-                        self.note_rollout_send(&device, generation);
+                        self.note_rollout_send(&device, generation.get());
                     }
-                    self.published.push((device, generation, reason));
+                    self.published.push((device, generation.get(), reason));
                 }
                 Effect::AskForReport { device, .. } => self.asked.push(device),
                 Effect::StartRun { trigger, targets } => asked_for.push((trigger, targets)),
@@ -475,7 +481,7 @@ impl World {
         let reported = ReportedState {
             seq: self.seq,
             digest: SpecDigest::of(&spec(version)),
-            generation,
+            generation: generation.map(Generation),
             rejection: None,
             drift: None,
         };
@@ -502,8 +508,8 @@ impl World {
         let reported = ReportedState {
             seq: self.seq,
             digest: SpecDigest::of(&spec(version)),
-            generation: Some(version),
-            rejection: Some((generation, "no space left".into())),
+            generation: Some(Generation(version)),
+            rejection: Some((Generation(generation), "no space left".into())),
             drift: None,
         };
         self.deliver(device, reported);
@@ -519,7 +525,12 @@ impl World {
     fn wants_spec(&self, device: &DeviceId, generation: u64, spec: Value) {
         self.fleet.apply_committed([FleetChange::Desired(
             device.clone(),
-            DesiredState::new(generation, SpecDigest::of(&spec), Arc::new(spec), None),
+            DesiredState::new(
+                Generation(generation),
+                SpecDigest::of(&spec),
+                Arc::new(spec),
+                None,
+            ),
         )]);
     }
 

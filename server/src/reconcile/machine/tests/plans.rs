@@ -56,7 +56,7 @@ proptest! {
 
         // Applied as `engine::new_run::commit_run` applies a desired change.
         for device in planned.iter().filter(|d| d.new_generation) {
-            world.wants_spec(&device.id, device.generation, new_spec.clone());
+            world.wants_spec(&device.id, device.generation.get(), new_spec.clone());
         }
         let (published, asked) = (world.published.len(), world.asked.len());
         let run = world.create(targets, force);
@@ -69,7 +69,7 @@ proptest! {
         for device in &planned {
             let was_pushed = world.published[published..]
                 .iter()
-                .any(|(d, g, reason)| *d == device.id && *g == device.generation && *reason == PublishReason::Attempt);
+                .any(|(d, g, reason)| *d == device.id && *g == device.generation.get() && *reason == PublishReason::Attempt);
             let was_asked = world.asked[asked..].contains(&device.id);
             let first_step = match device.verdict {
                 Verdict::Converged => outcome(&device.id) == Some((OutcomeKind::AlreadyConverged, None)),

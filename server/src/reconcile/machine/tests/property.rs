@@ -121,7 +121,7 @@ impl World {
             }
             Step::Confirms(i) => {
                 if let Some(generation) = desired(self, *i) {
-                    self.reports(&fleet[*i], generation, Some(generation));
+                    self.reports(&fleet[*i], generation.get(), Some(generation.get()));
                 }
             }
             Step::Drifts(i) => {
@@ -131,12 +131,12 @@ impl World {
             }
             Step::Rejects(i) => {
                 if let Some(generation) = desired(self, *i) {
-                    self.rejects(&fleet[*i], generation, 1);
+                    self.rejects(&fleet[*i], generation.get(), 1);
                 }
             }
             Step::NewDesired(i) => {
                 if let Some(generation) = desired(self, *i) {
-                    let next = generation + 1;
+                    let next = generation.get() + 1;
                     self.wants(&fleet[*i], next, next);
                     self.command(EngineCommand::DesiredChanged(vec![fleet[*i].clone()]));
                 }

@@ -43,7 +43,7 @@ fn a_converged_device_with_an_old_retained_message_gets_it_refreshed_without_an_
     let mut world = World::new(settings());
     let device = world.device("pump", Some(3), Some(3));
     let retained = DeviceChange {
-        retained: Some(2),
+        retained: Some(Generation(2)),
         ..DeviceChange::default()
     };
     world
@@ -60,7 +60,7 @@ fn a_converged_device_with_an_old_retained_message_gets_it_refreshed_without_an_
     );
     assert_eq!(
         world.fleet.get(&device).unwrap().retained_generation,
-        Some(3)
+        Some(Generation(3))
     );
 }
 
@@ -72,7 +72,7 @@ fn publishes_for_a_generation_the_cache_has_moved_past_are_stale_retained_refres
     let refreshed = world.device("gauge", Some(4), Some(4));
     let publish = |device: &DeviceId, generation: u64, reason: PublishReason| Effect::Publish {
         device: device.clone(),
-        generation,
+        generation: Generation(generation),
         spec: Arc::new(spec(generation)),
         reason,
     };

@@ -162,7 +162,7 @@ fn an_abort_skips_the_devices_not_yet_pushed_and_keeps_the_outcomes_of_those_pus
     // need the change, as after any desired change.
     for device in &targets[..20] {
         let change = DeviceChange {
-            retained: Some(1),
+            retained: Some(Generation(1)),
             ..DeviceChange::default()
         };
         world
@@ -350,7 +350,7 @@ fn a_large_wave_is_written_ahead_and_pushed_in_chunks_each_written_before_it_is_
     for device in &first {
         let entry = world.fleet.get(device).unwrap();
         assert_eq!(entry.status, DeviceStatus::Provisioning, "{device}");
-        assert_eq!(entry.retained_generation, Some(2), "{device}");
+        assert_eq!(entry.retained_generation, Some(Generation(2)), "{device}");
     }
     // The next chunks follow at once (the machine wakes now), without
     // waiting for answers.
@@ -417,7 +417,7 @@ fn confirmation_effects(world: &mut World, device: &DeviceId) -> Vec<Effect> {
         reported: ReportedState {
             seq: world.seq,
             digest: SpecDigest::of(&spec(2)),
-            generation: Some(2),
+            generation: Some(Generation(2)),
             rejection: None,
             drift: None,
         },

@@ -160,7 +160,7 @@ fn a_drifted_event_names_the_changed_paths_the_ingest_found_against_the_current_
         ReportedState {
             seq: world.seq,
             digest: SpecDigest::of(&spec(9)),
-            generation: Some(2),
+            generation: Some(Generation(2)),
             rejection: None,
             drift: Some(Arc::new(crate::reconcile::diff::DriftPaths {
                 against,
@@ -203,7 +203,7 @@ fn a_device_drifted_only_in_a_field_it_now_owns_is_converged_and_one_differing_e
     let report = ReportedState {
         seq: world.seq,
         digest: SpecDigest::of(&with_uptime),
-        generation: Some(2),
+        generation: Some(Generation(2)),
         rejection: None,
         drift: None,
     };
@@ -251,7 +251,7 @@ fn nothing_is_published_to_an_exempt_device_not_even_its_retained_message_until_
         world.fleet.apply_committed([FleetChange::Engine(
             device.clone(),
             crate::reconcile::change::DeviceChange {
-                retained: Some(2),
+                retained: Some(Generation(2)),
                 ..Default::default()
             },
         )]);
