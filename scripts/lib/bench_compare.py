@@ -52,6 +52,30 @@ def main(argv):
           f"{floors['current'] / floors['baseline'] if floors['baseline'] else float('nan'):>18.3f}"
           "   (the COPY write floor, measured in each run)")
 
+    def rows(run, name):
+        step = next((s for s in run["steps"] if s["name"] == name), None)
+        tables = (step or {}).get("details", {}).get("table_rows")
+        if tables is None:
+            return None
+        return {t: r["inserted"] + r["updated"] + r["deleted"] for t, r in tables.items()}
+
+    print("\nrows written per step, per table (inserted + updated + deleted, by pg_stat_user_tables; "
+          "the median of the runs):")
+    for name in names:
+        per_side = {}
+        for side, rs in runs.items():
+            counted = [c for c in (rows(r, name) for r in rs) if c is not None]
+            if counted:
+                tables = sorted({t for c in counted for t in c})
+                per_side[side] = {t: int(statistics.median([c.get(t, 0) for c in counted])) for t in tables}
+        if not per_side:
+            continue
+        for side in ("baseline", "current"):
+            if side in per_side:
+                label = rev if side == "baseline" else "this"
+                listed = ", ".join(f"{t} {n}" for t, n in per_side[side].items() if n) or "none"
+                print(f"  {name:<10} {label:>10}: {listed} (total {sum(per_side[side].values())})")
+
     def summaries(run):
         return {s["name"]: s["details"]["summary"] for s in run["steps"] if "summary" in s.get("details", {})}
 

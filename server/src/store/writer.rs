@@ -363,7 +363,7 @@ impl DeviceWriter {
                 .collect(),
         };
         let ids = super::device_ids(
-            &rows.iter().map(|row| row.id.clone()).collect::<Vec<_>>(),
+            &rows.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(),
             "following other writers' device rows",
         )?;
         let exempt: HashSet<DeviceId> = super::exemptions::exempt_devices(&mut **tx, Some(&ids))

@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 use crate::args::Args;
 use crate::perf::Perf;
 use crate::probe::{Cpu, Probe};
+use crate::table_writes::{self, TableWrites};
 
 /// How often progress is polled.
 pub const POLL: Duration = Duration::from_millis(10);
@@ -84,6 +85,7 @@ impl Bench {
             )?),
             Some(_) | None => None,
         };
+        let tables_before = TableWrites::snapshot(self.db.pool()).await?;
         let cpu_before = self.probe.sample();
         let started = Instant::now();
         let result = f.await;
@@ -93,6 +95,12 @@ impl Bench {
             record.perf_files.push(perf.stop()?);
         }
         let (value, mut details) = result.with_context(|| format!("step {name}"))?;
+        // Read after the wall time is taken: the wait for PostgreSQL's
+        // statistics is not the step's.
+        let written = TableWrites::snapshot(self.db.pool())
+            .await?
+            .since(&tables_before);
+        details.insert("table_rows", table_writes::to_json(&written));
         details.insert(
             "server_rss_after_bytes",
             json!(self.probe.server_memory(MemoryField::Rss)),
@@ -110,6 +118,11 @@ impl Bench {
             cpu.simulator,
             cpu.other,
             cpu.steal
+        );
+        eprintln!(
+            "  {:<10} rows written: {}",
+            "",
+            table_writes::summary(&written)
         );
         record.steps.push(Step {
             name,

@@ -13,7 +13,9 @@
 //! * memory — server and simulator RSS, bytes per device above idle;
 //!
 //! plus the CPU seconds the server, broker, PostgreSQL and this process
-//! spent in each step (from `/proc`), to say where the time goes. It prints a
+//! spent in each step (from `/proc`), to say where the time goes, and the
+//! rows each step inserted, updated and deleted per table (from
+//! PostgreSQL's `pg_stat_user_tables`). It prints a
 //! table and writes JSON. Optionally it runs `perf record` over one step.
 //!
 //! A fleet above one process's open-file limit (`--devices 100000`) runs
@@ -34,6 +36,7 @@ mod perf;
 mod probe;
 mod report;
 mod steps;
+mod table_writes;
 mod targets;
 
 use anyhow::{bail, Context, Result};
