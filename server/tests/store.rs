@@ -444,3 +444,15 @@ async fn a_desired_change_waits_for_a_hold_and_a_hold_says_when_the_cache_lacks_
     let hold = ours.hold_desired().await.unwrap();
     assert!(hold.is_some(), "caught up: the hold is given");
 }
+
+#[tokio::test]
+async fn the_servers_sessions_never_jit_compile_a_statement() {
+    let url = std::env::var("DATABASE_URL")
+        .expect("DATABASE_URL must name the test PostgreSQL (scripts/test sets it)");
+    let pool = idem_server::store::connect(&url, 1).await.unwrap();
+    let jit: String = sqlx::query_scalar("SHOW jit")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(jit, "off");
+}
