@@ -333,7 +333,7 @@ async fn pruning_keeps_unrelayed_events_and_removes_old_or_excess_ones(pool: PgP
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]
 async fn a_write_whose_commit_fails_leaves_the_cache_as_the_database_has_it(pool: PgPool) {
     let ours = writer(&pool);
-    let device = idem_protocol::DeviceId::parse("a").unwrap();
+    let device = id("a");
     let mut tx = ours.begin().await.unwrap();
     register_mirrored(&mut tx, &device).await;
     set_desired(&mut tx, &device, 1).await;
@@ -384,7 +384,7 @@ async fn a_write_whose_commit_fails_leaves_the_cache_as_the_database_has_it(pool
 
 /// A registration of `device` as the API writes it: the row, and the cache
 /// change to mirror once it committed.
-async fn register_mirrored(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId) {
+async fn register_mirrored(tx: &mut DeviceTx<'_>, device: &DeviceId) {
     let registration = Registration {
         id: device.clone(),
         labels: None,
@@ -395,7 +395,7 @@ async fn register_mirrored(tx: &mut DeviceTx<'_>, device: &idem_protocol::Device
 
 /// A desired change of `device` as the API writes it: the row, and the
 /// cache change to mirror once it committed.
-async fn set_desired(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId, version: u64) {
+async fn set_desired(tx: &mut DeviceTx<'_>, device: &DeviceId, version: u64) {
     let spec = json!({ "v": version });
     let digest = SpecDigest::of(&spec);
     let rows = devices::set_desired(tx, std::slice::from_ref(device), &spec, &digest.to_string())
@@ -408,7 +408,7 @@ async fn set_desired(tx: &mut DeviceTx<'_>, device: &idem_protocol::DeviceId, ve
 #[sqlx::test(migrator = "idem_server::MIGRATOR")]
 async fn a_desired_change_waits_for_a_hold_and_a_hold_says_when_the_cache_lacks_one(pool: PgPool) {
     let ours = writer(&pool);
-    let device = idem_protocol::DeviceId::parse("a").unwrap();
+    let device = id("a");
     let mut tx = ours.begin().await.unwrap();
     register_mirrored(&mut tx, &device).await;
     tx.commit("registering").await.unwrap();

@@ -362,17 +362,14 @@ impl DeviceWriter {
                 .filter(|id| !found.contains(id.as_str()))
                 .collect(),
         };
-        let ids = super::device_ids(
-            &rows.iter().map(|row| row.id.as_str()).collect::<Vec<_>>(),
-            "following other writers' device rows",
-        )?;
+        let set = owned_set.unwrap_or_else(|| (*self.cache.owned_set()).clone());
+        let mut resolver = OwnedResolver::new(set.clone());
+        let mut entries = super::device_rows::cache_entries(&rows, &mut resolver)?;
+        let ids: Vec<DeviceId> = entries.iter().map(|(id, _)| id.clone()).collect();
         let exempt: HashSet<DeviceId> = super::exemptions::exempt_devices(&mut **tx, Some(&ids))
             .await?
             .into_iter()
             .collect();
-        let set = owned_set.unwrap_or_else(|| (*self.cache.owned_set()).clone());
-        let mut resolver = OwnedResolver::new(set.clone());
-        let mut entries = super::device_rows::cache_entries(&rows, &mut resolver)?;
         changes.reserve(entries.len() + gone.len() + 1);
         if matches!(changed, Changed::Everything) {
             changes.push(FleetChange::OwnedSet(Arc::new(set)));
