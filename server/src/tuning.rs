@@ -143,6 +143,17 @@ pub const RELAY_POLL_INTERVAL: Duration = Duration::from_millis(500);
 /// How often the relay's holder prunes the event log past its retention.
 /// (Used in `events/relay.rs`.)
 pub const RELAY_PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+/// Targets of a run decided `already_converged` at its creation that share
+/// one stored record, and their outcome events one entry of the event log:
+/// a converged fleet of 100,000 costs about a hundred rows of each per run,
+/// and a reader expands at most this many events from one entry.
+/// (Used in `store/runs.rs`, `events/log.rs`.)
+pub const CONVERGED_SLICE: usize = 1_024;
+/// Event-log entries of converged outcomes one read takes at most when no
+/// device filter narrows them to one event each (each expands to up to
+/// `CONVERGED_SLICE` events; a read that needs more reads again).
+/// (Used in `events/log.rs`.)
+pub const CONVERGED_SLICES_PER_READ: i64 = 4;
 /// Most events one replay query reads (fewer at low replay rates, so that a
 /// page is sent within about a quarter of a second).
 /// (Used in `http/sse/mod.rs`.)

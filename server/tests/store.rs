@@ -262,7 +262,7 @@ async fn events_with_backslashes_tabs_line_breaks_and_copy_markers_in_their_data
     events::insert(&mut tx, &rows).await.unwrap();
     tx.commit().await.unwrap();
 
-    let stored = events::read(&pool, 0, &events::EventFilter::default(), 10)
+    let stored = idem_server::events::log::read(&pool, 0, &events::EventFilter::default(), 10)
         .await
         .unwrap();
     assert_eq!(stored.len(), 2);
@@ -455,4 +455,313 @@ async fn the_servers_sessions_never_jit_compile_a_statement() {
         .await
         .unwrap();
     assert_eq!(jit, "off");
+}
+
+/// Commits `drafts` as rows and then `converged` (of `run`) as converged
+/// slices, numbered after them, in one transaction; returns the first
+/// sequence of the converged ones.
+async fn append_with_converged(
+    pool: &PgPool,
+    drafts: Vec<idem_server::events::EventDraft>,
+    run: uuid::Uuid,
+    converged: &[(DeviceId, Option<idem_protocol::Health>)],
+) -> i64 {
+    use idem_server::store::runs::ConvergedTarget;
+    let mut tx = pool.begin().await.unwrap();
+    let first = events::reserve_sequences(&mut tx, drafts.len() + converged.len())
+        .await
+        .unwrap();
+    let time = idem_server::events::log::event_time(chrono::Utc::now());
+    let count = drafts.len() as u64;
+    let rows = idem_server::events::finalize(drafts, first, "/idem/test", time).unwrap();
+    events::insert(&mut tx, &rows).await.unwrap();
+    let targets: Vec<ConvergedTarget<'_>> = converged
+        .iter()
+        .enumerate()
+        .map(|(i, (device, health))| ConvergedTarget {
+            device_id: device,
+            generation: Generation(i as u64 + 1),
+            health: *health,
+        })
+        .collect();
+    idem_server::events::log::append_converged(
+        &mut tx,
+        run,
+        &targets,
+        first + count,
+        "/idem/test",
+        time,
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    (first + count) as i64
+}
+
+fn started(run: uuid::Uuid) -> idem_server::events::EventDraft {
+    idem_server::events::EventDraft {
+        event_type: idem_server::events::EventType::RunStarted,
+        subject: run.to_string(),
+        run_id: Some(run),
+        generation: None,
+        data: json!({}),
+    }
+}
+
+fn device_event(
+    kind: idem_protocol::OutcomeKind,
+    device: &str,
+    run: Option<uuid::Uuid>,
+) -> idem_server::events::EventDraft {
+    idem_server::events::EventDraft {
+        event_type: idem_server::events::EventType::Device(kind),
+        subject: device.to_owned(),
+        run_id: run,
+        generation: Some(Generation(1)),
+        data: json!({"outcome": kind.as_str()}),
+    }
+}
+
+fn fleet_of(count: usize) -> Vec<(DeviceId, Option<idem_protocol::Health>)> {
+    (0..count)
+        .map(|i| {
+            let health = (i % 3 == 0).then_some(idem_protocol::Health::Healthy);
+            (id(&format!("dev-{i:04}")), health)
+        })
+        .collect()
+}
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn the_log_reads_rows_and_converged_slices_as_one_gap_free_sequence_under_every_filter(
+    pool: PgPool,
+) {
+    use idem_protocol::OutcomeKind;
+    use idem_server::events::log::read;
+    use idem_server::store::events::{EventFilter, StoredEvent};
+    let (a, b, c) = (
+        uuid::Uuid::now_v7(),
+        uuid::Uuid::now_v7(),
+        uuid::Uuid::now_v7(),
+    );
+    // Run a: started, nothing converged. Run b: started, 2,500 converged
+    // (three slices). Then a failed outcome in b and a drift outside any
+    // run, and run c with three converged.
+    append_with_converged(&pool, vec![started(a)], a, &[]).await;
+    append_with_converged(&pool, vec![started(b)], b, &fleet_of(2_500)).await;
+    append_with_converged(
+        &pool,
+        vec![
+            device_event(OutcomeKind::Failed, "dev-0007", Some(b)),
+            device_event(OutcomeKind::Provisioned, "dev-0001", None),
+        ],
+        b,
+        &[],
+    )
+    .await;
+    append_with_converged(&pool, vec![started(c)], c, &fleet_of(3)).await;
+    assert_eq!(
+        events::last_sequence(&pool).await.unwrap(),
+        1 + 1 + 2_500 + 2 + 1 + 3
+    );
+
+    let everything = read(&pool, 0, &EventFilter::default(), 100_000)
+        .await
+        .unwrap();
+    let sequences: Vec<i64> = everything.iter().map(|e| e.sequence).collect();
+    assert_eq!(
+        sequences,
+        (1..=2_508).collect::<Vec<i64>>(),
+        "gap-free, in order"
+    );
+    for event in &everything {
+        assert_eq!(event.cloudevent["sequence"], event.sequence);
+        assert_eq!(event.cloudevent["type"], event.event_type.as_str());
+        assert_eq!(event.cloudevent["subject"], event.subject.as_str());
+    }
+    let converged = &everything[2];
+    assert_eq!(
+        (converged.subject.as_str(), converged.run_id),
+        ("dev-0000", Some(b))
+    );
+    assert_eq!(converged.event_type, "io.idem.device.already_converged");
+    assert_eq!(converged.cloudevent["runid"], b.to_string());
+    assert_eq!(converged.cloudevent["generation"], 1);
+    assert_eq!(
+        converged.cloudevent["data"],
+        json!({"outcome": "already_converged", "reason": null, "health": "healthy", "success": true})
+    );
+    assert_eq!(everything[3].cloudevent["data"]["health"], json!(null));
+    let ids: std::collections::HashSet<&str> = everything
+        .iter()
+        .map(|e| e.cloudevent["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), everything.len(), "every event has its own id");
+    let again = read(&pool, 0, &EventFilter::default(), 100_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        again.iter().map(|e| &e.cloudevent).collect::<Vec<_>>(),
+        everything.iter().map(|e| &e.cloudevent).collect::<Vec<_>>(),
+        "a slice reads back as the same events every time"
+    );
+
+    let filter = |run_id, event_type: Option<&str>, subject: Option<&str>| EventFilter {
+        run_id,
+        event_type: event_type.map(str::to_owned),
+        subject: subject.map(str::to_owned),
+    };
+    let filters = [
+        EventFilter::default(),
+        filter(Some(b), None, None),
+        filter(Some(c), None, None),
+        filter(None, Some("io.idem.device.already_converged"), None),
+        filter(None, Some("io.idem.device.failed"), None),
+        filter(None, Some("io.idem.run.started"), None),
+        filter(None, None, Some("dev-0001")),
+        filter(
+            None,
+            Some("io.idem.device.already_converged"),
+            Some("dev-0002"),
+        ),
+        filter(Some(b), None, Some("dev-0007")),
+        filter(Some(a), Some("io.idem.device.already_converged"), None),
+    ];
+    let key = |events: &[StoredEvent]| -> Vec<(i64, String)> {
+        events
+            .iter()
+            .map(|e| (e.sequence, e.cloudevent["id"].as_str().unwrap().to_owned()))
+            .collect()
+    };
+    for filter in &filters {
+        let wanted: Vec<StoredEvent> = everything
+            .iter()
+            .filter(|e| filter.matches(e))
+            .cloned()
+            .collect();
+        for after in [0, 1, 2, 3, 1_025, 1_026, 2_000, 2_502, 2_505, 2_508] {
+            for limit in [1, 7, 500, 2_000, 5_000] {
+                let expected: Vec<StoredEvent> = wanted
+                    .iter()
+                    .filter(|e| e.sequence > after)
+                    .take(limit)
+                    .cloned()
+                    .collect();
+                let got = read(&pool, after, filter, limit as i64).await.unwrap();
+                assert_eq!(
+                    key(&got),
+                    key(&expected),
+                    "{filter:?} after {after}, at most {limit}"
+                );
+            }
+        }
+    }
+}
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn pruning_counts_the_events_of_a_converged_slice_and_takes_it_only_whole(pool: PgPool) {
+    let run = uuid::Uuid::now_v7();
+    // 1: run.started; 2..=1,201: converged (slices 2..=1,025, 1,026..=1,201).
+    append_with_converged(&pool, vec![started(run)], run, &fleet_of(1_200)).await;
+    append_events(&pool, 10, chrono::Duration::zero()).await; // 1,202..=1,211
+    let week = std::time::Duration::from_secs(7 * 86_400);
+    // Keep the newest 1,000: the line is 211, inside the first slice.
+    assert_eq!(events::prune(&pool, 1_211, week, 1_000).await.unwrap(), 1);
+    assert_eq!(events::oldest_sequence(&pool).await.unwrap(), Some(2));
+    // Keep the newest 100: the line is 1,111, past the first slice.
+    assert_eq!(events::prune(&pool, 1_211, week, 100).await.unwrap(), 1_024);
+    assert_eq!(events::oldest_sequence(&pool).await.unwrap(), Some(1_026));
+    // Unrelayed events stay, whatever the count says.
+    assert_eq!(events::prune(&pool, 1_200, week, 0).await.unwrap(), 0);
+    assert_eq!(
+        events::prune(&pool, 1_211, week, 0).await.unwrap(),
+        176 + 10
+    );
+    assert_eq!(events::oldest_sequence(&pool).await.unwrap(), None);
+}
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn a_runs_outcomes_page_through_its_rows_and_its_converged_slices_by_device(pool: PgPool) {
+    use idem_protocol::OutcomeKind;
+    use idem_server::store::runs::{self, ConvergedTarget, NewRunRow};
+    let run = uuid::Uuid::now_v7();
+    let fleet = fleet_of(2_100);
+    // Every seventh device is carried by the engine; the rest converged.
+    let (carried, converged): (Vec<_>, Vec<_>) =
+        fleet.iter().enumerate().partition(|(i, _)| i % 7 == 0);
+    let undecided: Vec<(DeviceId, Option<usize>, bool)> = carried
+        .iter()
+        .map(|(_, (device, _))| (device.clone(), None, false))
+        .collect();
+    // In reverse: the store sorts them.
+    let targets: Vec<ConvergedTarget<'_>> = converged
+        .iter()
+        .rev()
+        .map(|(_, (device, health))| ConvergedTarget {
+            device_id: device,
+            generation: Generation(4),
+            health: *health,
+        })
+        .collect();
+    let mut tx = pool.begin().await.unwrap();
+    let row = NewRunRow {
+        id: run,
+        trigger: idem_protocol::Trigger::Manual,
+        force: false,
+        started_by: None,
+        plan_id: None,
+        approval: None,
+    };
+    runs::create(&mut tx, row, &undecided, &targets)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let slices: i64 = sqlx::query_scalar("SELECT count(*) FROM run_converged")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(slices, 2, "1,800 converged targets in slices of 1,024");
+
+    let page_through = |outcome: Option<OutcomeKind>, limit: i64| {
+        let pool = pool.clone();
+        async move {
+            let mut seen = Vec::new();
+            let mut after: Option<String> = None;
+            loop {
+                let page = runs::outcomes(&pool, run, outcome, after.as_deref(), limit)
+                    .await
+                    .unwrap();
+                assert!(page.len() as i64 <= limit);
+                let Some(last) = page.last() else { break };
+                after = Some(last.device_id.clone());
+                seen.extend(page);
+            }
+            seen
+        }
+    };
+    let all = page_through(None, 333).await;
+    let names: Vec<&str> = all.iter().map(|t| t.device_id.as_str()).collect();
+    let expected: Vec<String> = fleet.iter().map(|(d, _)| d.to_string()).collect();
+    assert_eq!(names, expected, "every target once, by device id");
+    for (i, target) in all.iter().enumerate() {
+        if i % 7 == 0 {
+            assert_eq!((target.outcome, target.generation), (None, None), "{i}");
+        } else {
+            assert_eq!(target.outcome, Some(OutcomeKind::AlreadyConverged), "{i}");
+            assert_eq!(target.generation, Some(4));
+            assert_eq!(target.health, fleet[i].1);
+            assert!(target.decided_at.is_some());
+        }
+    }
+    let converged_only = page_through(Some(OutcomeKind::AlreadyConverged), 1_000).await;
+    assert_eq!(converged_only.len(), 1_800);
+    let provisioned = page_through(Some(OutcomeKind::Provisioned), 50).await;
+    assert!(provisioned.is_empty());
+    let viewed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM run_outcomes WHERE run_id = $1 AND outcome = 'already_converged'",
+    )
+    .bind(run)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(viewed, 1_800, "the view has one row per target");
 }

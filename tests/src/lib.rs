@@ -25,6 +25,7 @@ pub mod secured;
 pub mod server;
 pub mod sse_client;
 mod support;
+pub mod table_writes;
 pub mod witness;
 pub mod write_floor;
 

@@ -161,7 +161,7 @@ impl Scenario {
     ) -> Result<std::collections::BTreeMap<String, i64>> {
         let run: uuid::Uuid = run_id.parse().context("run id")?;
         let rows: Vec<(String, i64)> =
-            sqlx::query_as("SELECT type, count(*) FROM events WHERE run_id = $1 GROUP BY type")
+            sqlx::query_as("SELECT type, count(*) FROM event_log WHERE run_id = $1 GROUP BY type")
                 .bind(run)
                 .fetch_all(self.db.pool())
                 .await
@@ -172,15 +172,18 @@ impl Scenario {
     /// The `data` of every event of type `kind` about `device`, in
     /// sequence order.
     pub async fn event_data(&self, kind: &str, device: &str) -> Result<Vec<Value>> {
-        sqlx::query_scalar(
-            "SELECT cloudevent->'data' FROM events WHERE type = $1 AND subject = $2 \
-             ORDER BY sequence",
-        )
-        .bind(kind)
-        .bind(device)
-        .fetch_all(self.db.pool())
-        .await
-        .context("reading a device's events")
+        let filter = idem_server::store::events::EventFilter {
+            run_id: None,
+            event_type: Some(kind.to_owned()),
+            subject: Some(device.to_owned()),
+        };
+        let events = idem_server::events::log::read(self.db.pool(), 0, &filter, 100_000)
+            .await
+            .context("reading a device's events")?;
+        Ok(events
+            .into_iter()
+            .map(|event| event.cloudevent["data"].clone())
+            .collect())
     }
 
     /// `GET /v1/devices/{id}`, which must answer 200.
@@ -191,6 +194,50 @@ impl Scenario {
         }
         Ok(view)
     }
+}
+
+/// Appends the `already_converged` outcomes of `count` devices
+/// (`filler-00000`, …) in run `run` straight to the event log of `pool`'s
+/// database, stored as a new run's converged targets are (slices), and
+/// returns the sequence of the last one.
+pub async fn append_converged_to(
+    pool: &sqlx::PgPool,
+    run: uuid::Uuid,
+    count: usize,
+) -> Result<i64> {
+    use idem_protocol::{DeviceId, Generation, Health};
+    use idem_server::store::events::reserve_sequences;
+    use idem_server::store::runs::ConvergedTarget;
+    let devices: Vec<DeviceId> = (0..count)
+        .map(|i| DeviceId::parse(&format!("filler-{i:05}")))
+        .collect::<Result<_, _>>()
+        .context("filler device ids")?;
+    let targets: Vec<ConvergedTarget<'_>> = devices
+        .iter()
+        .zip(0_u64..)
+        .map(|(device, i)| ConvergedTarget {
+            device_id: device,
+            generation: Generation(1 + i % 3),
+            health: (i % 2 == 0).then_some(Health::Healthy),
+        })
+        .collect();
+    let mut tx = pool.begin().await.context("starting a transaction")?;
+    let first = reserve_sequences(&mut tx, count)
+        .await
+        .context("reserving sequences")?;
+    idem_server::events::log::append_converged(
+        &mut tx,
+        run,
+        &targets,
+        first,
+        "/idem/test-filler",
+        chrono::Utc::now(),
+    )
+    .await
+    .context("appending converged outcomes")?;
+    tx.commit().await.context("committing events")?;
+    let first = i64::try_from(first).context("sequence out of range")?;
+    Ok(first + i64::try_from(count).unwrap_or(i64::MAX) - 1)
 }
 
 /// Appends `count` events straight to the event log of `pool`'s database

@@ -25,7 +25,7 @@ fn retrying() -> ServerSettings {
 /// Events about one device: type → count.
 async fn device_events(scenario: &Scenario, device: &str) -> BTreeMap<String, i64> {
     let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT type, count(*) FROM events WHERE subject = $1 GROUP BY type")
+        sqlx::query_as("SELECT type, count(*) FROM event_log WHERE subject = $1 GROUP BY type")
             .bind(device)
             .fetch_all(scenario.db.pool())
             .await
@@ -534,12 +534,13 @@ async fn reported_health_is_recorded_with_outcomes_and_unhealthy_devices_are_lis
     let outcomes = scenario.server.run_outcomes(&run_id).await.unwrap();
     assert_eq!(outcomes[sick.as_str()]["health"], "unhealthy");
     assert_eq!(outcomes[plan.devices[1].id.as_str()]["health"], "healthy");
-    let event: Value = sqlx::query_scalar("SELECT cloudevent FROM events WHERE subject = $1 AND type = 'io.idem.device.already_converged'")
-        .bind(sick.as_str())
-        .fetch_one(scenario.db.pool())
+    let [data] = scenario
+        .event_data("io.idem.device.already_converged", sick.as_str())
         .await
-        .unwrap();
-    let data: DeviceOutcomeData = serde_json::from_value(event["data"].clone()).unwrap();
+        .unwrap()
+        .try_into()
+        .expect("one already_converged event of the sick device");
+    let data: DeviceOutcomeData = serde_json::from_value(data).unwrap();
     assert_eq!(data.health, Some(Health::Unhealthy));
     let (_, fleet_view) = scenario.server.get("/v1/fleet").await.unwrap();
     assert_eq!(fleet_view["unhealthy_converged"], 1, "{fleet_view}");

@@ -92,23 +92,41 @@ async fn an_sse_client_that_reconnects_with_last_event_id_misses_nothing_and_see
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cursor_older_than_the_retained_log_gets_a_reset_event_first() {
+    use idem_server::store::events::{last_sequence, oldest_sequence, prune};
     let scenario = Scenario::start(ServerSettings::default()).await.unwrap();
-    let plan = FleetPlan::new("reset-", 5).build().unwrap();
+    let plan = FleetPlan::new("reset-", 5)
+        .drifted(2)
+        .seed(3)
+        .build()
+        .unwrap();
     let fleet = scenario.register_and_start(&plan, 5).await.unwrap();
     scenario.run_all(Duration::from_secs(30)).await.unwrap();
-    // Retention removed the first three events.
-    sqlx::query("DELETE FROM events WHERE sequence <= 3")
-        .execute(scenario.db.pool())
+    let pool = scenario.db.pool();
+    // The three converged outcomes are one slice of the log.
+    let (slice_first, slice_last): (i64, i64) =
+        sqlx::query_as("SELECT first_sequence, last_sequence FROM converged_event_slices")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(slice_last - slice_first, 2);
+    let last = last_sequence(pool).await.unwrap();
+    let week = std::time::Duration::from_secs(7 * 86_400);
+    // Retention whose line falls inside the slice keeps it whole.
+    prune(pool, last, week, last - (slice_last - 1))
         .await
         .unwrap();
+    assert_eq!(oldest_sequence(pool).await.unwrap(), Some(slice_first));
+    // Retention whose line is the slice's last event takes it.
+    prune(pool, last, week, last - slice_last).await.unwrap();
+    assert_eq!(oldest_sequence(pool).await.unwrap(), Some(slice_last + 1));
 
     let mut client =
         SseClient::connect(&scenario, &scenario.server.url("/v1/events"), Some(1)).await;
     let reset = client.next().await;
     assert_eq!(reset.event.as_deref(), Some("reset"));
     let body: Value = serde_json::from_str(&reset.data).unwrap();
-    assert_eq!(body["resuming_from"], 4);
-    assert_eq!(client.next().await.id, Some(4));
+    assert_eq!(body["resuming_from"], slice_last + 1);
+    assert_eq!(client.next().await.id, Some(slice_last + 1));
     fleet.shutdown().await.unwrap();
 }
 
@@ -325,14 +343,14 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let decided: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM run_targets WHERE run_id = $1::uuid AND outcome IS NOT NULL",
+        "SELECT count(*) FROM run_outcomes WHERE run_id = $1::uuid AND outcome IS NOT NULL",
     )
     .bind(&run_id)
     .fetch_one(pool)
     .await
     .unwrap();
     let logged: Vec<String> =
-        sqlx::query_scalar("SELECT type FROM events WHERE run_id = $1::uuid ORDER BY sequence")
+        sqlx::query_scalar("SELECT type FROM event_log WHERE run_id = $1::uuid ORDER BY sequence")
             .bind(&run_id)
             .fetch_all(pool)
             .await
@@ -356,8 +374,8 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
     );
     // Each device event now stands next to the committed outcome it reports.
     let reported: Vec<(String, Option<String>)> = sqlx::query_as(
-        "SELECT e.type, t.outcome FROM events e \
-         LEFT JOIN run_targets t ON t.run_id = e.run_id AND t.device_id = e.subject \
+        "SELECT e.type, t.outcome FROM event_log e \
+         LEFT JOIN run_outcomes t ON t.run_id = e.run_id AND t.device_id = e.subject \
          WHERE e.run_id = $1::uuid AND e.type LIKE 'io.idem.device.%' ORDER BY e.sequence",
     )
     .bind(&run_id)

@@ -190,7 +190,7 @@ pub async fn commit_run(
         desired_changes =
             store::devices::set_desired(&mut write, &targets, spec, &digest.to_string()).await?;
     }
-    let mut judged = judge_new_run(
+    let judged = judge_new_run(
         RunToJudge {
             id: run_id,
             trigger: run.trigger,
@@ -218,7 +218,7 @@ pub async fn commit_run(
         plan_id: run.plan.as_ref().map(|from| from.plan.id),
         approval: run.plan.as_ref().and_then(|from| from.approval.as_ref()),
     };
-    write_run(&mut write, row, &mut judged, event_source).await?;
+    write_run(&mut write, row, &judged, event_source).await?;
     if let Some(stored) = &judged.stored_rollout {
         store::runs::store_rollouts(write.tx(), &[(run_id, stored.to_json())]).await?;
     }
@@ -261,11 +261,11 @@ pub fn count_committed(metrics: &Metrics, spec: &RunSpec) {
 }
 
 /// The run row, its targets (converged ones decided), their device changes
-/// and the run's events (taken out of `judged`), in the caller's transaction.
+/// and the run's events, in the caller's transaction.
 async fn write_run(
     write: &mut DeviceTx<'_>,
     row: store::runs::NewRunRow<'_>,
-    judged: &mut JudgedRun,
+    judged: &JudgedRun,
     event_source: &str,
 ) -> Result<(), CommitRunError> {
     let carried: Vec<(DeviceId, Option<usize>, bool)> = judged
@@ -282,17 +282,29 @@ async fn write_run(
         })
         .collect();
     store::runs::create(write.tx(), row, &carried, &converged).await?;
+    let converged_count = converged.len();
     let changes: Vec<DeviceChangeRow<'_>> = judged
         .converged
         .iter()
         .filter_map(|c| c.change.as_ref().map(|change| change_row(&c.id, change)))
         .collect();
     store::devices::apply_changes(write, &changes).await?;
+    // `run.started`, then the converged targets' outcomes: those are
+    // stored compactly (`events::log`) and read back as the same events.
     let tx = write.tx();
-    let drafts = std::mem::take(&mut judged.events);
-    let first = store::events::reserve_sequences(tx, drafts.len()).await?;
-    let rows = events::finalize(drafts, first, event_source, chrono::Utc::now())?;
-    store::events::insert(tx, &rows).await?;
+    let time = events::log::event_time(chrono::Utc::now());
+    let first = store::events::reserve_sequences(tx, 1 + converged_count).await?;
+    let started = events::finalize(vec![judged.started.clone()], first, event_source, time)?;
+    store::events::insert(tx, &started).await?;
+    events::log::append_converged(
+        tx,
+        judged.spec.id,
+        &converged,
+        first + 1,
+        event_source,
+        time,
+    )
+    .await?;
     Ok(())
 }
 

@@ -5,6 +5,7 @@
 //! Builds events only; storing them is `store::events`, in the same
 //! transaction as the state change they report.
 
+pub mod log;
 pub(crate) mod relay;
 
 use chrono::{DateTime, Utc};
@@ -38,18 +39,19 @@ pub fn finalize(
     drafts
         .into_iter()
         .zip(first_sequence..)
-        .map(|(draft, sequence)| to_row(draft, sequence, source, time))
+        .map(|(draft, sequence)| to_row(draft, Uuid::now_v7(), sequence, source, time))
         .collect()
 }
 
+/// `draft` as the CloudEvent with `id` at `sequence`.
 fn to_row(
     draft: EventDraft,
+    id: Uuid,
     sequence: u64,
     source: &str,
     time: DateTime<Utc>,
 ) -> Result<EventRow, EventError> {
     let event_type = draft.event_type.as_str();
-    let id = Uuid::now_v7();
     let sequence = i64::try_from(sequence).unwrap_or(i64::MAX);
     let mut builder = EventBuilderV10::new()
         .id(id.to_string())

@@ -218,7 +218,7 @@ impl EventRelay {
             None => cursors.live,
         };
         let batch =
-            events::read(&self.pool, from, &EventFilter::default(), RELAY_READ_BATCH).await?;
+            super::log::read(&self.pool, from, &EventFilter::default(), RELAY_READ_BATCH).await?;
         let Some(last) = batch.last().map(|e| e.sequence) else {
             let committed = events::last_sequence(&self.pool).await?;
             self.metrics

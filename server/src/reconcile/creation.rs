@@ -10,8 +10,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use chrono::{DateTime, Utc};
-use idem_protocol::event::{DeviceOutcomeData, RunStartedData};
-use idem_protocol::{DeviceId, Generation, OutcomeKind};
+use idem_protocol::event::RunStartedData;
+use idem_protocol::{DeviceId, Generation};
 use uuid::Uuid;
 
 use super::device::DeviceEntry;
@@ -90,11 +90,12 @@ pub struct Carried {
 /// What creating a run writes, and the run the engine then carries.
 #[derive(Debug)]
 pub struct JudgedRun {
-    /// The targets decided `already_converged` now, with their row change.
+    /// The targets decided `already_converged` now, with their row change;
+    /// each one's outcome event is `EventDraft::already_converged`, its
+    /// sequence after `run.started`'s in this order.
     pub converged: Vec<Converged>,
-    /// `run.started`, then one `already_converged` outcome per converged
-    /// target, in that order.
-    pub events: Vec<EventDraft>,
+    /// `run.started`: the run's first event, before its converged targets'.
+    pub started: EventDraft,
     /// The rollout's state until the engine's first write of it.
     pub stored_rollout: Option<StoredRollout>,
     /// The run as the engine's state machine starts it.
@@ -146,8 +147,7 @@ pub fn judge_new_run(
         .filter(|id| view(id).is_some_and(|entry| entry.reported.is_some()))
         .cloned()
         .collect();
-    let mut events = Vec::with_capacity(1 + converged.len());
-    events.push(EventDraft::run_started(
+    let started = EventDraft::run_started(
         id,
         RunStartedData {
             trigger,
@@ -155,23 +155,14 @@ pub fn judge_new_run(
             force,
             started_by: started_by.clone(),
         },
-    ));
-    events.extend(converged.iter().map(|c| {
-        let data = DeviceOutcomeData {
-            outcome: OutcomeKind::AlreadyConverged,
-            reason: None,
-            health: c.health,
-            success: true,
-        };
-        EventDraft::device_outcome(&c.id, id, Some(c.generation), data)
-    }));
+    );
     let (stored_rollout, run_rollout) = match (rollout, waves) {
         (Some(spec), Some(waves)) => {
             // Its state until the engine's first write: the start the
             // engine makes of it (the same steps, without their events).
-            let (started, _) =
+            let (begun, _) =
                 Rollout::start(spec.clone(), undecided.len() as u64, started_by.clone());
-            let stored = started.stored(now, wall);
+            let stored = begun.stored(now, wall);
             let start = RolloutStart::New {
                 spec,
                 author: started_by,
@@ -189,7 +180,7 @@ pub fn judge_new_run(
     };
     JudgedRun {
         converged,
-        events,
+        started,
         stored_rollout,
         spec,
     }

@@ -6,7 +6,7 @@ use idem_protocol::event::{
     DeviceDriftedData, DeviceOutcomeData, DeviceQuarantinedData, EventType, RunCompletedData,
     RunStartedData,
 };
-use idem_protocol::{DeviceId, Generation};
+use idem_protocol::{DeviceId, Generation, Health, OutcomeKind};
 use serde::Serialize;
 use serde_json::Value;
 use uuid::Uuid;
@@ -38,6 +38,24 @@ impl EventDraft {
             generation,
             data: to_data(&data),
         }
+    }
+
+    /// `io.idem.device.already_converged`: `device` already ran desired
+    /// `generation` (reporting `health`) when run `run_id` looked at it.
+    /// The same event whether it is stored as a row or in a run slice.
+    pub fn already_converged(
+        device: &DeviceId,
+        run_id: Uuid,
+        generation: Generation,
+        health: Option<Health>,
+    ) -> Self {
+        let data = DeviceOutcomeData {
+            outcome: OutcomeKind::AlreadyConverged,
+            reason: None,
+            health,
+            success: true,
+        };
+        Self::device_outcome(device, run_id, Some(generation), data)
     }
 
     /// `io.idem.device.drifted`: `device`, converged on desired

@@ -1,4 +1,9 @@
-//! The event log: gap-free `sequence`, written in the caller's transaction.
+//! The event log: gap-free `sequence`, written in the caller's transaction,
+//! as rows (`events`, one per event) and as converged slices
+//! (`converged_event_slices`, one per run slice of `already_converged`
+//! outcomes, each covering a contiguous range of sequence numbers). Both
+//! are read in one statement, so a reader sees one committed prefix of the
+//! log; `events::log` expands the slices into their events.
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::Value;
@@ -60,6 +65,60 @@ pub async fn insert(
     Ok(())
 }
 
+/// The `already_converged` outcome events of one run's converged targets,
+/// numbered `first_sequence..` in the order of `subjects`, stored in slices
+/// of `slice_size` with the first event id of each slice in `slice_ids`.
+#[derive(Debug, Clone)]
+pub struct ConvergedEventsRow<'a> {
+    pub first_sequence: i64,
+    pub run_id: Uuid,
+    pub source: &'a str,
+    /// To the microsecond (what `timestamptz` keeps).
+    pub time: DateTime<Utc>,
+    pub slice_size: usize,
+    pub slice_ids: Vec<Uuid>,
+    pub subjects: Vec<&'a str>,
+    pub generations: Vec<i64>,
+    pub health: Vec<Option<&'a str>>,
+}
+
+/// Appends converged outcome events to the log, one `converged_event_slices`
+/// row per slice (one statement), in the caller's transaction.
+pub async fn insert_converged(
+    tx: &mut Transaction<'_, Postgres>,
+    events: &ConvergedEventsRow<'_>,
+) -> Result<(), StoreError> {
+    if events.subjects.is_empty() {
+        return Ok(());
+    }
+    let slice_size = i64::try_from(events.slice_size.max(1)).unwrap_or(i64::MAX);
+    sqlx::query(
+        "INSERT INTO converged_event_slices (first_sequence, last_sequence, first_id, run_id, \
+             source, time, subjects, generations, health) \
+         SELECT $1 + min(u.ord) - 1, $1 + max(u.ord) - 1, s.first_id, $2, $3, $4, \
+             array_agg(u.subject ORDER BY u.ord), array_agg(u.generation ORDER BY u.ord), \
+             array_agg(u.health ORDER BY u.ord) \
+         FROM unnest($5::text[], $6::int8[], $7::text[]) WITH ORDINALITY \
+             AS u(subject, generation, health, ord) \
+         JOIN unnest($8::uuid[]) WITH ORDINALITY AS s(first_id, slice) \
+             ON s.slice = (u.ord - 1) / $9 + 1 \
+         GROUP BY s.slice, s.first_id",
+    )
+    .bind(events.first_sequence)
+    .bind(events.run_id)
+    .bind(events.source)
+    .bind(events.time)
+    .bind(&events.subjects)
+    .bind(&events.generations)
+    .bind(&events.health)
+    .bind(&events.slice_ids)
+    .bind(slice_size)
+    .execute(&mut **tx)
+    .await
+    .context("appending converged outcomes to the event log")?;
+    Ok(())
+}
+
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct StoredEvent {
     pub sequence: i64,
@@ -89,27 +148,167 @@ impl EventFilter {
     }
 }
 
-/// Events after `after` in sequence order that match `filter`.
-pub async fn read(
+/// One entry of the log as read: an event row, or the part of a converged
+/// slice a read wants.
+#[derive(Debug, Clone)]
+pub enum LogEntry {
+    Row(StoredEvent),
+    Converged(ConvergedSlice),
+}
+
+impl LogEntry {
+    /// The last sequence this entry accounts for.
+    pub fn last_sequence(&self) -> i64 {
+        match self {
+            LogEntry::Row(row) => row.sequence,
+            LogEntry::Converged(slice) => slice.last_sequence,
+        }
+    }
+}
+
+/// The wanted events of one converged slice: element i of the arrays is
+/// the event at `first_sequence + skip + i`, whose id is `first_id + skip +
+/// i`; `last_sequence` is the slice's own last.
+#[derive(Debug, Clone)]
+pub struct ConvergedSlice {
+    pub first_sequence: i64,
+    pub last_sequence: i64,
+    pub skip: i64,
+    pub first_id: Uuid,
+    pub run_id: Uuid,
+    pub source: String,
+    pub time: DateTime<Utc>,
+    pub subjects: Vec<String>,
+    pub generations: Vec<i64>,
+    pub health: Vec<Option<String>>,
+}
+
+/// A log entry as the statement returns it (a row's columns or a slice's).
+#[derive(Debug, sqlx::FromRow)]
+struct EntryColumns {
+    sequence: i64,
+    last_sequence: i64,
+    #[sqlx(rename = "type")]
+    event_type: String,
+    subject: Option<String>,
+    run_id: Option<Uuid>,
+    cloudevent: Option<Value>,
+    skip: Option<i64>,
+    first_id: Option<Uuid>,
+    source: Option<String>,
+    time: Option<DateTime<Utc>>,
+    subjects: Option<Vec<String>>,
+    generations: Option<Vec<i64>>,
+    health: Option<Vec<Option<String>>>,
+}
+
+impl EntryColumns {
+    fn entry(self) -> Result<LogEntry, StoreError> {
+        let sequence = self.sequence;
+        let broken = || StoreError::Corrupt {
+            context: "reading the event log",
+            detail: format!("the entry at sequence {sequence} lacks a column"),
+        };
+        if let Some(cloudevent) = self.cloudevent {
+            return Ok(LogEntry::Row(StoredEvent {
+                sequence: self.sequence,
+                event_type: self.event_type,
+                subject: self.subject.ok_or_else(broken)?,
+                run_id: self.run_id,
+                cloudevent,
+            }));
+        }
+        let slice = ConvergedSlice {
+            first_sequence: self.sequence,
+            last_sequence: self.last_sequence,
+            skip: self.skip.ok_or_else(broken)?,
+            first_id: self.first_id.ok_or_else(broken)?,
+            run_id: self.run_id.ok_or_else(broken)?,
+            source: self.source.ok_or_else(broken)?,
+            time: self.time.ok_or_else(broken)?,
+            subjects: self.subjects.ok_or_else(broken)?,
+            generations: self.generations.ok_or_else(broken)?,
+            health: self.health.ok_or_else(broken)?,
+        };
+        Ok(LogEntry::Converged(slice))
+    }
+}
+
+/// What one read of the log returned, in sequence order: at most
+/// `row_limit` rows and `slice_limit` slices, both matching `filter` and
+/// after `after`, from one snapshot.
+#[derive(Debug, Default)]
+pub struct LogRead {
+    pub entries: Vec<LogEntry>,
+    /// The rows reached `row_limit`: events past the last row may be left.
+    pub rows_full: bool,
+    /// The slices reached `slice_limit`: slices past the last may be left.
+    pub slices_full: bool,
+}
+
+/// Entries after `after` that hold events matching `filter`: rows, and
+/// converged slices cut to their events after `after` (to the one event of
+/// `filter.subject`, if set), in one statement (one snapshot: sequences
+/// commit in order, so what it sees is a prefix of the log).
+pub async fn read_entries(
     pool: &PgPool,
     after: i64,
     filter: &EventFilter,
-    limit: i64,
-) -> Result<Vec<StoredEvent>, StoreError> {
-    sqlx::query_as(
-        "SELECT sequence, type, subject, run_id, cloudevent FROM events \
-         WHERE sequence > $1 AND ($2::uuid IS NULL OR run_id = $2) AND ($3::text IS NULL OR type = $3) \
-         AND ($4::text IS NULL OR subject = $4) \
-         ORDER BY sequence LIMIT $5",
+    row_limit: i64,
+    slice_limit: i64,
+) -> Result<LogRead, StoreError> {
+    let converged_type =
+        idem_protocol::event::EventType::Device(idem_protocol::OutcomeKind::AlreadyConverged)
+            .as_str();
+    let rows: Vec<EntryColumns> = sqlx::query_as(
+        "(SELECT sequence, sequence AS last_sequence, type, subject, run_id, cloudevent, \
+              NULL::int8 AS skip, NULL::uuid AS first_id, NULL::text AS source, \
+              NULL::timestamptz AS time, NULL::text[] AS subjects, NULL::int8[] AS generations, \
+              NULL::text[] AS health \
+          FROM events \
+          WHERE sequence > $1 AND ($2::uuid IS NULL OR run_id = $2) \
+              AND ($3::text IS NULL OR type = $3) AND ($4::text IS NULL OR subject = $4) \
+          ORDER BY sequence LIMIT $5) \
+         UNION ALL \
+         (SELECT first_sequence, last_sequence, $7, NULL, run_id, NULL, skip, first_id, source, \
+              time, subjects[skip + 1 : upto], generations[skip + 1 : upto], \
+              health[skip + 1 : upto] \
+          FROM (SELECT *, \
+                  CASE WHEN $4::text IS NULL THEN greatest(0, $1 - first_sequence + 1) \
+                      ELSE array_position(subjects, $4) - 1 END AS skip, \
+                  CASE WHEN $4::text IS NULL THEN cardinality(subjects) \
+                      ELSE array_position(subjects, $4) END AS upto \
+                FROM converged_event_slices \
+                WHERE last_sequence > $1 AND ($2::uuid IS NULL OR run_id = $2) \
+                    AND ($3::text IS NULL OR $3 = $7) \
+                    AND ($4::text IS NULL OR $4 = ANY(subjects))) s \
+          WHERE first_sequence + skip > $1 \
+          ORDER BY first_sequence LIMIT $6) \
+         ORDER BY sequence",
     )
     .bind(after)
     .bind(filter.run_id)
     .bind(&filter.event_type)
     .bind(&filter.subject)
-    .bind(limit)
+    .bind(row_limit)
+    .bind(slice_limit)
+    .bind(converged_type)
     .fetch_all(pool)
     .await
-    .context("reading the event log")
+    .context("reading the event log")?;
+    let mut read = LogRead::default();
+    let (mut row_count, mut slice_count) = (0_i64, 0_i64);
+    for columns in rows {
+        let entry = columns.entry()?;
+        match &entry {
+            LogEntry::Row(_) => row_count += 1,
+            LogEntry::Converged(_) => slice_count += 1,
+        }
+        read.entries.push(entry);
+    }
+    read.rows_full = row_count >= row_limit;
+    read.slices_full = slice_count >= slice_limit;
+    Ok(read)
 }
 
 /// The highest committed sequence (0 when nothing was ever written).
@@ -120,12 +319,16 @@ pub async fn last_sequence(pool: &PgPool) -> Result<i64, StoreError> {
         .context("reading the last event sequence")
 }
 
-/// The oldest retained sequence, or `None` when the log is empty.
+/// The oldest retained sequence (of a row or a converged slice), or `None`
+/// when the log is empty.
 pub async fn oldest_sequence(pool: &PgPool) -> Result<Option<i64>, StoreError> {
-    sqlx::query_scalar("SELECT min(sequence) FROM events")
-        .fetch_one(pool)
-        .await
-        .context("reading the oldest event sequence")
+    sqlx::query_scalar(
+        "SELECT least((SELECT min(sequence) FROM events), \
+                      (SELECT min(first_sequence) FROM converged_event_slices))",
+    )
+    .fetch_one(pool)
+    .await
+    .context("reading the oldest event sequence")
 }
 
 pub async fn load_cursor(pool: &PgPool, name: &str) -> Result<Option<i64>, StoreError> {
@@ -180,7 +383,10 @@ pub async fn save_cursor_fenced(
 }
 
 /// Deletes relayed events (sequence ≤ `relayed`) that are older than
-/// `max_age` or beyond the newest `max_count`. Returns how many were deleted.
+/// `max_age` or beyond the newest `max_count` events (counted by sequence,
+/// so a converged slice counts as the events it holds). A slice goes only
+/// whole, once its last event is past the line. Returns how many events
+/// were deleted.
 pub async fn prune(
     pool: &PgPool,
     relayed: i64,
@@ -191,16 +397,22 @@ pub async fn prune(
     let cutoff = Utc::now()
         .checked_sub_signed(max_age)
         .unwrap_or(DateTime::<Utc>::MIN_UTC);
-    let deleted = sqlx::query(
-        "DELETE FROM events WHERE sequence <= $1 \
-         AND (time < $2 OR sequence <= (SELECT last FROM event_sequence) - $3)",
+    let deleted: i64 = sqlx::query_scalar(
+        "WITH rows AS ( \
+             DELETE FROM events WHERE sequence <= $1 \
+             AND (time < $2 OR sequence <= (SELECT last FROM event_sequence) - $3) \
+             RETURNING 1), \
+         slices AS ( \
+             DELETE FROM converged_event_slices WHERE last_sequence <= $1 \
+             AND (time < $2 OR last_sequence <= (SELECT last FROM event_sequence) - $3) \
+             RETURNING cardinality(subjects) AS events) \
+         SELECT (SELECT count(*) FROM rows) + coalesce((SELECT sum(events) FROM slices), 0)::int8",
     )
     .bind(relayed)
     .bind(cutoff)
     .bind(max_count)
-    .execute(pool)
+    .fetch_one(pool)
     .await
-    .context("pruning the event log")?
-    .rows_affected();
-    Ok(deleted)
+    .context("pruning the event log")?;
+    Ok(to_u64(deleted))
 }

@@ -1,6 +1,6 @@
 //! Runs and their per-device targets/outcomes.
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use chrono::{DateTime, Utc};
 use idem_protocol::{DeviceId, Generation, Health, OutcomeCounts, OutcomeKind, RunState, Trigger};
 use sqlx::{PgPool, Postgres, Transaction};
 use uuid::Uuid;
@@ -9,6 +9,7 @@ use super::copy::copy_in;
 use super::{stored_generation, to_i64, Context, StoreError};
 use crate::reconcile::machine::OutcomeRecord;
 use crate::reconcile::plan::PlanApproval;
+use crate::tuning::CONVERGED_SLICE;
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct RunRow {
@@ -74,8 +75,9 @@ pub struct ConvergedTarget<'a> {
 
 /// Inserts the run and its targets: `undecided` without an outcome (each
 /// with its rollout wave, if any, and whether its report differed from its
-/// desired spec), `converged` already decided (and counted in the run's
-/// row).
+/// desired spec), one `run_targets` row each; `converged` already decided
+/// (and counted in the run's row), in slices of `CONVERGED_SLICE` per
+/// `run_converged` row.
 pub async fn create(
     tx: &mut Transaction<'_, Postgres>,
     run: NewRunRow<'_>,
@@ -100,53 +102,69 @@ pub async fn create(
     .execute(&mut **tx)
     .await
     .context("creating a run")?;
-    // The transaction's own clock, as `now()` in SQL would give it.
-    let decided_at: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
-        .fetch_one(&mut **tx)
-        .await
-        .context("reading the transaction's time")?;
-    let decided_at = decided_at.to_rfc3339_opts(SecondsFormat::Micros, true);
-    // Collected: a lazy iterator of closures would be held across the
-    // COPY's awaits, which the futures of axum handlers cannot carry.
-    type TargetToCopy<'a> = (
-        &'a DeviceId,
-        Option<usize>,
-        bool,
-        Option<&'a ConvergedTarget<'a>>,
-    );
-    let rows: Vec<TargetToCopy<'_>> = undecided
-        .iter()
-        .map(|(device, wave, differed)| (device, *wave, *differed, None))
-        .chain(
-            converged
-                .iter()
-                .map(|t| (t.device_id, None, false, Some(t))),
-        )
-        .collect();
+    insert_converged(tx, id, converged).await?;
+    if undecided.is_empty() {
+        return Ok(());
+    }
     copy_in(
         tx,
-        "COPY run_targets (run_id, device_id, outcome, generation, health, decided_at, wave, \
-         differed) FROM STDIN",
+        "COPY run_targets (run_id, device_id, wave, differed) FROM STDIN",
         "recording run targets",
-        rows,
-        |row, (device, wave, differed, converged)| {
+        undecided,
+        |row, (device, wave, differed)| {
             row.plain(id).text(device.as_str());
-            match converged {
-                None => row.null().null().null().null(),
-                Some(target) => row
-                    .plain(OutcomeKind::AlreadyConverged.as_str())
-                    .plain(stored_generation(target.generation))
-                    .optional_text(target.health.map(Health::as_str))
-                    .plain(&decided_at),
-            };
             match wave {
                 Some(wave) => row.plain(wave),
                 None => row.null(),
             };
-            row.plain(if differed { "t" } else { "f" });
+            row.plain(if *differed { "t" } else { "f" });
         },
     )
     .await?;
+    Ok(())
+}
+
+/// The converged targets of run `run_id`, in device order, one
+/// `run_converged` row per `CONVERGED_SLICE` of them (one statement; the
+/// database computes each slice's last device in its own collation).
+async fn insert_converged(
+    tx: &mut Transaction<'_, Postgres>,
+    run_id: Uuid,
+    converged: &[ConvergedTarget<'_>],
+) -> Result<(), StoreError> {
+    if converged.is_empty() {
+        return Ok(());
+    }
+    let mut sorted: Vec<&ConvergedTarget<'_>> = converged.iter().collect();
+    sorted.sort_unstable_by(|a, b| a.device_id.as_str().cmp(b.device_id.as_str()));
+    let device_ids: Vec<&str> = sorted.iter().map(|t| t.device_id.as_str()).collect();
+    let generations: Vec<i64> = sorted
+        .iter()
+        .map(|t| stored_generation(t.generation))
+        .collect();
+    let health: Vec<Option<&str>> = sorted
+        .iter()
+        .map(|t| t.health.map(Health::as_str))
+        .collect();
+    let slice_size = i64::try_from(CONVERGED_SLICE).unwrap_or(i64::MAX);
+    sqlx::query(
+        "INSERT INTO run_converged \
+             (run_id, slice, last_device, device_ids, generations, health, decided_at) \
+         SELECT $1, ((u.ord - 1) / $5)::int4, max(u.device_id), \
+             array_agg(u.device_id ORDER BY u.ord), array_agg(u.generation ORDER BY u.ord), \
+             array_agg(u.health ORDER BY u.ord), now() \
+         FROM unnest($2::text[], $3::int8[], $4::text[]) WITH ORDINALITY \
+             AS u(device_id, generation, health, ord) \
+         GROUP BY (u.ord - 1) / $5",
+    )
+    .bind(run_id)
+    .bind(&device_ids)
+    .bind(&generations)
+    .bind(&health)
+    .bind(slice_size)
+    .execute(&mut **tx)
+    .await
+    .context("recording the converged targets of a run")?;
     Ok(())
 }
 
@@ -333,7 +351,9 @@ pub struct TargetRow {
     pub decided_at: Option<DateTime<Utc>>,
 }
 
-/// A page of a run's per-device outcomes, by device id.
+/// A page of a run's per-device outcomes, by device id: its `run_targets`
+/// rows and its converged slices (`run_converged`, skipped whole when
+/// every device in them is at or before `after`), merged.
 pub async fn outcomes(
     pool: &PgPool,
     run_id: Uuid,
@@ -342,9 +362,19 @@ pub async fn outcomes(
     limit: i64,
 ) -> Result<Vec<TargetRow>, StoreError> {
     sqlx::query_as(
-        "SELECT device_id, outcome, reason, generation, health, decided_at FROM run_targets \
-         WHERE run_id = $1 AND ($2::text IS NULL OR outcome = $2) AND ($3::text IS NULL OR device_id > $3) \
-         ORDER BY device_id LIMIT $4",
+        "SELECT device_id, outcome, reason, generation, health, decided_at FROM ( \
+             (SELECT device_id, outcome, reason, generation, health, decided_at FROM run_targets \
+              WHERE run_id = $1 AND ($2::text IS NULL OR outcome = $2) \
+                  AND ($3::text IS NULL OR device_id > $3) \
+              ORDER BY device_id LIMIT $4) \
+             UNION ALL \
+             (SELECT u.device_id, 'already_converged', NULL, u.generation, u.health, c.decided_at \
+              FROM run_converged c, \
+                  unnest(c.device_ids, c.generations, c.health) AS u(device_id, generation, health) \
+              WHERE c.run_id = $1 AND ($2::text IS NULL OR $2 = 'already_converged') \
+                  AND ($3::text IS NULL OR (c.last_device > $3 AND u.device_id > $3)) \
+              ORDER BY u.device_id LIMIT $4) \
+         ) page ORDER BY device_id LIMIT $4",
     )
     .bind(run_id)
     .bind(outcome)

@@ -293,7 +293,7 @@ async fn runs_carried_by_an_instance_whose_cache_lags_never_count_a_device_conve
 async fn outcomes(pool: &PgPool, run_id: &str) -> BTreeMap<String, (String, i64)> {
     let id: uuid::Uuid = run_id.parse().unwrap();
     let rows: Vec<(String, Option<String>, Option<i64>)> =
-        sqlx::query_as("SELECT device_id, outcome, generation FROM run_targets WHERE run_id = $1")
+        sqlx::query_as("SELECT device_id, outcome, generation FROM run_outcomes WHERE run_id = $1")
             .bind(id)
             .fetch_all(pool)
             .await

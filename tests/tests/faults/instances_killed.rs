@@ -55,7 +55,7 @@ fn first_decision_after(
     tokio::spawn(async move {
         let decided = || async {
             sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM run_targets WHERE run_id = $1::uuid AND outcome IS NOT NULL",
+                "SELECT count(*) FROM run_outcomes WHERE run_id = $1::uuid AND outcome IS NOT NULL",
             )
             .bind(&run_id)
             .fetch_one(&pool)
@@ -132,7 +132,7 @@ async fn the_instance_carrying_a_run_killed_and_never_restarted_loses_nothing() 
     let poster = (owner + 1) % 3;
     let watcher = (owner + 2) % 3;
     let pushes = PushWitness::start(&broker, &root).await.unwrap();
-    let last_event: i64 = sqlx::query_scalar("SELECT coalesce(max(sequence), 0) FROM events")
+    let last_event: i64 = sqlx::query_scalar("SELECT coalesce(max(sequence), 0) FROM event_log")
         .fetch_one(db.pool())
         .await
         .unwrap();

@@ -243,7 +243,7 @@ async fn wait_reports_stored(pool: &PgPool, n: usize, timeout: Duration) {
 async fn run_progress(pool: &PgPool, run_id: &str) -> (i64, String) {
     let id: uuid::Uuid = run_id.parse().unwrap();
     sqlx::query_as(
-        "SELECT (SELECT count(*) FROM run_targets WHERE run_id = $1 AND outcome IS NOT NULL), \
+        "SELECT (SELECT count(*) FROM run_outcomes WHERE run_id = $1 AND outcome IS NOT NULL), \
                 (SELECT state FROM runs WHERE id = $1)",
     )
     .bind(id)

@@ -123,7 +123,7 @@ async fn stopping_postgres_mid_run_makes_the_server_not_ready_and_the_run_still_
     // Each device got the outcome the plan says, once.
     let outcomes: BTreeMap<String, Option<OutcomeKind>> =
         sqlx::query_as::<_, (String, Option<String>)>(
-            "SELECT device_id, outcome FROM run_targets WHERE run_id = $1",
+            "SELECT device_id, outcome FROM run_outcomes WHERE run_id = $1",
         )
         .bind(run_id.parse::<uuid::Uuid>().unwrap())
         .fetch_all(db.pool())
@@ -142,7 +142,7 @@ async fn stopping_postgres_mid_run_makes_the_server_not_ready_and_the_run_still_
     // One event per outcome plus the run's boundaries: nothing was written
     // twice by a retried batch, nothing lost.
     let events: BTreeMap<String, i64> = sqlx::query_as::<_, (String, i64)>(
-        "SELECT type, count(*) FROM events WHERE run_id = $1 GROUP BY type",
+        "SELECT type, count(*) FROM event_log WHERE run_id = $1 GROUP BY type",
     )
     .bind(run_id.parse::<uuid::Uuid>().unwrap())
     .fetch_all(db.pool())

@@ -309,7 +309,7 @@ async fn identical_manual_runs_while_one_is_in_progress_join_it() {
         forced["joined"], false,
         "a forced run is another run: {forced}"
     );
-    let targets: i64 = sqlx::query_scalar("SELECT count(*) FROM run_targets")
+    let targets: i64 = sqlx::query_scalar("SELECT count(*) FROM run_outcomes")
         .fetch_one(scenario.db.pool())
         .await
         .unwrap();

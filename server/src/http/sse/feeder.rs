@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::{to_sse, DropReason, Queued, SseSettings};
 use crate::http::connections::ConnectionCloser;
 use crate::ops::metrics::Metrics;
-use crate::store::events::{self, EventFilter, StoredEvent};
+use crate::store::events::{EventFilter, StoredEvent};
 use crate::tuning::{SSE_DROP_GRACE, SSE_PACING_SLACK};
 
 /// How a feeder stopped.
@@ -96,7 +96,14 @@ impl Feeder {
                 // A fresh subscription before each page: what the relay sends
                 // from now on is in it, what it sent before is in the page.
                 self.live = self.live.resubscribe();
-                let rows = match events::read(&self.pool, self.cursor, &self.filter, page).await {
+                let rows = match crate::events::log::read(
+                    &self.pool,
+                    self.cursor,
+                    &self.filter,
+                    page,
+                )
+                .await
+                {
                     Ok(rows) => rows,
                     Err(e) => {
                         tracing::warn!(error = %e, "SSE replay failed; ending the stream so the client resumes");

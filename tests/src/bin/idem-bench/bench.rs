@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use crate::args::Args;
 use crate::perf::Perf;
 use crate::probe::{Cpu, Probe};
-use crate::table_writes::{self, TableWrites};
+use idem_tests::table_writes::{self, TableWrites};
 
 /// How often progress is polled.
 pub const POLL: Duration = Duration::from_millis(10);

@@ -36,7 +36,6 @@ mod perf;
 mod probe;
 mod report;
 mod steps;
-mod table_writes;
 mod targets;
 
 use anyhow::{bail, Context, Result};
