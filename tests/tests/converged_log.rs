@@ -157,6 +157,22 @@ async fn sse_events(
     (events, others)
 }
 
+/// The events `client` streams until the one that completes `run_id`.
+async fn until_completed(client: &mut SseClient, run_id: &str, what: &str) -> Vec<Value> {
+    let mut events = Vec::new();
+    while !completes(&events, run_id) {
+        let message = client
+            .next_within(Duration::from_secs(20))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{what} ended"));
+        if message.event.is_none() {
+            events.push(serde_json::from_str::<Value>(&message.data).unwrap());
+        }
+    }
+    events
+}
+
 fn converged_of<'a>(events: &'a [Value], run_id: &str) -> Vec<&'a Value> {
     events
         .iter()
@@ -239,17 +255,7 @@ async fn a_converged_run_looks_the_same_to_every_consumer_on_every_instance_and_
     assert_eq!(slices, 2, "the run's 2,000 converged events are two slices");
 
     // Live, on the instance that made the run.
-    let mut live = Vec::new();
-    while !completes(&live, &run_id) {
-        let message = live_a
-            .next_within(Duration::from_secs(20))
-            .await
-            .unwrap()
-            .expect("the live stream ended");
-        if message.event.is_none() {
-            live.push(serde_json::from_str::<Value>(&message.data).unwrap());
-        }
-    }
+    let live = until_completed(&mut live_a, &run_id, "the live stream").await;
     let started = live
         .iter()
         .find(|e| e["type"] == "io.idem.run.started" && e["runid"] == run_id)
@@ -307,17 +313,8 @@ async fn a_converged_run_looks_the_same_to_every_consumer_on_every_instance_and_
     };
 
     // Live on the other instance, and on MQTT: the same events.
-    let mut live_other = Vec::new();
-    while !completes(&live_other, &run_id) {
-        let message = live_b
-            .next_within(Duration::from_secs(20))
-            .await
-            .unwrap()
-            .expect("the other instance's live stream ended");
-        if message.event.is_none() {
-            live_other.push(serde_json::from_str::<Value>(&message.data).unwrap());
-        }
-    }
+    let live_other =
+        until_completed(&mut live_b, &run_id, "the other instance's live stream").await;
     let other = converged_of(&live_other, &run_id);
     assert_eq!(other.len(), DEVICES);
     same_as_live(&other, "live on the other instance");
