@@ -147,7 +147,7 @@ pub const RELAY_PRUNE_INTERVAL: Duration = Duration::from_secs(60);
 /// one stored record, and their outcome events one entry of the event log:
 /// a converged fleet of 100,000 costs about a hundred rows of each per run,
 /// and a reader expands at most this many events from one entry.
-/// (Used in `store/runs.rs`, `events/log.rs`.)
+/// (Used in `store/runs.rs`, `store/events.rs`, `events/log.rs`.)
 pub const CONVERGED_SLICE: usize = 1_024;
 /// Event-log entries of converged outcomes one read takes at most when no
 /// device filter narrows them to one event each (each expands to up to

@@ -58,7 +58,6 @@ pub async fn append_converged(
         run_id,
         source,
         time: event_time(time),
-        slice_size: CONVERGED_SLICE,
         slice_ids: slice_ids(converged.len().div_ceil(CONVERGED_SLICE)),
         subjects: converged.iter().map(|c| c.device_id.as_str()).collect(),
         generations: converged

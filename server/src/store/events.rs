@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use super::copy::copy_in;
 use super::{to_u64, Context, StoreError};
+use crate::tuning::CONVERGED_SLICE;
 
 /// An event ready to be stored, with its sequence already assigned.
 #[derive(Debug, Clone)]
@@ -67,7 +68,7 @@ pub async fn insert(
 
 /// The `already_converged` outcome events of one run's converged targets,
 /// numbered `first_sequence..` in the order of `subjects`, stored in slices
-/// of `slice_size` with the first event id of each slice in `slice_ids`.
+/// of `CONVERGED_SLICE` with the first event id of each slice in `slice_ids`.
 #[derive(Debug, Clone)]
 pub struct ConvergedEventsRow<'a> {
     pub first_sequence: i64,
@@ -75,7 +76,6 @@ pub struct ConvergedEventsRow<'a> {
     pub source: &'a str,
     /// To the microsecond (what `timestamptz` keeps).
     pub time: DateTime<Utc>,
-    pub slice_size: usize,
     pub slice_ids: Vec<Uuid>,
     pub subjects: Vec<&'a str>,
     pub generations: Vec<i64>,
@@ -91,7 +91,7 @@ pub async fn insert_converged(
     if events.subjects.is_empty() {
         return Ok(());
     }
-    let slice_size = i64::try_from(events.slice_size.max(1)).unwrap_or(i64::MAX);
+    let slice_size = i64::try_from(CONVERGED_SLICE).unwrap_or(i64::MAX);
     sqlx::query(
         "INSERT INTO converged_event_slices (first_sequence, last_sequence, first_id, run_id, \
              source, time, subjects, generations, health) \
