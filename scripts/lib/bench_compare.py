@@ -11,7 +11,7 @@ import json
 import statistics
 import sys
 
-STEPS = ["register", "connect", "converged", "normal", "forced", "full_push", "rollout", "ingest"]
+STEPS = ["register", "connect", "converged", "normal", "forced", "full_push", "rollout", "resync", "ingest"]
 
 
 def main(argv):
@@ -51,6 +51,19 @@ def main(argv):
     print(f"{'floor':<10} {floors['baseline']:>12.3f} {floors['current']:>9.3f} "
           f"{floors['current'] / floors['baseline'] if floors['baseline'] else float('nan'):>18.3f}"
           "   (the COPY write floor, measured in each run)")
+
+    def growth(run, key):
+        step = next((s for s in run["steps"] if s["name"] == "resync"), None)
+        return (step or {}).get("details", {}).get(key)
+
+    for key, label in [("database_growth_bytes", "the database"), ("table_growth_bytes", "its tables")]:
+        grown = {side: [g for g in (growth(r, key) for r in rs) if g is not None] for side, rs in runs.items()}
+        if grown["baseline"] and grown["current"]:
+            b, c = statistics.median(grown["baseline"]), statistics.median(grown["current"])
+            each = lambda xs: " ".join(f"{x / 2**20:.2f}" for x in xs)
+            ratio = f"{c / b:.3f}" if b > 0 else "n/a (the baseline did not grow)"
+            print(f"resync passes grew {label:<12} {b / 2**20:>9.2f} MiB {c / 2**20:>9.2f} MiB   "
+                  f"this / {rev} {ratio}   [{each(grown['baseline'])}] [{each(grown['current'])}]")
 
     def rows(run, name):
         step = next((s for s in run["steps"] if s["name"] == name), None)

@@ -4,6 +4,7 @@
 //! the environment's `IDEM_*` variables are the server's.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
@@ -91,6 +92,56 @@ struct Cli {
     /// tokens (--insecure-no-auth).
     #[arg(long)]
     secure: bool,
+
+    /// Soak instead of the benchmark's steps (`scripts/soak`): the fleet
+    /// stays connected for --duration while the server resyncs every
+    /// --resync, --drift-percent of the fleet drifts each minute and the
+    /// desired spec changes every --change-every; samples go to --out (CSV).
+    #[arg(long)]
+    soak: bool,
+
+    /// How long the soak runs (e.g. 90s, 10m, 1h).
+    #[arg(long, value_name = "D", default_value = "1h", value_parser = parse_duration)]
+    duration: Duration,
+
+    /// The server's resync interval during the soak.
+    #[arg(long, value_name = "D", default_value = "60s", value_parser = parse_duration)]
+    resync: Duration,
+
+    /// Percent of the fleet that drifts each minute of the soak (at least
+    /// one device).
+    #[arg(long, value_name = "P", default_value_t = 0.1)]
+    drift_percent: f64,
+
+    /// How often the soak changes the fleet's desired spec.
+    #[arg(long, value_name = "D", default_value = "10m", value_parser = parse_duration)]
+    change_every: Duration,
+
+    /// How often the soak samples memory, files, the database and lag.
+    #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_duration)]
+    sample_every: Duration,
+}
+
+/// `90s`, `10m`, `1h` (a whole number and one unit) as a duration.
+fn parse_duration(raw: &str) -> Result<Duration, String> {
+    let split = raw
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{raw:?}: give a unit (s, m or h), e.g. 90s, 10m, 1h"))?;
+    let (number, unit) = raw.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{raw:?}: expected a whole number before the unit"))?;
+    let seconds = match unit {
+        "s" => Some(number),
+        "m" => number.checked_mul(60),
+        "h" => number.checked_mul(3_600),
+        _ => return Err(format!("{raw:?}: the unit must be s, m or h")),
+    }
+    .ok_or_else(|| format!("{raw:?}: too long"))?;
+    if seconds == 0 {
+        return Err(format!("{raw:?}: must be longer than zero"));
+    }
+    Ok(Duration::from_secs(seconds))
 }
 
 /// What `--perf` profiles.
@@ -124,6 +175,19 @@ pub struct Args {
     /// `perf record` profiles every CPU, not only the server.
     pub perf_all: bool,
     pub server_log: Option<PathBuf>,
+    /// `--soak`: its settings; `None` runs the benchmark's steps.
+    pub soak: Option<Soak>,
+}
+
+/// The soak's settings (`--soak`).
+#[derive(Debug, Clone)]
+pub struct Soak {
+    pub duration: Duration,
+    pub resync: Duration,
+    /// Devices that drift each minute: at least one.
+    pub drift_per_minute: usize,
+    pub change_every: Duration,
+    pub sample_every: Duration,
 }
 
 impl Args {
@@ -159,7 +223,19 @@ impl Args {
             secure: cli.secure,
             perf_all: cli.perf_scope == PerfScope::All,
             server_log: cli.server_log,
+            soak: cli.soak.then(|| Soak {
+                duration: cli.duration,
+                resync: cli.resync,
+                drift_per_minute: ((cli.devices as f64 * cli.drift_percent / 100.0).round()
+                    as usize)
+                    .max(1),
+                change_every: cli.change_every,
+                sample_every: cli.sample_every,
+            }),
         };
+        if !(cli.drift_percent > 0.0 && cli.drift_percent <= 100.0) {
+            bail!("--drift-percent must be above 0 and at most 100");
+        }
         if args.server_bin.as_os_str().is_empty() {
             bail!("--server-bin is required (the idem-server binary to benchmark)");
         }
@@ -339,6 +415,53 @@ mod tests {
         assert!(refusal(&["--devices", "4", "--edges", "5"]).contains("must not exceed"));
         assert!(args(&["--server-bin", "s", "--perf-scope", "cores"]).is_err());
         assert!(args(&["--server-bin", "s", "--frobnicate"]).is_err());
+    }
+
+    #[test]
+    fn the_soak_defaults_to_an_hour_resyncing_every_minute_with_a_tenth_of_a_percent_drifting() {
+        assert!(args(&["--server-bin", "s"]).unwrap().soak.is_none());
+        let soak = args(&["--server-bin", "s", "--soak"])
+            .unwrap()
+            .soak
+            .unwrap();
+        assert_eq!(soak.duration, Duration::from_secs(3_600));
+        assert_eq!(soak.resync, Duration::from_secs(60));
+        assert_eq!(soak.drift_per_minute, 10);
+        assert_eq!(soak.change_every, Duration::from_secs(600));
+        assert_eq!(soak.sample_every, Duration::from_secs(10));
+        let small = args(&[
+            "--server-bin",
+            "s",
+            "--soak",
+            "--devices",
+            "20",
+            "--drifted",
+            "1",
+        ])
+        .unwrap()
+        .soak
+        .unwrap();
+        assert_eq!(small.drift_per_minute, 1);
+        let short = args(&[
+            "--server-bin",
+            "s",
+            "--soak",
+            "--duration",
+            "90s",
+            "--change-every",
+            "2m",
+        ])
+        .unwrap()
+        .soak
+        .unwrap();
+        assert_eq!(
+            (short.duration, short.change_every),
+            (Duration::from_secs(90), Duration::from_secs(120))
+        );
+        assert!(args(&["--server-bin", "s", "--duration", "1d"]).is_err());
+        assert!(args(&["--server-bin", "s", "--duration", "0s"]).is_err());
+        assert!(args(&["--server-bin", "s", "--duration", "10"]).is_err());
+        assert!(args(&["--server-bin", "s", "--drift-percent", "0"]).is_err());
     }
 
     #[test]

@@ -54,6 +54,11 @@ enum WorkerCommand {
     Redrift {
         desired: Value,
     },
+    /// Those of `ids` the worker holds run a spec other than `desired`.
+    Drift {
+        ids: Vec<String>,
+        desired: Value,
+    },
     /// The `seq` of each device's last report.
     Seqs,
     /// Every device of the worker reports `times` times, at once.
@@ -75,6 +80,9 @@ enum WorkerAnswer {
     Started,
     Connected,
     Redrifted,
+    Drifted {
+        count: usize,
+    },
     Seqs {
         seqs: Vec<(String, i64)>,
     },
@@ -170,11 +178,19 @@ async fn obey(fleet: &Fleet, drifted: &[DeviceId], command: WorkerCommand) -> Re
             WorkerAnswer::Connected
         }
         WorkerCommand::Redrift { desired } => {
-            let spec = drifted_spec(&desired);
-            for id in drifted {
-                fleet.set_local_spec(id, spec.clone())?;
-            }
+            drift(fleet, drifted, &desired)?;
             WorkerAnswer::Redrifted
+        }
+        WorkerCommand::Drift { ids, desired } => {
+            let held: std::collections::HashSet<&str> =
+                fleet.device_ids().map(DeviceId::as_str).collect();
+            let mine: Vec<DeviceId> = ids
+                .iter()
+                .filter(|id| held.contains(id.as_str()))
+                .map(|id| DeviceId::parse(id))
+                .collect::<Result<_, _>>()?;
+            drift(fleet, &mine, &desired)?;
+            WorkerAnswer::Drifted { count: mine.len() }
         }
         WorkerCommand::Seqs => WorkerAnswer::Seqs { seqs: seqs(fleet) },
         WorkerCommand::Report { times } => {
@@ -188,6 +204,15 @@ async fn obey(fleet: &Fleet, drifted: &[DeviceId], command: WorkerCommand) -> Re
         WorkerCommand::Start => bail!("the fleet has started already"),
         WorkerCommand::Shutdown => bail!("shutdown is handled by the loop"),
     })
+}
+
+/// `ids` run a spec other than `desired` and report it.
+fn drift(fleet: &Fleet, ids: &[DeviceId], desired: &Value) -> Result<()> {
+    let spec = drifted_spec(desired);
+    for id in ids {
+        fleet.set_local_spec(id, spec.clone())?;
+    }
+    Ok(())
 }
 
 /// The `seq` of each device's last report.
@@ -337,13 +362,7 @@ impl BenchFleet {
     /// `desired` again.
     pub async fn redrift(&mut self, ids: &[DeviceId], desired: &Value) -> Result<()> {
         match self {
-            Self::InProcess(fleet) => {
-                let drifted = drifted_spec(desired);
-                for id in ids {
-                    fleet.set_local_spec(id, drifted.clone())?;
-                }
-                Ok(())
-            }
+            Self::InProcess(fleet) => drift(fleet, ids, desired),
             Self::Workers(workers) => {
                 let command = WorkerCommand::Redrift {
                     desired: desired.clone(),
@@ -352,6 +371,31 @@ impl BenchFleet {
                     expect(matches!(answer, WorkerAnswer::Redrifted), &answer)?;
                 }
                 Ok(())
+            }
+        }
+    }
+
+    /// Makes `ids` (any devices of the fleet) run a spec other than
+    /// `desired` and report it; returns how many did.
+    pub async fn drift(&mut self, ids: &[DeviceId], desired: &Value) -> Result<usize> {
+        match self {
+            Self::InProcess(fleet) => {
+                drift(fleet, ids, desired)?;
+                Ok(ids.len())
+            }
+            Self::Workers(workers) => {
+                let command = WorkerCommand::Drift {
+                    ids: ids.iter().map(ToString::to_string).collect(),
+                    desired: desired.clone(),
+                };
+                let mut count = 0;
+                for answer in ask_all(workers, &command).await? {
+                    let WorkerAnswer::Drifted { count: drifted } = answer else {
+                        return Err(unexpected(&answer));
+                    };
+                    count += drifted;
+                }
+                Ok(count)
             }
         }
     }

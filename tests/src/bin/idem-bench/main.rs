@@ -35,6 +35,7 @@ mod fleet;
 mod perf;
 mod probe;
 mod report;
+mod soak;
 mod steps;
 mod targets;
 
@@ -125,14 +126,34 @@ async fn main() -> Result<()> {
     ))
     .context("topic root")?;
     let edges = start_edges(&args, &broker, &root)?;
-    let mut server_env: Vec<(String, String)> = vec![
-        // Unlimited push rate: the full push measures the server, not the pacer.
-        ("IDEM_PUSH_RATE".into(), "0".into()),
-        // Re-drifted devices must wait for our runs, not start their own.
-        ("IDEM_DEBOUNCE".into(), "1h".into()),
-        ("IDEM_RESYNC_INTERVAL".into(), "0".into()),
-        ("RUST_LOG".into(), "warn,idem_server=info".into()),
-    ];
+    let mut server_env: Vec<(String, String)> = match &args.soak {
+        None => vec![
+            // Unlimited push rate: the full push measures the server, not the pacer.
+            ("IDEM_PUSH_RATE".into(), "0".into()),
+            // Re-drifted devices must wait for our runs, not start their own.
+            ("IDEM_DEBOUNCE".into(), "1h".into()),
+            ("IDEM_RESYNC_INTERVAL".into(), "0".into()),
+            ("RUST_LOG".into(), "warn,idem_server=info".into()),
+        ],
+        // The soak runs the server's defaults but for the resync interval
+        // and retention counts small enough to be reached within the soak
+        // (twenty resync passes' worth of events and of run targets).
+        Some(soak) => vec![
+            (
+                "IDEM_RESYNC_INTERVAL".into(),
+                format!("{}s", soak.resync.as_secs()),
+            ),
+            (
+                "IDEM_EVENT_RETENTION_COUNT".into(),
+                (20 * args.devices).to_string(),
+            ),
+            (
+                "IDEM_RUN_RETENTION_TARGETS".into(),
+                (20 * args.devices).to_string(),
+            ),
+            ("RUST_LOG".into(), "warn,idem_server=info".into()),
+        ],
+    };
     if args.instances > 1 {
         // Every instance, the first one too, shares the fleet's messages.
         server_env.push(("IDEM_SHARE_GROUP".into(), "bench".into()));
@@ -200,6 +221,30 @@ async fn main() -> Result<()> {
         },
         passwords,
     };
+    if let Some(settings) = &args.soak {
+        let result = soak_with_instances(
+            &bench,
+            &broker,
+            &root,
+            workers,
+            &server,
+            &server_env,
+            settings,
+        )
+        .await;
+        let panics = server.panics();
+        let log_tail = server.log_tail();
+        if let Err(e) = server.stop() {
+            eprintln!("idem-bench: stopping the server: {e:#}");
+        }
+        drop(edges);
+        drop(broker);
+        return match result {
+            Ok(()) if panics.is_empty() => Ok(()),
+            Ok(()) => bail!("the server panicked:\n{}", panics.join("\n")),
+            Err(e) => Err(e.context(format!("--- server log ---\n{log_tail}"))),
+        };
+    }
     // The core broker: the server and the bare subscriber, and the fleet
     // itself when it has no edges.
     let result = match run_steps(&bench, &broker, workers, &root, &server_env, &load_before).await {
@@ -223,6 +268,46 @@ async fn main() -> Result<()> {
         Ok(()) => bail!("the server panicked:\n{}", panics.join("\n")),
         Err(e) => Err(e.context(format!("--- server log ---\n{log_tail}"))),
     }
+}
+
+/// The soak with every instance of `--instances` running (the first is
+/// `server`); the extra instances are stopped at the end.
+async fn soak_with_instances(
+    bench: &Bench,
+    broker: &PrivateMosquitto,
+    root: &TopicRoot,
+    workers: Option<BenchFleet>,
+    server: &ProcessServer,
+    server_env: &[(String, String)],
+    settings: &args::Soak,
+) -> Result<()> {
+    let mut extras =
+        soak::start_extra_instances(bench, broker, root, server_env, bench.args.instances).await?;
+    let mut server_pids = vec![bench.probe.server_pid];
+    server_pids.extend(extras.iter().filter_map(ProcessServer::pid));
+    let csv = bench
+        .args
+        .out
+        .clone()
+        .unwrap_or_else(|| std::path::PathBuf::from("bench-results/soak.csv"));
+    let run = soak::SoakRun {
+        bench,
+        core: broker,
+        root,
+        workers,
+        server_url: server.url(""),
+        token: server.api().token().map(str::to_owned),
+        server_pids,
+        event_retention: soak::env_count(server_env, "IDEM_EVENT_RETENTION_COUNT", 1_000_000),
+        run_retention: soak::env_count(server_env, "IDEM_RUN_RETENTION_TARGETS", 1_000_000),
+    };
+    let result = soak::run_soak(run, settings, &csv).await;
+    for extra in &mut extras {
+        if let Err(e) = extra.stop() {
+            eprintln!("idem-bench: stopping an instance: {e:#}");
+        }
+    }
+    result
 }
 
 /// Kills the instance holding the engine lease and times how long until

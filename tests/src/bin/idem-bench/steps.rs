@@ -1,7 +1,7 @@
 //! The benchmark's steps, in order: register, connect, the write floor,
 //! the converged pass, the normal and the forced run over the re-drifted
-//! fleet, the full push, the same change as a ten-wave rollout and the
-//! ingest burst; then memory. Each step runs
+//! fleet, the full push, the same change as a ten-wave rollout, twelve
+//! resync passes over the converged fleet and the ingest burst; then memory. Each step runs
 //! through [`Bench::step`]; what they measure goes to the report.
 
 use std::collections::{BTreeMap, HashMap};
@@ -150,6 +150,10 @@ pub async fn run_steps(
     if rolled.counts.provisioned != n as u64 {
         bail!("rollout: {}", rolled.summary);
     }
+
+    // Resync: the periodic pass over a converged fleet, twelve times (an
+    // hour of the default five-minute resync); what it grows the database by.
+    resync_step(bench, &mut record).await?;
 
     // Ingest: every device publishes K reports at once; the server's stored
     // rate against a bare subscriber's received rate, same burst.
@@ -341,8 +345,71 @@ async fn run_step(
     Ok((run, wall, pushes))
 }
 
+/// Passes of the resync step: an hour of resyncs at the default interval.
+pub const RESYNC_PASSES: usize = 12;
+
+/// The database's size on disk and its tables' (with indexes and TOAST),
+/// in bytes.
+async fn database_bytes(bench: &Bench) -> Result<(i64, i64)> {
+    sqlx::query_as(
+        "SELECT pg_database_size(current_database()), \
+                (SELECT coalesce(sum(pg_total_relation_size(relid)), 0)::int8 \
+                   FROM pg_stat_user_tables)",
+    )
+    .fetch_one(bench.db.pool())
+    .await
+    .context("measuring the database's size")
+}
+
+/// Resync: [`RESYNC_PASSES`] runs over the whole (converged) fleet, one
+/// after the other, each of which must find every device already
+/// converged; records how much the database and its tables grew.
+async fn resync_step(bench: &Bench, record: &mut Record) -> Result<()> {
+    let n = bench.args.devices as u64;
+    let client = &bench.client;
+    let all = json!({"all": true});
+    let (database_before, tables_before) = database_bytes(bench).await?;
+    let (server_ms, _) = bench
+        .step(record, "resync", async {
+            let mut server_ms = Vec::with_capacity(RESYNC_PASSES);
+            for pass in 1..=RESYNC_PASSES {
+                let started = client.start_run(&all).await?;
+                let run = follow_run(client, &started.run_id).await?;
+                if run.counts.already_converged != n {
+                    bail!(
+                        "resync pass {pass}: {}, expected every device already converged",
+                        run.summary
+                    );
+                }
+                server_ms.push(run.duration_ms.unwrap_or(0));
+            }
+            Ok((
+                server_ms.clone(),
+                details(&[
+                    ("passes", json!(RESYNC_PASSES)),
+                    ("server_duration_ms", json!(server_ms)),
+                ]),
+            ))
+        })
+        .await?;
+    let (database_after, tables_after) = database_bytes(bench).await?;
+    let grown = database_after - database_before;
+    let tables_grown = tables_after - tables_before;
+    record.annotate_last(details(&[
+        ("database_growth_bytes", json!(grown)),
+        ("table_growth_bytes", json!(tables_grown)),
+    ]));
+    println!(
+        "  resync: {RESYNC_PASSES} passes over the converged fleet (server {} ms each) grew the database by {:.1} MiB (its tables by {:.1} MiB)",
+        server_ms.iter().map(u64::to_string).collect::<Vec<_>>().join(", "),
+        grown as f64 / 1_048_576.0,
+        tables_grown as f64 / 1_048_576.0,
+    );
+    Ok(())
+}
+
 /// Registers the plan's devices, 1,000 per request.
-async fn register_step(
+pub async fn register_step(
     bench: &Bench,
     plan: &idem_device_sim::Plan,
     record: &mut Record,
@@ -401,7 +468,7 @@ fn in_process_config(
 /// starts in this process on the core broker, or in the (already spawned)
 /// `workers` on the edges. Returns the fleet, when all were connected and
 /// the step's duration.
-async fn connect_step(
+pub async fn connect_step(
     bench: &Bench,
     core: &PrivateMosquitto,
     workers: Option<BenchFleet>,
