@@ -59,6 +59,11 @@ pub const ENGINE_LEASE_TRY_EVERY: Duration = Duration::from_millis(250);
 /// How often the holder looks for runs other instances committed.
 /// (Used in `engine/seat.rs`.)
 pub const TAKE_UP_EVERY: Duration = Duration::from_millis(500);
+/// How often the holder forgets the runs it carried that the database has
+/// as completed (they are never taken up again), so that the set of runs it
+/// carries holds only unfinished ones.
+/// (Used in `engine/seat.rs`.)
+pub const FORGET_COMPLETED_EVERY: Duration = Duration::from_secs(60);
 /// Runs found and not yet handed to the engine.
 /// (Used in `engine/seat.rs`.)
 pub const TAKE_UPS_CAPACITY: usize = 64;

@@ -765,3 +765,40 @@ async fn a_runs_outcomes_page_through_its_rows_and_its_converged_slices_by_devic
     .unwrap();
     assert_eq!(viewed, 1_800, "the view has one row per target");
 }
+
+#[sqlx::test(migrator = "idem_server::MIGRATOR")]
+async fn the_engine_learns_which_of_the_runs_it_carries_are_completed_and_only_those(pool: PgPool) {
+    use idem_server::store::runs::{self, NewRunRow};
+    let new_run = |id| NewRunRow {
+        id,
+        trigger: idem_protocol::Trigger::Manual,
+        force: false,
+        started_by: None,
+        plan_id: None,
+        approval: None,
+    };
+    let (finished, running, never_committed) = (
+        uuid::Uuid::now_v7(),
+        uuid::Uuid::now_v7(),
+        uuid::Uuid::now_v7(),
+    );
+    let mut tx = pool.begin().await.unwrap();
+    for id in [finished, running] {
+        runs::create(&mut tx, new_run(id), &[], &[]).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    sqlx::query("UPDATE runs SET state = 'completed', finished_at = now() WHERE id = $1")
+        .bind(finished)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let completed = runs::completed_among(&pool, &[finished, running, never_committed])
+        .await
+        .unwrap();
+    assert_eq!(
+        completed,
+        vec![finished],
+        "a running run and one not committed yet stay carried"
+    );
+    assert!(runs::completed_among(&pool, &[]).await.unwrap().is_empty());
+}

@@ -131,7 +131,8 @@ pub struct Engine {
     deposed: bool,
     /// Every run this engine started or took up: the runs it carries, and
     /// those it completed whose completion may not be written yet (shared
-    /// with the seat, which takes up only runs not in it).
+    /// with the seat, which takes up only runs not in it, and forgets those
+    /// the database has as completed).
     carried: Carried,
 }
 

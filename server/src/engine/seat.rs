@@ -35,7 +35,8 @@ use crate::reconcile::run::{RolloutStart, RunRollout, RunSpec};
 use crate::store::leases::{self, Fence, LeaseDeadline, LeaseHolder};
 use crate::store::{self, DeviceWriter, StoreError};
 use crate::tuning::{
-    ASKED_ACTIONS_EVERY, ENGINE_LEASE_TRY_EVERY, TAKE_UPS_CAPACITY, TAKE_UP_EVERY,
+    ASKED_ACTIONS_EVERY, ENGINE_LEASE_TRY_EVERY, FORGET_COMPLETED_EVERY, TAKE_UPS_CAPACITY,
+    TAKE_UP_EVERY,
 };
 
 /// The lease of the one engine.
@@ -359,9 +360,15 @@ async fn find_runs_to_take_up(
 ) {
     let mut looks = tokio::time::interval(TAKE_UP_EVERY);
     looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut forgets = tokio::time::interval(FORGET_COMPLETED_EVERY);
+    forgets.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             () = holding.cancelled() => return,
+            _ = forgets.tick() => {
+                forget_completed(&pool, &carried).await;
+                continue;
+            }
             _ = looks.tick() => {}
         }
         let is_carried = |id: Uuid| {
@@ -382,6 +389,30 @@ async fn find_runs_to_take_up(
             }
             Err(e) => tracing::debug!(error = %e, "could not look for runs to take up"),
         }
+    }
+}
+
+/// Drops from `carried` the runs the database has as completed: a completed
+/// run is never unfinished again, so it is never taken up whether carried
+/// or not; without this the set grows by one id per run for as long as the
+/// lease is held.
+async fn forget_completed(pool: &PgPool, carried: &Carried) {
+    let ids: Vec<Uuid> = carried
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .copied()
+        .collect();
+    match store::runs::completed_among(pool, &ids).await {
+        Ok(completed) => {
+            let mut carried = carried
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for id in completed {
+                carried.remove(&id);
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "could not read which carried runs are completed"),
     }
 }
 

@@ -385,6 +385,19 @@ pub async fn outcomes(
     .context("listing run outcomes")
 }
 
+/// Those of `ids` whose runs are completed.
+pub async fn completed_among(pool: &PgPool, ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    sqlx::query_scalar("SELECT id FROM runs WHERE id = ANY($1) AND state = $2")
+        .bind(ids)
+        .bind(RunState::Completed)
+        .fetch_all(pool)
+        .await
+        .context("reading which runs are completed")
+}
+
 /// Deletes completed runs (their targets go with them) that finished before
 /// `max_age` ago, or that lie beyond the newest runs whose targets add up to
 /// `max_targets`, at most `batch` runs per call. Returns how many runs were

@@ -137,7 +137,8 @@ async fn main() -> Result<()> {
         ],
         // The soak runs the server's defaults but for the resync interval
         // and retention counts small enough to be reached within the soak
-        // (twenty resync passes' worth of events and of run targets).
+        // (twenty resync passes' worth of events and of run targets, two
+        // fleet-wide pushes' worth of attempt history).
         Some(soak) => vec![
             (
                 "IDEM_RESYNC_INTERVAL".into(),
@@ -150,6 +151,10 @@ async fn main() -> Result<()> {
             (
                 "IDEM_RUN_RETENTION_TARGETS".into(),
                 (20 * args.devices).to_string(),
+            ),
+            (
+                "IDEM_ATTEMPT_RETENTION_COUNT".into(),
+                (2 * args.devices).to_string(),
             ),
             ("RUST_LOG".into(), "warn,idem_server=info".into()),
         ],
