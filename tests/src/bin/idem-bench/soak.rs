@@ -148,6 +148,8 @@ struct Checks {
     sse_received: u64,
     sse_reconnects: u64,
     sse_final_lag: i64,
+    /// The first instance's `idem_sse_clients_dropped_total`, by reason.
+    sse_dropped: Vec<(&'static str, f64)>,
 }
 
 impl Checks {
@@ -242,6 +244,12 @@ async fn drive(
     checks.sse_gaps = follower.gaps.load(Ordering::Relaxed);
     checks.sse_received = follower.received.load(Ordering::Relaxed);
     checks.sse_reconnects = follower.reconnects.load(Ordering::Relaxed);
+    for reason in ["lagged", "send_timeout"] {
+        let series = format!("idem_sse_clients_dropped_total{{reason=\"{reason}\"}}");
+        checks
+            .sse_dropped
+            .push((reason, bench.metric(&series).await?));
+    }
     let last = take_sample(soak, started, follower, witness, drifted, changes).await?;
     samples.push(last);
     Ok((samples, checks))
@@ -709,10 +717,16 @@ fn print_table(samples: &[Sample], checks: &Checks, soak: &SoakRun<'_>, settings
             .join(", ")
     );
     println!(
-        "SSE follower: {} events, {} gaps, {} reconnects, {} behind at the end: {}",
+        "SSE follower: {} events, {} gaps, {} reconnects (the server dropped {}), {} behind at the end: {}",
         format_count(checks.sse_received),
         checks.sse_gaps,
         checks.sse_reconnects,
+        checks
+            .sse_dropped
+            .iter()
+            .map(|(reason, n)| format!("{n} {reason}"))
+            .collect::<Vec<_>>()
+            .join(", "),
         checks.sse_final_lag,
         verdict(checks.sse_gaps == 0 && checks.sse_final_lag == 0)
     );
