@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use idem_device_sim::memory::MemoryField;
 use idem_device_sim::{RunView, ServerClient};
-use idem_tests::TestDatabase;
+use idem_protocol::TopicRoot;
+use idem_tests::{PrivateMosquitto, ProcessServer, TestDatabase};
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -143,6 +144,35 @@ impl Bench {
             .await
             .with_context(|| format!("querying: {sql}"))
     }
+}
+
+/// Starts server instances 2..=`--instances` on `core` with `env` (the
+/// first instance's, so they share the fleet's subscriptions), named
+/// `{name}-2`, `{name}-3`, ...
+pub async fn start_extra_instances(
+    bench: &Bench,
+    core: &PrivateMosquitto,
+    root: &TopicRoot,
+    env: &[(String, String)],
+    name: &str,
+) -> Result<Vec<ProcessServer>> {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut extras = Vec::new();
+    for index in 2..=bench.args.instances {
+        extras.push(
+            ProcessServer::start(
+                &bench.args.server_bin,
+                bench.db.url(),
+                &core.url(),
+                root,
+                &format!("{name}-{index}"),
+                &env,
+            )
+            .await
+            .with_context(|| format!("starting instance {index}"))?,
+        );
+    }
+    Ok(extras)
 }
 
 /// Polls `GET /v1/runs/{id}` until completed.

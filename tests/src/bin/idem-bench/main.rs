@@ -286,8 +286,7 @@ async fn soak_with_instances(
     server_env: &[(String, String)],
     settings: &args::Soak,
 ) -> Result<()> {
-    let mut extras =
-        soak::start_extra_instances(bench, broker, root, server_env, bench.args.instances).await?;
+    let mut extras = bench::start_extra_instances(bench, broker, root, server_env, "soak").await?;
     let mut server_pids = vec![bench.probe.server_pid];
     server_pids.extend(extras.iter().filter_map(ProcessServer::pid));
     let csv = bench

@@ -18,8 +18,8 @@ use idem_tests::{PrivateMosquitto, ProcessServer};
 use serde_json::{json, Value};
 
 use crate::bench::{
-    details, diagnose, follow_run, run_details, wait_stored, Bench, Record, APPLIED, POLL, PUSHES,
-    STEP_TIMEOUT,
+    details, diagnose, follow_run, run_details, start_extra_instances, wait_stored, Bench, Record,
+    APPLIED, POLL, PUSHES, STEP_TIMEOUT,
 };
 use crate::counter::{Counter, COUNTER_USER};
 use crate::fleet::{bench_plan, BenchFleet};
@@ -252,25 +252,7 @@ async fn instances_steps(
     let all = json!({"all": true});
     let (_, converged_one, _) =
         run_step(bench, record, "converged_one", RunStart::Run(&all)).await?;
-    let env: Vec<(&str, &str)> = server_env
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    let mut extras = Vec::new();
-    for index in 2..=bench.args.instances {
-        extras.push(
-            ProcessServer::start(
-                &bench.args.server_bin,
-                bench.db.url(),
-                &core.url(),
-                root,
-                &format!("bench-{index}"),
-                &env,
-            )
-            .await
-            .with_context(|| format!("starting instance {index}"))?,
-        );
-    }
+    let extras = start_extra_instances(bench, core, root, server_env, "bench").await?;
     let n = bench.args.instances;
     // The first pass right after the instances joined carries their
     // start-up; it is timed and printed, and the ratio is taken on a pass

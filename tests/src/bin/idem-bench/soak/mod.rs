@@ -9,18 +9,16 @@
 //! writes every sample as CSV (the plot is `scripts/lib/soak_plot.py`'s).
 
 use std::collections::{BTreeMap, HashSet};
-use std::fmt::Write as _;
 use std::path::Path;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use idem_device_sim::memory::{process_memory, MemoryField};
 use idem_device_sim::{format_count, Plan};
 use idem_protocol::{DeviceId, TopicRoot};
 use idem_tests::witness::ReportWitness;
-use idem_tests::{PrivateMosquitto, ProcessServer, SseClient};
+use idem_tests::{PrivateMosquitto, SseClient};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
@@ -29,12 +27,14 @@ use crate::bench::{Bench, Record};
 use crate::fleet::{bench_plan, BenchFleet};
 use crate::steps::{connect_step, register_step};
 
+mod samples;
+mod table;
+
+use samples::{lag, take_sample, write_csv, Follower, Sample};
+use table::{human, print_table, progress};
+
 /// How long the end waits for runs to finish and reports to be stored.
 const SETTLE: Duration = Duration::from_secs(120);
-/// A figure "ends within" this fraction of its value after [`WARMED_UP`].
-const DRIFT_ALLOWED: f64 = 0.10;
-/// When the soak takes the figures the end is compared with.
-const WARMED_UP: Duration = Duration::from_secs(300);
 
 /// What the soak needs besides the [`Bench`].
 pub struct SoakRun<'a> {
@@ -50,42 +50,6 @@ pub struct SoakRun<'a> {
     /// The server's event and run retention counts, for the verdicts.
     pub event_retention: i64,
     pub run_retention: i64,
-}
-
-/// One sample of the soak.
-#[derive(Debug, Clone)]
-struct Sample {
-    elapsed: Duration,
-    /// Summed over the instances.
-    server_rss: u64,
-    server_open_files: u64,
-    database_bytes: i64,
-    /// Rows of `events` and of `converged_event_slices`, and the events
-    /// they hold together.
-    event_rows: i64,
-    event_slices: i64,
-    events: i64,
-    /// The newest sequence in the log minus the follower's last.
-    sse_lag: i64,
-    sse_gaps: u64,
-    runs: i64,
-    run_targets_held: i64,
-    drifted: u64,
-    changes: u64,
-    reports_witnessed: u64,
-    /// Live rows per table (PostgreSQL's estimate, `n_live_tup`).
-    table_rows: BTreeMap<String, i64>,
-    /// Bytes per table on disk, with its indexes and TOAST.
-    table_bytes: BTreeMap<String, i64>,
-}
-
-/// What the follower saw.
-#[derive(Default)]
-struct Follower {
-    last: AtomicI64,
-    received: AtomicU64,
-    gaps: AtomicU64,
-    reconnects: AtomicU64,
 }
 
 /// Runs the soak; fails when a run is not exact, a witnessed report is not
@@ -138,18 +102,18 @@ pub async fn run_soak(mut soak: SoakRun<'_>, settings: &Soak, csv: &Path) -> Res
 
 /// What the soak checked besides the samples.
 #[derive(Default)]
-struct Checks {
-    runs_checked: u64,
-    runs_inexact: Vec<String>,
-    outcomes: BTreeMap<&'static str, i64>,
-    reports_witnessed: u64,
-    reports_lost: Vec<String>,
-    sse_gaps: u64,
-    sse_received: u64,
-    sse_reconnects: u64,
-    sse_final_lag: i64,
+pub struct Checks {
+    pub runs_checked: u64,
+    pub runs_inexact: Vec<String>,
+    pub outcomes: BTreeMap<&'static str, i64>,
+    pub reports_witnessed: u64,
+    pub reports_lost: Vec<String>,
+    pub sse_gaps: u64,
+    pub sse_received: u64,
+    pub sse_reconnects: u64,
+    pub sse_final_lag: i64,
     /// The first instance's `idem_sse_clients_dropped_total`, by reason.
-    sse_dropped: Vec<(&'static str, f64)>,
+    pub sse_dropped: Vec<(&'static str, f64)>,
 }
 
 impl Checks {
@@ -311,104 +275,6 @@ fn follow(follower: Arc<Follower>, url: String, token: Option<String>) -> JoinHa
     })
 }
 
-/// The newest sequence in the event log minus the follower's last.
-async fn lag(bench: &Bench, follower: &Follower) -> Result<i64> {
-    let head: Option<i64> = sqlx::query_scalar(
-        "SELECT greatest((SELECT max(sequence) FROM events), \
-                         (SELECT max(last_sequence) FROM converged_event_slices))",
-    )
-    .fetch_one(bench.db.pool())
-    .await
-    .context("reading the event log's head")?;
-    Ok(head.unwrap_or(0) - follower.last.load(Ordering::Relaxed))
-}
-
-async fn take_sample(
-    soak: &SoakRun<'_>,
-    started: Instant,
-    follower: &Follower,
-    witness: &ReportWitness,
-    drifted: u64,
-    changes: u64,
-) -> Result<Sample> {
-    let pool = soak.bench.db.pool();
-    let (database_bytes, event_rows, event_slices, events, runs, run_targets_held): (
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-    ) = sqlx::query_as(
-        "SELECT pg_database_size(current_database()), \
-                (SELECT count(*) FROM events), \
-                (SELECT count(*) FROM converged_event_slices), \
-                (SELECT count(*) FROM events) + \
-                (SELECT coalesce(sum(last_sequence - first_sequence + 1), 0)::int8 \
-                   FROM converged_event_slices), \
-                (SELECT count(*) FROM runs), \
-                (SELECT coalesce(sum(target_count), 0)::int8 FROM runs)",
-    )
-    .fetch_one(pool)
-    .await
-    .context("sampling the database")?;
-    let tables: Vec<(String, i64, i64)> = sqlx::query_as(
-        "SELECT relname::text, n_live_tup, pg_total_relation_size(relid) FROM pg_stat_user_tables",
-    )
-    .fetch_all(pool)
-    .await
-    .context("sampling rows and bytes per table")?;
-    let sse_lag = lag(soak.bench, follower).await?;
-    let memory = |pid: u32| process_memory(Some(pid), MemoryField::Rss).unwrap_or(0);
-    Ok(Sample {
-        elapsed: started.elapsed(),
-        server_rss: soak.server_pids.iter().map(|p| memory(*p)).sum(),
-        server_open_files: soak.server_pids.iter().map(|p| open_files(*p)).sum(),
-        database_bytes,
-        event_rows,
-        event_slices,
-        events,
-        sse_lag,
-        sse_gaps: follower.gaps.load(Ordering::Relaxed),
-        runs,
-        run_targets_held,
-        drifted,
-        changes,
-        reports_witnessed: witness.reports(),
-        table_rows: tables
-            .iter()
-            .map(|(t, rows, _)| (t.clone(), *rows))
-            .collect(),
-        table_bytes: tables.into_iter().map(|(t, _, bytes)| (t, bytes)).collect(),
-    })
-}
-
-/// Entries of `/proc/PID/fd`: the process's open files and sockets.
-fn open_files(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|entries| entries.count() as u64)
-        .unwrap_or(0)
-}
-
-/// `06:10 / 60:00  rss 84.1 MiB  files 41  db 61.2 MiB  ...`
-fn progress(sample: &Sample, total: Duration) -> String {
-    format!(
-        "soak {} / {}  rss {:.1} MiB  files {}  db {:.1} MiB  events {} in {} rows + {} slices  sse lag {}  runs {}  drifted {}  changes {}",
-        clock(sample.elapsed),
-        clock(total),
-        mib(sample.server_rss as i64),
-        sample.server_open_files,
-        mib(sample.database_bytes),
-        format_count(sample.events as u64),
-        format_count(sample.event_rows as u64),
-        format_count(sample.event_slices as u64),
-        sample.sse_lag,
-        sample.runs,
-        sample.drifted,
-        sample.changes,
-    )
-}
-
 /// Checks every completed run not checked yet: exactly one decided
 /// outcome per target, and the counts adding up to the targets.
 async fn check_runs(
@@ -511,288 +377,10 @@ async fn settle(
     }
 }
 
-fn write_csv(path: &Path, samples: &[Sample]) -> Result<()> {
-    let tables: Vec<String> = samples
-        .iter()
-        .flat_map(|s| s.table_rows.keys().cloned())
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    let mut out = String::from(
-        "elapsed_s,server_rss_bytes,server_open_files,database_bytes,event_rows,event_slices,events,\
-         sse_lag_events,sse_gaps,runs,run_targets_held,drifted,desired_changes,reports_witnessed",
-    );
-    for table in &tables {
-        let _ = write!(out, ",rows_{table}");
-    }
-    for table in &tables {
-        let _ = write!(out, ",bytes_{table}");
-    }
-    out.push('\n');
-    for s in samples {
-        let _ = write!(
-            out,
-            "{:.1},{},{},{},{},{},{},{},{},{},{},{},{},{}",
-            s.elapsed.as_secs_f64(),
-            s.server_rss,
-            s.server_open_files,
-            s.database_bytes,
-            s.event_rows,
-            s.event_slices,
-            s.events,
-            s.sse_lag,
-            s.sse_gaps,
-            s.runs,
-            s.run_targets_held,
-            s.drifted,
-            s.changes,
-            s.reports_witnessed
-        );
-        for table in &tables {
-            let _ = write!(out, ",{}", s.table_rows.get(table).copied().unwrap_or(0));
-        }
-        for table in &tables {
-            let _ = write!(out, ",{}", s.table_bytes.get(table).copied().unwrap_or(0));
-        }
-        out.push('\n');
-    }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
-}
-
-/// The table: the figures after five minutes, every tenth of the soak and
-/// at the end; then the verdicts.
-fn print_table(samples: &[Sample], checks: &Checks, soak: &SoakRun<'_>, settings: &Soak) {
-    let Some(last) = samples.last() else { return };
-    let warmed = samples
-        .iter()
-        .find(|s| s.elapsed >= WARMED_UP.min(settings.duration / 2))
-        .unwrap_or(last);
-    let mut shown: Vec<&Sample> = vec![&samples[0], warmed];
-    for tenth in 1..=10 {
-        let at = settings.duration * tenth / 10;
-        if let Some(s) = samples.iter().find(|s| s.elapsed >= at) {
-            if !shown.iter().any(|x| std::ptr::eq(*x, s)) {
-                shown.push(s);
-            }
-        }
-    }
-    if !shown.iter().any(|x| std::ptr::eq(*x, last)) {
-        shown.push(last);
-    }
-    shown.sort_by_key(|s| s.elapsed);
-    println!(
-        "\nsoak: {} devices, {} instance(s), {}, resync every {}, {} devices drifting a minute, a desired change every {}",
-        format_count(soak.bench.args.devices as u64),
-        soak.server_pids.len(),
-        human(settings.duration),
-        human(settings.resync),
-        settings.drift_per_minute,
-        human(settings.change_every)
-    );
-    println!(
-        "{:>7} {:>10} {:>6} {:>10} {:>11} {:>10} {:>8} {:>7} {:>6} {:>12} {:>8}",
-        "at",
-        "RSS MiB",
-        "files",
-        "db MiB",
-        "events",
-        "event rows",
-        "slices",
-        "sse lag",
-        "runs",
-        "run targets",
-        "drifted"
-    );
-    for s in &shown {
-        println!(
-            "{:>7} {:>10.1} {:>6} {:>10.1} {:>11} {:>10} {:>8} {:>7} {:>6} {:>12} {:>8}",
-            clock(s.elapsed),
-            mib(s.server_rss as i64),
-            s.server_open_files,
-            mib(s.database_bytes),
-            format_count(s.events as u64),
-            format_count(s.event_rows as u64),
-            format_count(s.event_slices as u64),
-            s.sse_lag,
-            s.runs,
-            format_count(s.run_targets_held as u64),
-            s.drifted
-        );
-    }
-    let biggest: Vec<String> = {
-        let mut rows: Vec<(&String, &i64)> = last.table_rows.iter().collect();
-        rows.sort_by(|a, b| b.1.cmp(a.1));
-        rows.iter()
-            .take(8)
-            .map(|(t, r)| format!("{t} {}", format_count(**r as u64)))
-            .collect()
-    };
-    println!(
-        "rows per table at the end (live, largest first): {}",
-        biggest.join(", ")
-    );
-    let mut grown: Vec<(&String, i64, i64)> = last
-        .table_bytes
-        .iter()
-        .map(|(t, end)| (t, warmed.table_bytes.get(t).copied().unwrap_or(0), *end))
-        .collect();
-    grown.sort_by_key(|(_, start, end)| std::cmp::Reverse(end - start));
-    println!(
-        "bytes per table (with indexes and TOAST), at {} -> at the end, largest growth first: {}",
-        clock(warmed.elapsed),
-        grown
-            .iter()
-            .take(6)
-            .map(|(t, start, end)| format!("{t} {:.1} -> {:.1} MiB", mib(*start), mib(*end)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    let within = |end: f64, start: f64| start > 0.0 && (end - start).abs() <= start * DRIFT_ALLOWED;
-    let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
-    let rss_ok = within(last.server_rss as f64, warmed.server_rss as f64);
-    let files_ok = within(
-        last.server_open_files as f64,
-        warmed.server_open_files as f64,
-    );
-    let peak_events = samples.iter().map(|s| s.events).max().unwrap_or(0);
-    let peak_targets = samples
-        .iter()
-        .map(|s| s.run_targets_held)
-        .max()
-        .unwrap_or(0);
-    // Retention prunes every interval: between two prunes a desired
-    // change and a resync pass (a fleet's worth each) may come on top.
-    let n = soak.bench.args.devices as i64;
-    let events_bounded = peak_events <= soak.event_retention + 2 * n;
-    let targets_bounded = peak_targets <= soak.run_retention + 2 * n;
-    println!(
-        "server RSS {:.1} MiB at {} -> {:.1} MiB at the end ({:+.1} %), target within 10 %: {}",
-        mib(warmed.server_rss as i64),
-        clock(warmed.elapsed),
-        mib(last.server_rss as i64),
-        percent(last.server_rss as f64, warmed.server_rss as f64),
-        verdict(rss_ok)
-    );
-    println!(
-        "server open files {} at {} -> {} at the end ({:+.1} %), target within 10 %: {}",
-        warmed.server_open_files,
-        clock(warmed.elapsed),
-        last.server_open_files,
-        percent(
-            last.server_open_files as f64,
-            warmed.server_open_files as f64
-        ),
-        verdict(files_ok)
-    );
-    println!(
-        "database {:.1} MiB at {} -> {:.1} MiB at the end; event log at most {} events (retention {}), runs at most {} targets (retention {}): {}",
-        mib(warmed.database_bytes),
-        clock(warmed.elapsed),
-        mib(last.database_bytes),
-        format_count(peak_events as u64),
-        format_count(soak.event_retention as u64),
-        format_count(peak_targets as u64),
-        format_count(soak.run_retention as u64),
-        verdict(events_bounded && targets_bounded)
-    );
-    println!(
-        "reports: {} witnessed, {} not stored: {}",
-        format_count(checks.reports_witnessed),
-        checks.reports_lost.len(),
-        verdict(checks.reports_lost.is_empty())
-    );
-    println!(
-        "runs: {} checked as they completed, {} without exactly one outcome per target: {} ({})",
-        checks.runs_checked,
-        checks.runs_inexact.len(),
-        verdict(checks.runs_inexact.is_empty()),
-        checks
-            .outcomes
-            .iter()
-            .map(|(k, v)| format!("{} {k}", format_count(*v as u64)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    println!(
-        "SSE follower: {} events, {} gaps, {} reconnects (the server dropped {}), {} behind at the end: {}",
-        format_count(checks.sse_received),
-        checks.sse_gaps,
-        checks.sse_reconnects,
-        checks
-            .sse_dropped
-            .iter()
-            .map(|(reason, n)| format!("{n} {reason}"))
-            .collect::<Vec<_>>()
-            .join(", "),
-        checks.sse_final_lag,
-        verdict(checks.sse_gaps == 0 && checks.sse_final_lag == 0)
-    );
-}
-
-fn percent(end: f64, start: f64) -> f64 {
-    if start > 0.0 {
-        (end - start) / start * 100.0
-    } else {
-        0.0
-    }
-}
-
-fn mib(bytes: i64) -> f64 {
-    bytes as f64 / 1_048_576.0
-}
-
-/// `mm:ss`.
-fn clock(d: Duration) -> String {
-    let s = d.as_secs();
-    format!("{:02}:{:02}", s / 60, s % 60)
-}
-
-/// `1h`, `10m`, `90s`.
-fn human(d: Duration) -> String {
-    let s = d.as_secs();
-    if s % 3_600 == 0 {
-        format!("{}h", s / 3_600)
-    } else if s % 60 == 0 {
-        format!("{}m", s / 60)
-    } else {
-        format!("{s}s")
-    }
-}
-
 /// The value of `key` in the server's environment, as a count.
 pub fn env_count(env: &[(String, String)], key: &str, default: i64) -> i64 {
     env.iter()
         .find(|(k, _)| k == key)
         .and_then(|(_, v)| v.replace('_', "").parse().ok())
         .unwrap_or(default)
-}
-
-/// Starts instances 2..=`count` (sharing the fleet's subscriptions).
-pub async fn start_extra_instances(
-    bench: &Bench,
-    core: &PrivateMosquitto,
-    root: &TopicRoot,
-    env: &[(String, String)],
-    count: usize,
-) -> Result<Vec<ProcessServer>> {
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut extras = Vec::new();
-    for index in 2..=count {
-        extras.push(
-            ProcessServer::start(
-                &bench.args.server_bin,
-                bench.db.url(),
-                &core.url(),
-                root,
-                &format!("soak-{index}"),
-                &env,
-            )
-            .await
-            .with_context(|| format!("starting instance {index}"))?,
-        );
-    }
-    Ok(extras)
 }
