@@ -106,28 +106,55 @@ impl Scenario {
     /// Waits until at least `n` devices have a stored report (a count that
     /// hangs counts against `timeout` too).
     pub async fn wait_reports_stored(&self, n: usize, timeout: Duration) -> Result<()> {
+        self.wait_devices(
+            "SELECT count(*) FROM devices WHERE reported_seq IS NOT NULL",
+            "with a stored report",
+            n,
+            timeout,
+        )
+        .await
+    }
+
+    /// Waits until at least `n` devices are seen offline, by the ingest
+    /// (`online`) and by the engine (`status`).
+    pub async fn wait_offline(&self, n: usize, timeout: Duration) -> Result<()> {
+        self.wait_devices(
+            "SELECT count(*) FROM devices WHERE online = false AND status = 'offline'",
+            "seen offline",
+            n,
+            timeout,
+        )
+        .await
+    }
+
+    /// Waits until `count` (a SQL count of devices, `what` they are) reaches
+    /// `n`; a count that hangs counts against `timeout` too.
+    async fn wait_devices(
+        &self,
+        count: &str,
+        what: &str,
+        n: usize,
+        timeout: Duration,
+    ) -> Result<()> {
         let deadline = Deadline::after(timeout);
-        let mut stored = None;
+        let mut last = None;
         loop {
             let counted = deadline
                 .run(
                     format!(
-                        "{n} devices with a stored report (last count: {})",
-                        stored.map_or_else(|| "none yet".to_owned(), |s: i64| s.to_string())
+                        "{n} devices {what} (last count: {})",
+                        last.map_or_else(|| "none yet".to_owned(), |s: i64| s.to_string())
                     ),
-                    sqlx::query_scalar::<_, i64>(
-                        "SELECT count(*) FROM devices WHERE reported_seq IS NOT NULL",
-                    )
-                    .fetch_one(self.db.pool()),
+                    sqlx::query_scalar::<_, i64>(count).fetch_one(self.db.pool()),
                 )
                 .await?
-                .context("counting stored reports")?;
+                .with_context(|| format!("counting devices {what}"))?;
             if usize::try_from(counted).unwrap_or(0) >= n {
                 return Ok(());
             }
-            stored = Some(counted);
+            last = Some(counted);
             if deadline.has_passed() {
-                bail!("only {counted} of {n} devices have a stored report after {timeout:?}");
+                bail!("only {counted} of {n} devices {what} after {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

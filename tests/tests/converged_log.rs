@@ -496,23 +496,10 @@ async fn a_converged_pass_over_2000_devices_writes_rows_for_what_changed_not_for
     for device in &plan.devices[..AWAY] {
         fleet.take_offline(&device.id, OfflineMode::Clean).unwrap();
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let offline: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM devices WHERE online = false AND status = 'offline'",
-        )
-        .fetch_one(pool)
+    scenario
+        .wait_offline(AWAY, Duration::from_secs(20))
         .await
         .unwrap();
-        if offline == AWAY as i64 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{offline} of {AWAY} devices seen offline"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let before = TableWrites::snapshot(pool).await.unwrap();
     let (_, run) = scenario.run_all(Duration::from_secs(60)).await.unwrap();
     assert_eq!(

@@ -297,24 +297,10 @@ async fn outcome_events_appear_only_once_the_outcomes_they_report_are_committed(
     for device in &plan.devices {
         fleet.take_offline(&device.id, OfflineMode::Clean).unwrap();
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        // Seen by the ingest (online) and by the engine (status).
-        let offline: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM devices WHERE online = false AND status = 'offline'",
-        )
-        .fetch_one(pool)
+    scenario
+        .wait_offline(5, Duration::from_secs(20))
         .await
         .unwrap();
-        if offline == 5 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{offline} of 5 devices seen offline"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 
     // Another client holds every device row: the engine's write (which
     // updates them) waits, while the run itself (manual, no spec, targets
